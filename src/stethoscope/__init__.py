@@ -1,0 +1,36 @@
+"""stethoscope: listens to a model while it trains.
+
+Importing this package imports neither torch nor tensorflow: each callback
+imports its framework when it is first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stethoscope.findings import Finding, Severity, TrainingProblem
+from stethoscope.monitor import Monitor
+from stethoscope.observation import Observation
+
+if TYPE_CHECKING:
+    from stethoscope.callbacks.lightning import LightningStethoscope
+
+__all__ = [
+    "Finding",
+    "LightningStethoscope",
+    "Monitor",
+    "Observation",
+    "Severity",
+    "TrainingProblem",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import stethoscope` never imports a framework the user has not asked for.
+    if name == "LightningStethoscope":
+        from stethoscope.callbacks.lightning import LightningStethoscope
+
+        return LightningStethoscope
+    raise AttributeError(f"module 'stethoscope' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Thin framework adapters: hooks in, observations out, decisions back."""

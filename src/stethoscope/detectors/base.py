@@ -1,0 +1,110 @@
+"""The detector contract: observations in, findings out, state a plain dict."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+from stethoscope.findings import Finding, Severity
+from stethoscope.observation import PROBES, Observation
+
+__all__ = ["Detector"]
+
+
+class Detector:
+    """Base class for detectors, in the spirit of a torchmetrics ``Metric``.
+
+    A detector receives :class:`Observation` objects (host-side numbers only),
+    returns findings, can reset, and keeps its state as a dict of primitives so
+    a resumed run continues its baselines.
+
+    Subclasses set ``name`` (stable snake_case), ``needs`` (the probes it reads),
+    ``base_interval`` (how often it runs on a healthy run, in steps), declare
+    their state in ``_initial_state`` and implement ``_update``.
+
+    After each ``update``, ``suspect`` holds a short reason when the detector saw
+    something unusual that is not (yet) a finding; the sampler escalates on it.
+    """
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+    base_interval: ClassVar[int] = 1
+    #: A few words for the summary table: the usual fix.
+    advice: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        unknown = set(self.needs) - set(PROBES)
+        if not self.name or unknown:  # a programming error in a subclass, not user input
+            raise TypeError(f"{type(self).__name__} needs a name and probes among {PROBES}")
+        self.suspect: str | None = None
+        self.reset()
+
+    # -- contract -------------------------------------------------------------
+    def _initial_state(self) -> dict[str, Any]:
+        """The state of a fresh detector: primitives, lists and dicts only."""
+        return {}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        raise NotImplementedError
+
+    # -- public API -----------------------------------------------------------
+    def update(self, obs: Observation) -> list[Finding]:
+        """Judge one observation; return the findings it raises (often none)."""
+        self.suspect = None
+        return self._update(obs)
+
+    def reset(self) -> None:
+        """Forget everything seen so far."""
+        self.state: dict[str, Any] = self._initial_state()
+        self.suspect = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A deep copy of the state (primitives), for checkpoints."""
+        return copy.deepcopy(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state written by :meth:`state_dict`; unknown keys are ignored."""
+        fresh = self._initial_state()
+        fresh.update({k: copy.deepcopy(v) for k, v in state.items() if k in fresh})
+        self.state = fresh
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- helpers for subclasses -------------------------------------------------
+    def finding(
+        self,
+        obs: Observation,
+        severity: Severity | str,
+        message: str,
+        *,
+        value: float | None = None,
+        threshold: float | None = None,
+        where: str | None = None,
+    ) -> Finding:
+        """A finding of this detector at ``obs``'s step."""
+        return Finding(
+            step=obs.step,
+            epoch=obs.epoch,
+            detector=self.name,
+            severity=Severity.parse(severity),
+            message=message,
+            value=value,
+            threshold=threshold,
+            where=where,
+            rank=obs.rank,
+        )
+
+
+def check_positive(owner: str, name: str, value: float, *, integer: bool = False) -> None:
+    """Raise ValueError naming ``value`` unless it is a positive (integer) number."""
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not value > 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ValueError(f"{owner}: {name}={value!r} must be {kind}")
+
+
+def check_fraction(owner: str, name: str, value: float) -> None:
+    """Raise ValueError naming ``value`` unless 0 < value < 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{owner}: {name}={value!r} must be a number strictly between 0 and 1")

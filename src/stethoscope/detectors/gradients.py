@@ -1,0 +1,236 @@
+"""Gradient magnitude: explosions and vanishing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, push
+from stethoscope.detectors.base import Detector, check_positive
+from stethoscope.findings import Finding
+from stethoscope.observation import Observation, global_norm
+
+__all__ = ["ExplodingGradients", "VanishingGradients"]
+
+
+class ExplodingGradients(Detector):
+    """The global gradient norm jumps far above its own recent level.
+
+    Rule: after ``warmup`` sampled steps, the global L2 gradient norm (before
+    clipping) is compared with the median of its last ``window`` sampled values,
+    in log space. It is an explosion when it is at least ``factor`` times that
+    median *and* more than ``z`` robust standard deviations (MAD) above it, *and*
+    at least as large as the run's initial gradient norm. One such step is a
+    warning; ``patience`` in a row, or one ``factor**2`` times the median, is an
+    error.
+
+    Sources: Megatron flags gradients 10x their usual size (``factor=10``); the
+    robust z of 6 is OLMo-core's spike rule; requiring the initial norm keeps a
+    converged run, whose tiny gradients jump by orders of magnitude on a hard
+    batch, from crying wolf. Calibrated on the run itself because no fixed norm
+    fits every model (AutoTrainer's first/last ratio of 70 fires on healthy deep nets).
+
+    Args:
+        factor: How many times the recent median a norm must reach.
+        z: Robust z-score the log norm must also exceed.
+        warmup: Sampled steps used to learn the initial level before judging.
+        window: Sampled steps in the rolling baseline.
+        patience: Consecutive explosive samples that make it an error.
+    """
+
+    name = "exploding_gradients"
+    needs = frozenset({"grads"})
+    base_interval = 16
+    advice = "lower the LR, add warm-up or clip gradients"
+
+    def __init__(
+        self,
+        *,
+        factor: float = 10.0,
+        z: float = 6.0,
+        warmup: int = 5,
+        window: int = 32,
+        patience: int = 3,
+    ) -> None:
+        check_positive(self.name, "factor", factor)
+        if factor <= 1:
+            raise ValueError(f"{self.name}: factor={factor!r} must be > 1")
+        check_positive(self.name, "z", z)
+        for arg, v in (("warmup", warmup), ("window", window), ("patience", patience)):
+            check_positive(self.name, arg, v, integer=True)
+        self.factor, self.z = float(factor), float(z)
+        self.warmup, self.window, self.patience = warmup, window, patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        # log10 norms; ``initial`` is frozen after the warm-up
+        return {"history": [], "initial": None, "seen": 0, "streak": 0, "last": None}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        norms = obs.grad_norm
+        total = global_norm(norms)
+        if not (math.isfinite(total) and total > 0):
+            return []  # non-finite: nonfinite_gradients owns it; zero: nothing to compare
+        log_norm = math.log10(total)
+        last, st["last"] = st["last"], [float(v) for v in norms]
+        hist = st["history"]
+        findings: list[Finding] = []
+        if st["seen"] >= self.warmup:
+            center = median(hist)
+            spread = MAD_TO_SIGMA * median([abs(h - center) for h in hist])
+            margin = max(math.log10(self.factor), self.z * spread)
+            over = log_norm - center
+            if over > margin / 2:
+                self.suspect = f"gradient norm {total:.3g} is {10**over:.3g}x its recent median"
+            if over > margin and log_norm >= st["initial"]:
+                st["streak"] += 1
+                severe = over >= 2 * math.log10(self.factor) or st["streak"] >= self.patience
+                where = _largest_jump(obs.names, norms, last)
+                findings.append(
+                    self.finding(
+                        obs,
+                        "error" if severe else "warning",
+                        f"Gradient norm {total:.3g} is {10**over:.3g}x its recent median "
+                        f"{10**center:.3g} at step {obs.step} (largest jump in {where}): "
+                        "the learning rate is likely too high for this point of training; "
+                        "lower it, add warm-up, or clip gradients (e.g. gradient_clip_val=1.0).",
+                        value=total,
+                        threshold=10 ** (center + margin),
+                        where=where,
+                    )
+                )
+            else:
+                st["streak"] = 0
+        st["seen"] += 1
+        push(hist, log_norm, self.window)
+        if st["seen"] == self.warmup:
+            st["initial"] = median(hist)
+        return findings
+
+
+def _largest_jump(names: tuple[str, ...], norms: np.ndarray, last: list[float] | None) -> str:
+    """The parameter whose gradient norm grew most since the last sample (or the largest)."""
+    if last is None or len(last) != len(norms):
+        return names[int(np.nanargmax(norms))]
+    prev = np.maximum(np.asarray(last, dtype=np.float64), 1e-30)
+    growth = np.where(np.isfinite(norms), norms / prev, -np.inf)
+    return names[int(np.argmax(growth))]
+
+
+class VanishingGradients(Detector):
+    """Gradients too small to train while the loss is still high.
+
+    Rule: a sampled step is "vanishing" when either the root-mean-square gradient
+    over all parameters is below ``rms_threshold`` (SageMaker Debugger
+    ``vanishing_gradient``: mean |g| < 1e-7; the RMS bounds the mean |g| from
+    above, so this is never looser), or the first weight matrix's gradient norm
+    is below ``first_layer_threshold`` and below ``ratio`` times the last one's
+    (AutoTrainer: 1e-4 and 1e-3). Either only counts while the loss is still
+    above ``loss_fraction`` of its initial level: a converged model has tiny
+    gradients because it has nothing left to learn. ``patience`` vanishing
+    samples in a row raise a warning.
+
+    Args:
+        rms_threshold: Global gradient RMS below which gradients have vanished.
+        first_layer_threshold: Gradient norm of the first weight matrix below
+            which it counts as starved.
+        ratio: First-over-last weight-matrix gradient norm ratio below which
+            the signal is lost on the way back.
+        loss_fraction: The loss must still be above this fraction of its initial
+            level (the median of the first ``patience`` sampled losses).
+        patience: Consecutive vanishing samples that raise a warning.
+    """
+
+    name = "vanishing_gradients"
+    needs = frozenset({"grads"})
+    base_interval = 16
+    advice = "ReLU/He init, normalisation or residuals"
+
+    def __init__(
+        self,
+        *,
+        rms_threshold: float = 1e-7,
+        first_layer_threshold: float = 1e-4,
+        ratio: float = 1e-3,
+        loss_fraction: float = 0.1,
+        patience: int = 3,
+    ) -> None:
+        for arg, v in (
+            ("rms_threshold", rms_threshold),
+            ("first_layer_threshold", first_layer_threshold),
+            ("ratio", ratio),
+            ("loss_fraction", loss_fraction),
+        ):
+            check_positive(self.name, arg, v)
+        check_positive(self.name, "patience", patience, integer=True)
+        self.rms_threshold = float(rms_threshold)
+        self.first_layer_threshold = float(first_layer_threshold)
+        self.ratio = float(ratio)
+        self.loss_fraction = float(loss_fraction)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"losses": [], "initial_loss": None, "streak": 0, "fired": False}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        norms = obs.grad_norm
+        if not np.all(np.isfinite(norms)) or len(norms) == 0:
+            return []
+        if is_finite(obs.loss) and st["initial_loss"] is None:
+            st["losses"].append(float(obs.loss))
+            if len(st["losses"]) >= self.patience:
+                st["initial_loss"] = median(st["losses"])
+        if (
+            is_finite(obs.loss)
+            and st["initial_loss"] is not None
+            and abs(obs.loss) < self.loss_fraction * abs(st["initial_loss"])
+        ):
+            st["streak"] = 0  # converged: small gradients are expected
+            return []
+        verdict = self._vanishing(obs, norms)
+        if verdict is None:
+            st["streak"], st["fired"] = 0, False
+            return []
+        st["streak"] += 1
+        self.suspect = verdict[0]
+        if st["streak"] < self.patience or st["fired"]:
+            return []
+        st["fired"] = True
+        message, value, threshold, where = verdict
+        return [
+            self.finding(obs, "warning", message, value=value, threshold=threshold, where=where)
+        ]
+
+    def _vanishing(self, obs: Observation, norms: np.ndarray):
+        numel = obs.numel if obs.numel is not None else np.ones_like(norms)
+        rms = global_norm(norms) / math.sqrt(max(float(np.sum(numel)), 1.0))
+        fix = (
+            "use ReLU-family activations, He/Xavier initialisation, normalisation layers or "
+            "residual connections, and check the learning rate is not tiny"
+        )
+        if rms < self.rms_threshold:
+            return (
+                f"Gradients have vanished at step {obs.step}: RMS gradient {rms:.2g} < "
+                f"{self.rms_threshold:.0e} while the loss is still high; {fix}.",
+                rms,
+                self.rms_threshold,
+                None,
+            )
+        mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else np.array([], int)
+        if len(mats) < 2:
+            return None
+        first, last = float(norms[mats[0]]), float(norms[mats[-1]])
+        if first < self.first_layer_threshold and first < self.ratio * last:
+            return (
+                f"Gradients vanish on the way back at step {obs.step}: {obs.names[mats[0]]} gets "
+                f"a gradient norm of {first:.2g}, {last / max(first, 1e-300):.2g}x smaller than "
+                f"{obs.names[mats[-1]]}, so the first layers barely learn; {fix}.",
+                first,
+                self.first_layer_threshold,
+                obs.names[mats[0]],
+            )
+        return None

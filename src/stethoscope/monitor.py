@@ -1,0 +1,336 @@
+"""The framework-free core: detectors + sampler + policy + sinks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from stethoscope.detectors import DETECTORS, Detector, default_detectors
+from stethoscope.findings import Finding, Severity
+from stethoscope.observation import Observation
+from stethoscope.policy import Decision, StopOn, decide, parse_policy
+from stethoscope.sampling import AdaptiveSampler
+from stethoscope.sinks.base import Sink
+from stethoscope.summary import EpochSummary, SummaryRow
+
+__all__ = ["SAMPLER", "Monitor"]
+
+#: The ``detector`` field of the info findings the sampler reports.
+SAMPLER = "sampler"
+
+_STATUS = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.ERROR: "error"}
+
+
+class Monitor:
+    """Runs the detectors the sampler selects on each observation and acts on findings.
+
+    Adapters call :meth:`plan` at the start of a step to learn which probes to
+    compute, :meth:`observe` with the resulting host-side observation, and
+    :meth:`end_epoch` at each training epoch end.
+
+    Args:
+        detectors: Detector instances (default: every detector with defaults).
+            Names must be unique.
+        sinks: Where findings go.
+        stop_on: ``None``, ``"error"``, ``"warning"`` or a set of detector names.
+        raise_on: Same choices; a match raises instead of stopping gracefully.
+        intervals: Base sampling interval per detector name, overriding defaults.
+        escalate: Whether suspicion raises the sampling rate.
+        hot_steps: Length of the every-step window after an escalation.
+        repeat_after: Steps before an identical finding (same detector, where and
+            severity) is sent to the sinks again; repeats are still counted.
+        emit: Whether this process sends findings to sinks (False off rank zero).
+
+    Raises:
+        ValueError: On unknown detector names, duplicate detectors, or bad values.
+    """
+
+    def __init__(
+        self,
+        *,
+        detectors: Sequence[Detector] | None = None,
+        sinks: Sequence[Sink] = (),
+        stop_on: StopOn = "error",
+        raise_on: StopOn = None,
+        intervals: Mapping[str, int] | None = None,
+        escalate: bool = True,
+        hot_steps: int = 32,
+        repeat_after: int = 100,
+        emit: bool = True,
+    ) -> None:
+        self.detectors: list[Detector] = (
+            list(detectors) if detectors is not None else default_detectors()
+        )
+        names = [d.name for d in self.detectors]
+        for d in self.detectors:
+            if not isinstance(d, Detector):
+                raise TypeError(f"detectors must be Detector instances, got {d!r}")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"detectors lists {dupes!r} more than once")
+        known = set(DETECTORS) | set(names)
+        self.stop_on = parse_policy(stop_on, argument="stop_on", known=known)
+        self.raise_on = parse_policy(raise_on, argument="raise_on", known=known)
+        intervals = dict(intervals or {})
+        unknown = sorted(set(intervals) - set(names))
+        if unknown:
+            raise ValueError(
+                f"intervals names {unknown!r}, which are not among the detectors: {names!r}"
+            )
+        if not isinstance(repeat_after, int) or isinstance(repeat_after, bool) or repeat_after < 0:
+            raise ValueError(f"repeat_after={repeat_after!r} must be an integer >= 0 (steps)")
+        self.sampler = AdaptiveSampler(
+            {d.name: intervals.get(d.name, d.base_interval) for d in self.detectors},
+            escalate=escalate,
+            hot_steps=hot_steps,
+        )
+        for s in sinks:
+            if not isinstance(s, Sink):
+                raise TypeError(f"sinks must be Sink instances, got {s!r}")
+        self.sinks: list[Sink] = list(sinks)
+        self._sink_failed: set[int] = set()
+        self.repeat_after = repeat_after
+        self.emit = emit
+        self._last_sent: dict[str, int] = {}
+        self.stopped_by: Finding | None = None
+        self.last_step = -1
+        self._closed = False
+        self._new_epoch()
+
+    # -- per step ---------------------------------------------------------------
+    def plan(self, step: int) -> frozenset[str]:
+        """The probes the adapter should compute at ``step``."""
+        probes: set[str] = set()
+        for d in self.detectors:
+            if self.sampler.is_due(d.name, step):
+                probes |= d.needs
+        return frozenset(probes)
+
+    def interval(self, name: str, step: int | None = None) -> int:
+        """The current sampling interval of detector ``name``."""
+        return self.sampler.interval(name, self.last_step if step is None else step)
+
+    def observe(self, obs: Observation) -> Decision:
+        """Judge one step's observation; report findings; say whether to stop."""
+        findings: list[Finding] = []
+        back = self.sampler.tick(obs.step)
+        if back:
+            findings.append(self._sampler_finding(obs, back))
+        suspects: list[str] = []
+        for d in self.detectors:
+            if not self.sampler.is_due(d.name, obs.step):
+                continue
+            if not all(obs.has(p) for p in d.needs):
+                continue
+            found = d.update(obs)
+            findings.extend(found)
+            if d.suspect:
+                suspects.append(f"{d.name}: {d.suspect}")
+        self._epoch_steps.add(obs.step)
+        if obs.has("grads"):
+            self._epoch_grad_steps.add(obs.step)
+        self.last_step = max(self.last_step, obs.step)
+        alarming = [f for f in findings if f.severity >= Severity.WARNING]
+        if alarming or suspects:
+            reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
+            msg = self.sampler.escalate(obs.step, reason)
+            if msg:
+                findings.append(self._sampler_finding(obs, msg))
+        for f in findings:
+            self._record(f)
+        decision = decide(findings, self.stop_on, self.raise_on)
+        if decision.stop and self.stopped_by is None:
+            self.stopped_by = decision.reason
+        return decision
+
+    def report(self, findings: Iterable[Finding]) -> Decision:
+        """Record findings produced outside the detectors (e.g. by an adapter)."""
+        findings = list(findings)
+        for f in findings:
+            self._record(f)
+        return decide(findings, self.stop_on, self.raise_on)
+
+    # -- per epoch --------------------------------------------------------------
+    def end_epoch(self, epoch: int) -> EpochSummary:
+        """Build the epoch's summary, send it to the sinks, flush them, start a new epoch."""
+        summary = self.summary(epoch)
+        self._call_sinks("epoch_end", summary)
+        self._call_sinks("flush")
+        self._new_epoch()
+        return summary
+
+    def summary(self, epoch: int) -> EpochSummary:
+        """The summary of the epoch so far, as plain data."""
+        rows: list[SummaryRow] = []
+        quiet: list[str] = []
+        names = [d.name for d in self.detectors]
+        for name in names:
+            stats = self._epoch.get(name)
+            if stats is None:
+                quiet.append(name)
+                continue
+            rows.append(self._row(name, stats))
+        order = ("error", "warning", "info", "ok")
+        rows.sort(key=lambda r: order.index(r.status))
+        if SAMPLER in self._epoch:
+            stats = self._epoch[SAMPLER]
+            rows.append(
+                SummaryRow(
+                    detector=SAMPLER,
+                    status="info",
+                    count=stats["count"],
+                    verdict=f"escalated {stats['escalations']}x this epoch"
+                    + ("; still hot" if self.sampler.hot else "; back at base intervals"),
+                )
+            )
+        if quiet:
+            intervals = sorted({self.interval(n) for n in quiet})
+            every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
+            rows.append(
+                SummaryRow(
+                    detector=f"{len(quiet)} others",
+                    status="ok",
+                    where=None,
+                    verdict=f"nothing found (every {every} steps)",
+                )
+            )
+        return EpochSummary(
+            epoch=epoch,
+            steps=len(self._epoch_steps),
+            rows=tuple(rows),
+            verdict=self._verdict(),
+            quiet=tuple(quiet),
+            stopped_by=self.stopped_by.to_dict(json_safe=True) if self.stopped_by else None,
+        )
+
+    def _row(self, name: str, stats: dict[str, Any]) -> SummaryRow:
+        worst: Finding = stats["worst"]
+        detector = next(d for d in self.detectors if d.name == name)
+        verdict = getattr(detector, "advice", "")
+        if self.stopped_by is not None and self.stopped_by.detector == name:
+            verdict = f"stopped training at step {self.stopped_by.step}; {verdict}"
+        return SummaryRow(
+            detector=name,
+            status=_STATUS[worst.severity],
+            count=stats["count"],
+            value=worst.value,
+            threshold=worst.threshold,
+            where=worst.where,
+            interval=self.interval(name),
+            verdict=verdict,
+        )
+
+    def _verdict(self) -> str:
+        steps = len(self._epoch_steps)
+        if self.stopped_by is not None:
+            f = self.stopped_by
+            where = f" in {f.where}" if f.where else ""
+            return f"Stopped at step {f.step} by {f.detector} ({f.severity}){where}."
+        counts = {s: 0 for s in Severity}
+        for name, stats in self._epoch.items():
+            if name != SAMPLER:
+                for sev, n in stats["by_severity"].items():
+                    counts[Severity(sev)] += n
+        if counts[Severity.ERROR] or counts[Severity.WARNING]:
+            worst = max(
+                (s for n, s in self._epoch.items() if n != SAMPLER),
+                key=lambda s: s["worst"].severity.rank,
+            )["worst"]
+            return (
+                f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
+                f"{steps} steps; worst: {worst.detector} at step {worst.step}"
+            )
+        return (
+            f"Healthy: no warnings in {steps} steps "
+            f"(loss checked every step, gradients on {len(self._epoch_grad_steps)} steps)"
+        )
+
+    # -- findings -----------------------------------------------------------------
+    def _sampler_finding(self, obs: Observation, message: str) -> Finding:
+        return Finding(
+            step=obs.step,
+            epoch=obs.epoch,
+            detector=SAMPLER,
+            severity=Severity.INFO,
+            message=message,
+            value=float(self.sampler.cap(obs.step) or 0) or None,
+            rank=obs.rank,
+        )
+
+    def _record(self, f: Finding) -> None:
+        stats = self._epoch.setdefault(
+            f.detector, {"count": 0, "worst": f, "by_severity": {}, "escalations": 0}
+        )
+        stats["count"] += 1
+        stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
+        if f.severity > stats["worst"].severity:
+            stats["worst"] = f
+        if f.detector == SAMPLER and "running all detectors" in f.message:
+            stats["escalations"] += 1
+        key = f"{f.detector}|{f.where}|{f.severity.value}"
+        last = self._last_sent.get(key)
+        if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
+            return  # an identical finding went out recently: count it, do not flood the sinks
+        self._last_sent[key] = f.step
+        self._call_sinks("emit", f)
+
+    def _call_sinks(self, method: str, *args: Any) -> None:
+        if not self.emit:
+            return
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:  # a sink must never cost the training run
+                if id(sink) not in self._sink_failed:
+                    self._sink_failed.add(id(sink))
+                    warnings.warn(
+                        f"stethoscope: {type(sink).__name__}.{method}() failed with {exc!r}; "
+                        "training goes on and the other sinks still receive findings",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+    def _new_epoch(self) -> None:
+        self._epoch: dict[str, dict[str, Any]] = {}
+        self._epoch_steps: set[int] = set()
+        self._epoch_grad_steps: set[int] = set()
+
+    # -- lifecycle ------------------------------------------------------------------
+    def flush(self) -> None:
+        self._call_sinks("flush")
+
+    def close(self) -> None:
+        """Flush and close every sink, once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._call_sinks("flush")
+        self._call_sinks("close")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Detector baselines, sampler schedule and repeat bookkeeping: primitives only."""
+        return {
+            "detectors": {d.name: d.state_dict() for d in self.detectors},
+            "sampler": self.sampler.state_dict(),
+            "last_sent": dict(self._last_sent),
+            "last_step": self.last_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for d in self.detectors:
+            if d.name in state.get("detectors", {}):
+                d.load_state_dict(state["detectors"][d.name])
+        self.sampler.load_state_dict(state.get("sampler", {}))
+        self._last_sent = dict(state.get("last_sent", {}))
+        self.last_step = int(state.get("last_step", -1))
+
+    def reset(self) -> None:
+        """Forget every baseline and the schedule (a fresh run)."""
+        for d in self.detectors:
+            d.reset()
+        self.sampler.load_state_dict({})
+        self._last_sent.clear()
+        self.stopped_by = None
+        self.last_step = -1
+        self._new_epoch()

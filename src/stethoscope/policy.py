@@ -1,0 +1,73 @@
+"""What to do about findings: a pure function of the findings and the policy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from stethoscope.findings import Finding, Severity
+
+__all__ = ["Decision", "Policy", "StopOn", "decide", "parse_policy"]
+
+#: ``None`` (never), ``"error"``, ``"warning"``, or a set of detector names.
+StopOn = str | Iterable[str] | None
+
+_LEVELS = ("error", "warning")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed ``stop_on`` / ``raise_on`` value: a minimum severity or a set of names."""
+
+    min_severity: Severity | None = None
+    detectors: frozenset[str] = frozenset()
+
+    def matches(self, finding: Finding) -> bool:
+        if finding.detector in self.detectors:
+            return finding.severity >= Severity.WARNING
+        return self.min_severity is not None and finding.severity >= self.min_severity
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome for one step: continue, stop gracefully, or raise."""
+
+    stop: bool = False
+    raise_: bool = False
+    reason: Finding | None = None
+
+
+def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Policy:
+    """Validate a ``stop_on``/``raise_on`` value.
+
+    Raises:
+        ValueError: naming the bad value and the valid choices.
+    """
+    if value is None:
+        return Policy()
+    if isinstance(value, str):
+        if value not in _LEVELS:
+            raise ValueError(
+                f"{argument}={value!r} is not valid; use None, 'error', 'warning', "
+                "or a set of detector names"
+            )
+        return Policy(min_severity=Severity(value))
+    names = frozenset(value)
+    known = set(known)
+    unknown = sorted(n for n in names if n not in known)
+    if unknown or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"{argument} names unknown detectors {unknown!r}; known: {', '.join(sorted(known))}"
+        )
+    return Policy(detectors=names)
+
+
+def decide(findings: Sequence[Finding], stop_on: Policy, raise_on: Policy) -> Decision:
+    """Stop or raise on the first finding that matches; ``raise_on`` wins over ``stop_on``."""
+    for finding in findings:
+        if raise_on.matches(finding):
+            return Decision(stop=True, raise_=True, reason=finding)
+    for finding in findings:
+        if stop_on.matches(finding):
+            return Decision(stop=True, reason=finding)
+    return Decision()

@@ -1,0 +1,119 @@
+"""The epoch summary: plain data that renders itself as a rich table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["EpochSummary", "SummaryRow"]
+
+_STATUS_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One line of the summary table.
+
+    Args:
+        detector: Detector name, or a list of names for the folded "ok" row.
+        status: ``ok``, ``info``, ``warning`` or ``error``: the worst this epoch.
+        count: Findings this epoch, repeats included.
+        value: The worst value seen this epoch.
+        threshold: The bound that value is judged against.
+        where: Where the worst value was seen.
+        interval: The detector's current sampling interval in steps.
+        verdict: One line: what it means.
+    """
+
+    detector: str
+    status: str
+    count: int = 0
+    value: float | None = None
+    threshold: float | None = None
+    where: str | None = None
+    interval: int | None = None
+    verdict: str = ""
+
+
+@dataclass(frozen=True)
+class EpochSummary:
+    """What the monitor saw during one training epoch.
+
+    Args:
+        epoch: The epoch (0-based).
+        steps: Optimizer steps seen this epoch.
+        rows: Detectors with findings first (worst first), then one folded row
+            for the quiet ones.
+        verdict: One line for the whole epoch.
+        stopped_by: The finding that stopped training, if it did.
+        quiet: Detectors that found nothing this epoch (folded into one row).
+    """
+
+    epoch: int
+    steps: int
+    rows: tuple[SummaryRow, ...] = field(default_factory=tuple)
+    verdict: str = ""
+    stopped_by: dict[str, Any] | None = None
+    quiet: tuple[str, ...] = ()
+
+    @property
+    def status(self) -> str:
+        """The worst status among the rows (``ok`` when there are none)."""
+        order = ("ok", "info", "warning", "error")
+        return max((r.status for r in self.rows), key=order.index, default="ok")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __rich__(self) -> Table:
+        caption = self.verdict
+        if self.quiet:
+            caption += "\nQuiet: " + ", ".join(self.quiet)
+        table = Table(
+            title=f"stethoscope · epoch {self.epoch} · {self.steps} steps",
+            caption=Text(caption),
+            caption_justify="left",
+            expand=False,
+        )
+        table.add_column("detector", no_wrap=True)
+        table.add_column("status", no_wrap=True)
+        table.add_column("n", justify="right")
+        table.add_column("worst / limit", justify="right", no_wrap=True)
+        table.add_column("where", overflow="fold", max_width=20)
+        table.add_column("every", justify="right", no_wrap=True)
+        table.add_column("verdict", min_width=24, ratio=1)
+        for row in self.rows:
+            # Text, not str: names like "blocks[0].w" must not be parsed as rich markup
+            table.add_row(
+                Text(row.detector),
+                Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
+                str(row.count) if row.count else "·",
+                _value_vs_threshold(row.value, row.threshold),
+                Text(row.where or ""),
+                f"{row.interval}" if row.interval is not None else "",
+                Text(row.verdict),
+            )
+        return table
+
+
+def format_number(x: float | None) -> str:
+    """Short human form: 3 significant digits, nan/inf spelled out."""
+    if x is None:
+        return ""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.3g}"
+
+
+def _value_vs_threshold(value: float | None, threshold: float | None) -> str:
+    if value is None and threshold is None:
+        return ""
+    if threshold is None:
+        return format_number(value)
+    return f"{format_number(value)} / {format_number(threshold)}"

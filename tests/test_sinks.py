@@ -1,0 +1,708 @@
+"""The sink layer of the contract suite, then what each sink promises on its own."""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import io
+import json
+import math
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import rich
+from rich.console import Console
+
+import stethoscope.sinks
+from stethoscope.findings import FIELDS, Finding, Severity
+from stethoscope.sinks import ConsoleSink, CSVSink, JSONLSink, Sink
+from stethoscope.summary import EpochSummary, SummaryRow
+from stethoscope.testing import CapturingSink
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def make_finding(step: int = 1, severity: str = "warning", **changes: Any) -> Finding:
+    fields: dict[str, Any] = {
+        "epoch": 0,
+        "detector": "exploding_gradients",
+        "message": "Gradient norm 12.5 exceeds 10; clip gradients.",
+        "value": 12.5,
+        "threshold": 10.0,
+        "where": "layer1.weight",
+    }
+    fields.update(changes)
+    return Finding(step=step, severity=severity, **fields)
+
+
+def make_summary() -> EpochSummary:
+    return EpochSummary(
+        epoch=2,
+        steps=50,
+        rows=(
+            SummaryRow(
+                detector="exploding_gradients",
+                status="warning",
+                count=3,
+                value=12.5,
+                threshold=10.0,
+                where="fc1.weight",
+                interval=1,
+                verdict="too large",
+            ),
+            SummaryRow(detector="loss_spike", status="ok", interval=10, verdict="quiet"),
+        ),
+        verdict="One warning this epoch.",
+    )
+
+
+def plain_console(width: int = 100) -> Console:
+    """rich's own testing style: no colour, fixed width, output kept in memory."""
+    return Console(file=io.StringIO(), width=width, color_system=None)
+
+
+def colour_console(width: int = 100) -> Console:
+    return Console(file=io.StringIO(), width=width, force_terminal=True, color_system="truecolor")
+
+
+def output(console: Console) -> str:
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        assert reader.fieldnames == list(FIELDS)
+    return rows
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), "last line is cut"
+    return [json.loads(line, parse_constant=_reject_constant) for line in text.splitlines()]
+
+
+def finding_from_csv_row(row: dict[str, str]) -> Finding:
+    def number(cell: str) -> float | None:
+        return float(cell) if cell else None
+
+    return Finding(
+        step=int(row["step"]),
+        epoch=int(row["epoch"]),
+        detector=row["detector"],
+        severity=row["severity"],
+        message=row["message"],
+        value=number(row["value"]),
+        threshold=number(row["threshold"]),
+        where=row["where"] or None,
+        rank=int(row["rank"]),
+    )
+
+
+def comparable(finding: Finding) -> dict[str, Any]:
+    """to_dict() with NaN spelled out, since nan != nan."""
+    return {
+        k: "nan" if isinstance(v, float) and math.isnan(v) else v
+        for k, v in finding.to_dict().items()
+    }
+
+
+# --- the contract, over every sink -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kit:
+    """How to make one kind of sink in a test, and read back what it recorded."""
+
+    name: str
+    make: Callable[..., Sink]
+    steps: Callable[[Any], list[int]]  # steps of the findings recorded, in order
+    file_based: bool
+
+
+SINK_NAMES = ["console", "csv", "jsonl", "capturing"]
+
+
+@pytest.fixture(params=SINK_NAMES)
+def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
+    made: list[Sink] = []
+
+    def track(sink: Sink) -> Sink:
+        made.append(sink)
+        return sink
+
+    def console_steps(sink: ConsoleSink) -> list[int]:
+        return [int(s) for s in re.findall(r" step (\d+) ", output(sink.console))]
+
+    name = request.param
+    if name == "console":
+        result = Kit(
+            name, lambda **kw: ConsoleSink(console=plain_console(), **kw), console_steps, False
+        )
+    elif name == "csv":
+        result = Kit(
+            name,
+            lambda **kw: track(CSVSink(tmp_path / "findings.csv", **kw)),
+            lambda sink: [int(row["step"]) for row in read_csv(sink.path)],
+            True,
+        )
+    elif name == "jsonl":
+        result = Kit(
+            name,
+            lambda **kw: track(JSONLSink(tmp_path / "findings.jsonl", **kw)),
+            lambda sink: [d["step"] for d in read_jsonl(sink.path)],
+            True,
+        )
+    else:
+        result = Kit(name, CapturingSink, lambda sink: [f.step for f in sink.findings], False)
+    yield result
+    for sink in made:
+        sink.close()
+
+
+def test_is_a_sink_with_a_helpful_repr(kit: Kit) -> None:
+    sink = kit.make()
+    assert isinstance(sink, Sink)
+    assert type(sink).__name__ in repr(sink)
+
+
+@pytest.mark.parametrize("bad", ["fatal", "WARNING", 3, None])
+def test_bad_min_severity_names_the_value_and_the_choices(kit: Kit, bad: object) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"min_severity={bad!r}")) as info:
+        kit.make(min_severity=bad)
+    assert "'info', 'warning', 'error'" in str(info.value)
+
+
+def test_min_severity_accepts_the_enum_and_its_value(kit: Kit) -> None:
+    assert kit.make(min_severity=Severity.ERROR).min_severity is Severity.ERROR
+    assert kit.make(min_severity="warning").min_severity is Severity.WARNING
+
+
+def test_emit_flush_epoch_end_close_and_close_again(kit: Kit) -> None:
+    sink = kit.make()
+    for step in (1, 2, 3):
+        sink.emit(make_finding(step))
+    sink.flush()
+    sink.epoch_end(make_summary())
+    sink.flush()
+    assert kit.steps(sink) == [1, 2, 3]
+    sink.close()
+    sink.close()
+
+
+def test_min_severity_drops_what_is_below_it(kit: Kit) -> None:
+    sink = kit.make(min_severity="warning")
+    sink.emit(make_finding(1, "info"))
+    sink.emit(make_finding(2, "warning"))
+    sink.emit(make_finding(3, "error"))
+    assert kit.steps(sink) == [2, 3]
+
+
+def test_pickling_carries_the_options_and_the_copy_still_emits(
+    kit: Kit, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sink = kit.make(min_severity="warning")
+    sink.emit(make_finding(1))
+    clone = pickle.loads(pickle.dumps(sink))
+    try:
+        assert type(clone) is type(sink)
+        assert clone.min_severity is Severity.WARNING
+        clone.emit(make_finding(2))
+        clone.emit(make_finding(3, "info"))  # still filtered
+        clone.flush()
+        if kit.name == "console":
+            # The copy cannot take the console along; it prints to rich's global one.
+            assert " step 2 " in capsys.readouterr().out
+        else:
+            # File sinks: the copy appends to the same file, under the same header.
+            assert kit.steps(clone) == [1, 2]
+    finally:
+        clone.close()
+
+
+def test_emit_after_close(kit: Kit) -> None:
+    sink = kit.make()
+    sink.close()
+    if kit.file_based:
+        # A file sink cannot keep the finding: say so instead of losing it.
+        with pytest.raises(RuntimeError, match="closed"):
+            sink.emit(make_finding())
+    else:
+        # Nothing was released: the finding is still shown or kept.
+        sink.emit(make_finding(5))
+        assert kit.steps(sink) == [5]
+
+
+@pytest.mark.parametrize("cls", [ConsoleSink, CSVSink, JSONLSink, CapturingSink])
+def test_options_are_keyword_only(cls: type[Sink]) -> None:
+    params = inspect.signature(cls).parameters.values()
+    assert all(p.kind is p.KEYWORD_ONLY for p in params if p.name != "path")
+
+
+def test_package_exports() -> None:
+    assert set(stethoscope.sinks.__all__) == {"Sink", "ConsoleSink", "CSVSink", "JSONLSink"}
+    for name in stethoscope.sinks.__all__:
+        assert getattr(stethoscope.sinks, name).__name__ == name
+
+
+# --- file sinks: construction checks ------------------------------------------------
+
+FILE_SINKS = [pytest.param(CSVSink, id="csv"), pytest.param(JSONLSink, id="jsonl")]
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_missing_directory_fails_at_construction(cls: type, tmp_path: Path) -> None:
+    path = tmp_path / "no-such-dir" / "findings.out"
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(str(path)))) as info:
+        cls(path)
+    assert "does not create directories" in str(info.value)
+    assert not path.parent.exists()
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_path_that_is_a_directory_fails_at_construction(cls: type, tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match=re.escape(repr(str(tmp_path)))):
+        cls(tmp_path)
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_parent_that_is_a_file_fails_at_construction(cls: type, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a-file"):
+        cls(tmp_path / "a-file" / "findings.out")
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+@pytest.mark.skipif(
+    sys.platform == "win32" or os.geteuid() == 0, reason="root and Windows ignore chmod"
+)
+def test_unwritable_directory_fails_at_construction(cls: type, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        with pytest.raises(PermissionError, match=re.escape(repr(str(locked / "f.out")))):
+            cls(locked / "f.out")
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_unwritable_directory_is_reported_before_opening(
+    cls: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The chmod test above cannot run as root (root writes anywhere): check the
+    # pre-check's message by making the OS say no.
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)
+    with pytest.raises(PermissionError, match="not writable") as info:
+        cls(tmp_path / "f.out")
+    assert repr(str(tmp_path / "f.out")) in str(info.value)
+    assert not (tmp_path / "f.out").exists()
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+@pytest.mark.parametrize("bad", [b"findings.out", 42, None])
+def test_path_of_the_wrong_type_is_a_type_error(cls: type, bad: object) -> None:
+    with pytest.raises(TypeError, match=re.escape(f"path={bad!r}")):
+        cls(bad)
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_append_must_be_a_bool(cls: type, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=re.escape("append='no'")):
+        cls(tmp_path / "f.out", append="no")
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+@pytest.mark.parametrize("as_type", [str, Path], ids=["str", "Path"])
+def test_path_may_be_str_or_pathlike(cls: type, as_type: type, tmp_path: Path) -> None:
+    sink = cls(as_type(tmp_path / "f.out"))
+    sink.emit(make_finding())
+    sink.close()
+    assert sink.closed
+    assert sink.path == tmp_path / "f.out"
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_every_emit_is_on_disk_without_flush(cls: type, tmp_path: Path) -> None:
+    sink = cls(tmp_path / "f.out", append=False)
+    before = (tmp_path / "f.out").read_text()
+    sink.emit(make_finding(7))
+    after = (tmp_path / "f.out").read_text()  # read by another handle, no flush, no close
+    assert after.startswith(before)
+    assert after[len(before) :].count("\n") == 1
+    assert "exploding_gradients" in after[len(before) :]
+    sink.close()
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_emit_after_close_names_the_file(cls: type, tmp_path: Path) -> None:
+    sink = cls(tmp_path / "f.out")
+    sink.close()
+    with pytest.raises(RuntimeError, match=re.escape(repr(str(tmp_path / "f.out")))):
+        sink.emit(make_finding())
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+def test_a_copy_made_after_a_chdir_writes_to_the_same_file(
+    cls: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sink = cls("relative.out")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # e.g. Hydra changes directory per run
+    clone = pickle.loads(pickle.dumps(sink))
+    clone.emit(make_finding())
+    clone.close()
+    sink.close()
+    assert clone.path == tmp_path / "relative.out"
+    assert not (tmp_path / "elsewhere" / "relative.out").exists()
+
+
+# --- CSVSink ------------------------------------------------------------------------
+
+ODD_FINDINGS = [
+    make_finding(1),
+    make_finding(
+        2,
+        "error",
+        detector="nonfinite_loss",
+        value=math.nan,
+        threshold=None,
+        where="loss",
+        message="The loss is NaN; lower the learning rate.",
+    ),
+    make_finding(3, "info", value=math.inf, threshold=-math.inf, where=None, rank=3),
+    make_finding(
+        4, value=0.1, threshold=1e-300, message='Commas, "quotes",\nnewlines and ünïcode · survive.'
+    ),
+]
+
+
+def test_csv_round_trip_through_dictreader(tmp_path: Path) -> None:
+    sink = CSVSink(tmp_path / "findings.csv")
+    for finding in ODD_FINDINGS:
+        sink.emit(finding)
+    sink.close()
+    rows = read_csv(tmp_path / "findings.csv")  # asserts the header is exactly FIELDS
+    assert rows[1]["value"] == "nan" and rows[2]["threshold"] == "-inf"
+    back = [finding_from_csv_row(row) for row in rows]
+    assert [comparable(f) for f in back] == [comparable(f) for f in ODD_FINDINGS]
+    assert math.isnan(back[1].value)  # type: ignore[arg-type]
+
+
+def test_csv_header_is_written_at_construction(tmp_path: Path) -> None:
+    # A run that found nothing still leaves a file that says so.
+    sink = CSVSink(tmp_path / "findings.csv")
+    assert read_csv(tmp_path / "findings.csv") == []
+    sink.close()
+
+
+def test_csv_append_false_empties_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "findings.csv"
+    path.write_text("old run\n")
+    CSVSink(path).close()
+    assert path.read_text().splitlines() == [",".join(FIELDS)]
+
+
+def test_csv_append_true_writes_one_header(tmp_path: Path) -> None:
+    path = tmp_path / "findings.csv"
+    first = CSVSink(path)
+    first.emit(make_finding(1))
+    first.close()
+    second = CSVSink(path, append=True)
+    second.emit(make_finding(2))
+    second.close()
+    assert [row["step"] for row in read_csv(path)] == ["1", "2"]
+    assert path.read_text().count("step,epoch") == 1
+
+
+def test_csv_append_true_to_an_empty_file_writes_the_header(tmp_path: Path) -> None:
+    path = tmp_path / "findings.csv"
+    path.touch()
+    sink = CSVSink(path, append=True)
+    sink.emit(make_finding(1))
+    sink.close()
+    assert [row["step"] for row in read_csv(path)] == ["1"]
+
+
+def test_csv_append_refuses_a_file_with_another_header(tmp_path: Path) -> None:
+    path = tmp_path / "findings.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match=re.escape(repr(str(path)))):
+        CSVSink(path, append=True)
+    assert path.read_text() == "a,b\n1,2\n"
+
+
+# --- JSONLSink ----------------------------------------------------------------------
+
+
+def test_jsonl_every_line_is_strict_json(tmp_path: Path) -> None:
+    sink = JSONLSink(tmp_path / "findings.jsonl")
+    for finding in ODD_FINDINGS:
+        sink.emit(finding)
+    sink.close()
+    lines = read_jsonl(tmp_path / "findings.jsonl")  # raises on NaN / Infinity
+    assert [list(d) for d in lines] == [list(FIELDS)] * len(ODD_FINDINGS)
+    assert lines[1]["value"] is None and "NaN" in lines[1]["message"]
+    assert lines[2]["value"] is None and lines[2]["threshold"] is None
+    assert Finding.from_dict(lines[0]) == ODD_FINDINGS[0]
+    assert Finding.from_dict(lines[3]) == ODD_FINDINGS[3]
+
+
+def test_jsonl_appends_by_default_and_empties_on_request(tmp_path: Path) -> None:
+    path = tmp_path / "findings.jsonl"
+    for step in (1, 2):
+        sink = JSONLSink(path)
+        sink.emit(make_finding(step))
+        sink.close()
+    assert [d["step"] for d in read_jsonl(path)] == [1, 2]
+    JSONLSink(path, append=False).close()
+    assert path.read_text() == ""
+
+
+def test_jsonl_epoch_end_writes_nothing(tmp_path: Path) -> None:
+    sink = JSONLSink(tmp_path / "findings.jsonl")
+    sink.epoch_end(make_summary())
+    sink.close()
+    assert (tmp_path / "findings.jsonl").read_text() == ""
+
+
+def test_jsonl_accepts_numpy_integer_steps(tmp_path: Path) -> None:
+    sink = JSONLSink(tmp_path / "findings.jsonl")
+    sink.emit(make_finding(np.int64(5), epoch=np.int32(1)))
+    sink.close()
+    [line] = read_jsonl(tmp_path / "findings.jsonl")
+    assert (line["step"], line["epoch"]) == (5, 1)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from stethoscope.findings import Finding
+    from stethoscope.sinks import JSONLSink
+
+    sink = JSONLSink(sys.argv[1], append=False)
+    for step in range(3000):
+        sink.emit(Finding(
+            step=step, epoch=0, detector="nonfinite_loss", severity="error", where="loss",
+            value=float("nan") if step % 2 else float(step),
+            message=f"The loss is NaN at step {step}; " + "lower the learning rate. " * 20,
+        ))
+        time.sleep(0.0005)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_jsonl_keeps_every_whole_line_when_the_process_is_killed(tmp_path: Path) -> None:
+    path = tmp_path / "findings.jsonl"
+    src = Path(stethoscope.sinks.__file__).resolve().parents[2]
+    pythonpath = [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 4.0
+        while not path.exists() or path.read_bytes().count(b"\n") < 50:
+            assert child.poll() is None, child.stderr.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the child wrote under 50 lines in 4 s"
+            time.sleep(0.005)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=5)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=5)
+        child.stderr.close()  # type: ignore[union-attr]
+    assert child.returncode == -signal.SIGKILL  # killed mid-run, not finished
+    lines = read_jsonl(path)  # every line strict JSON, the last one whole
+    assert len(lines) >= 50
+    assert [d["step"] for d in lines] == list(range(len(lines)))
+
+
+# --- ConsoleSink --------------------------------------------------------------------
+
+
+def test_console_line_shows_severity_step_detector_where_and_message() -> None:
+    console = plain_console()
+    ConsoleSink(console=console).emit(make_finding(12))
+    text = output(console)
+    assert text.startswith("WARNING step 12 exploding_gradients at layer1.weight: Gradient norm")
+    assert text.endswith("Gradient norm 12.5 exceeds 10; clip gradients.\n")  # 100 wide: one line
+    assert "\x1b" not in text  # color_system=None: plain text
+
+
+def test_console_line_without_where() -> None:
+    console = plain_console()
+    ConsoleSink(console=console).emit(make_finding(3, "info", where=None))
+    assert output(console).startswith("INFO    step 3 exploding_gradients: Gradient norm")
+
+
+def test_console_prints_brackets_literally() -> None:
+    console = plain_console()
+    ConsoleSink(console=console).emit(make_finding(where="blocks[attn].w", message="[bold]x[/]"))
+    assert "at blocks[attn].w: [bold]x[/]" in output(console)
+
+
+def test_console_keeps_colours_on_a_terminal() -> None:
+    console = colour_console()
+    ConsoleSink(console=console).emit(make_finding(4, "error"))
+    text = output(console)
+    assert "\x1b[1;31mERROR\x1b[0m" in text  # bold red tag
+    assert ANSI.sub("", text).startswith("ERROR   step 4 exploding_gradients at layer1.weight")
+
+
+def test_console_wraps_long_lines_once_at_the_console_width() -> None:
+    console = plain_console(width=40)
+    message = " ".join(f"word{i}" for i in range(30))
+    ConsoleSink(console=console).emit(make_finding(message=message))
+    lines = output(console).splitlines()
+    assert len(lines) > 2
+    assert all(len(line) <= 40 for line in lines)
+    assert " ".join(" ".join(lines).split()).endswith(message)
+
+
+def test_use_printer_receives_the_rendered_string() -> None:
+    console = plain_console()
+    printed: list[str] = []
+    sink = ConsoleSink(console=console)
+    sink.use_printer(printed.append)
+    sink.emit(make_finding(12))
+    assert output(console) == ""
+    [line] = printed
+    assert line.startswith("WARNING step 12 exploding_gradients at layer1.weight:")
+    assert not line.endswith("\n")  # the printer (print, tqdm.write) adds the newline
+    sink.use_printer(None)
+    sink.emit(make_finding(13))
+    assert len(printed) == 1
+    assert " step 13 " in output(console)
+
+
+def test_use_printer_gets_ansi_colours_when_the_console_is_a_terminal() -> None:
+    printed: list[str] = []
+    sink = ConsoleSink(console=colour_console())
+    sink.use_printer(printed.append)
+    sink.emit(make_finding(1, "warning"))
+    assert "\x1b[33mWARNING\x1b[0m" in printed[0]
+
+
+def test_use_printer_rejects_what_is_not_callable() -> None:
+    with pytest.raises(TypeError, match=re.escape("fn='stdout'")):
+        ConsoleSink().use_printer("stdout")  # type: ignore[arg-type]
+
+
+def test_console_prints_the_epoch_summary_table() -> None:
+    console = plain_console()
+    ConsoleSink(console=console).epoch_end(make_summary())
+    text = output(console)
+    assert "stethoscope · epoch 2 · 50 steps" in text
+    assert "exploding_gradients" in text and "loss_spike" in text
+    assert "12.5 / 10" in text and "fc1.weight" in text and "too large" in text
+    assert "One warning this epoch." in text
+
+
+def test_console_summary_goes_to_the_printer_as_one_string() -> None:
+    printed: list[str] = []
+    sink = ConsoleSink(console=plain_console())
+    sink.use_printer(printed.append)
+    sink.epoch_end(make_summary())
+    [table] = printed
+    assert "stethoscope · epoch 2 · 50 steps" in table and "loss_spike" in table
+
+
+def test_console_show_summary_false_prints_no_summary() -> None:
+    console = plain_console()
+    ConsoleSink(console=console, show_summary=False).epoch_end(make_summary())
+    assert output(console) == ""
+
+
+def test_console_close_lets_go_of_the_printer() -> None:
+    console = plain_console()
+    printed: list[str] = []
+    sink = ConsoleSink(console=console)
+    sink.use_printer(printed.append)
+    sink.close()
+    sink.emit(make_finding(9))
+    assert printed == []
+    assert " step 9 " in output(console)
+
+
+def test_console_copy_drops_the_console_and_the_printer() -> None:
+    printed: list[str] = []
+    sink = ConsoleSink(console=plain_console(), show_summary=False, min_severity="error")
+    sink.use_printer(printed.append)
+    clone = pickle.loads(pickle.dumps(sink))
+    assert clone.console is rich.get_console()
+    assert (clone.show_summary, clone.min_severity) == (False, Severity.ERROR)
+    clone.emit(make_finding(1, "error"))
+    assert printed == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "shown"),
+    [({"show_summary": "yes"}, "show_summary='yes'"), ({"console": "stdout"}, "console='stdout'")],
+)
+def test_console_bad_arguments_name_the_value(kwargs: dict[str, Any], shown: str) -> None:
+    with pytest.raises(TypeError, match=re.escape(shown)):
+        ConsoleSink(**kwargs)
+
+
+# --- CapturingSink ------------------------------------------------------------------
+
+
+def test_capturing_sink_helpers() -> None:
+    sink = CapturingSink()
+    sink.emit(make_finding(1, "info", detector="loss_spike"))
+    sink.emit(make_finding(2, "warning"))
+    sink.emit(make_finding(3, "error", detector="nonfinite_loss"))
+    sink.emit(make_finding(4, "error"))
+    sink.epoch_end(make_summary())
+    sink.flush()
+    sink.flush()
+    assert [f.step for f in sink.by_detector("exploding_gradients")] == [2, 4]
+    assert sink.by_detector("straggler") == []
+    assert sink.detectors() == {"loss_spike", "exploding_gradients", "nonfinite_loss"}
+    assert [f.step for f in sink.at_least("warning")] == [2, 3, 4]
+    assert [f.step for f in sink.at_least(Severity.ERROR)] == [3, 4]
+    assert sink.summaries == [make_summary()]
+    assert sink.flush_count == 2
+    assert not sink.closed
+    assert "findings=4" in repr(sink)
+    sink.clear()
+    assert (sink.findings, sink.summaries, sink.flush_count) == ([], [], 0)
+    sink.close()
+    assert sink.closed
+
+
+def test_capturing_sink_at_least_rejects_a_bad_severity() -> None:
+    with pytest.raises(ValueError, match=re.escape("severity='fatal'")):
+        CapturingSink().at_least("fatal")
+
+
+def test_capturing_sink_copy_keeps_what_it_captured() -> None:
+    sink = CapturingSink()
+    sink.emit(make_finding(1))
+    sink.epoch_end(make_summary())
+    clone = pickle.loads(pickle.dumps(sink))
+    assert clone.findings == sink.findings and clone.summaries == sink.summaries
