@@ -11,23 +11,33 @@ __all__ = ["LossNotDecreasing", "LossSpike", "UnstableLoss"]
 
 
 class LossSpike(Detector):
-    """One batch's loss far above the recent level.
+    """One batch's loss far above the recent level, and above the run's own noise.
 
-    Rule: after ``warmup`` steps, a loss is a spike when it exceeds the median of
-    the last ``window`` losses by more than ``z`` robust standard deviations
-    (MAD-based), is at least ``ratio`` times that median, and the jump is at
-    least ``min_jump`` of the run's initial loss. A spike is a warning; the
-    sampler escalates already at half the z-score.
+    Rule: after ``warmup`` steps, a loss is a spike when its jump above the median
+    of the last ``window`` losses is
+
+    * more than ``z`` robust standard deviations (MAD-based),
+    * more than ``tail`` times the envelope, the largest jump seen on healthy
+      steps (which decays by ``1 - 1/memory`` per step),
+    * at least ``min_jump`` of the run's initial loss,
+
+    and the loss is at least ``ratio`` times that median. A spike is a warning;
+    the sampler already escalates when the jump passes half the z-score and half
+    the envelope bar.
 
     Sources: OLMo-core's z-score of 6 over 128 steps with 20 samples minimum;
-    Lightning's ``SpikeDetection`` asks for 3x the running mean (we ask 2x, and
-    the z-score does the rest). The jump is scaled to the run's initial loss
-    because a converged loss of ~0.005 routinely doubles on a hard batch.
+    Lightning's ``SpikeDetection`` asks for 3x the running mean (we ask 2x, and the
+    rest does the work). The envelope is ours: minibatch losses are heavy-tailed
+    (a converged loss of ~0.005 jumps 10x on a hard batch; batch-8 training with
+    label noise jumps 7x), which a MAD cannot see; a spike must dwarf the largest
+    healthy jump of the last ~``memory`` steps.
 
     Args:
         z: Robust z-score above the window median.
         ratio: Minimum loss / median ratio.
         min_jump: Minimum jump as a fraction of the initial loss.
+        tail: Minimum jump as a multiple of the envelope of healthy jumps.
+        memory: Steps over which the envelope decays by a factor e.
         warmup: Steps before judging (the first of them set the initial loss).
         window: Steps in the rolling baseline.
     """
@@ -43,22 +53,24 @@ class LossSpike(Detector):
         z: float = 6.0,
         ratio: float = 2.0,
         min_jump: float = 0.1,
+        tail: float = 2.0,
+        memory: int = 1000,
         warmup: int = 20,
         window: int = 128,
     ) -> None:
-        check_positive(self.name, "z", z)
-        check_positive(self.name, "ratio", ratio)
-        check_positive(self.name, "min_jump", min_jump)
-        check_positive(self.name, "warmup", warmup, integer=True)
-        check_positive(self.name, "window", window, integer=True)
+        for arg, v in (("z", z), ("ratio", ratio), ("min_jump", min_jump), ("tail", tail)):
+            check_positive(self.name, arg, v)
+        for arg, v in (("memory", memory), ("warmup", warmup), ("window", window)):
+            check_positive(self.name, arg, v, integer=True)
         if warmup > window:
             raise ValueError(f"{self.name}: warmup={warmup!r} must be <= window={window!r}")
         self.z, self.ratio, self.min_jump = float(z), float(ratio), float(min_jump)
+        self.tail, self.memory = float(tail), memory
         self.warmup, self.window = warmup, window
         super().__init__()
 
     def _initial_state(self) -> dict:
-        return {"window": [], "initial": None}
+        return {"window": [], "initial": None, "envelope": 0.0}
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
@@ -69,13 +81,16 @@ class LossSpike(Detector):
         findings: list[Finding] = []
         if len(win) >= self.warmup:
             center = median(win)
-            sigma = robust_sigma(win, center)
             jump = loss - center
-            floor = self.min_jump * abs(st["initial"])
-            threshold = max(center + self.z * sigma, center * self.ratio, center + floor)
-            if sigma > 0 and jump > 0.5 * self.z * sigma and jump > floor:
-                self.suspect = f"loss {loss:.4g} is {jump / sigma:.1f} sigma above its median"
-            if loss > threshold:
+            bar = max(
+                self.z * robust_sigma(win, center),
+                self.tail * st["envelope"],
+                self.min_jump * abs(st["initial"]),
+                (self.ratio - 1) * center,
+            )
+            if jump > bar / 2 and jump > self.min_jump * abs(st["initial"]):
+                self.suspect = f"loss {loss:.4g} jumped {jump:.3g} above its median {center:.4g}"
+            if jump > bar:
                 findings.append(
                     self.finding(
                         obs,
@@ -85,10 +100,13 @@ class LossSpike(Detector):
                         "inputs) or a learning rate too high; inspect that batch, or lower the "
                         "learning rate / clip gradients if spikes repeat.",
                         value=loss,
-                        threshold=threshold,
+                        threshold=center + bar,
                         where="loss",
                     )
                 )
+            else:  # only healthy jumps widen the envelope, so repeated spikes stay visible
+                decayed = st["envelope"] * (1.0 - 1.0 / self.memory)
+                st["envelope"] = max(decayed, jump)
         push(win, float(loss), self.window)
         if st["initial"] is None and len(win) == self.warmup:
             st["initial"] = median(win)
@@ -167,7 +185,7 @@ class LossNotDecreasing(Detector):
             self.finding(
                 obs,
                 "warning",
-                f"The loss has not decreased in {self.patience} steps: best level "
+                f"The loss has not decreased in the {self.patience} steps to {obs.step}: best level "
                 f"{st['best']:.4g} vs initial {initial:.4g} ({100 * progress:.1f}% progress): "
                 "the learning rate may be far too small, parameters frozen or missing from the "
                 "optimizer, or the labels unrelated to the inputs; try a 10x larger learning "
@@ -241,8 +259,8 @@ class UnstableLoss(Detector):
                 self.finding(
                     obs,
                     "error",
-                    f"Training diverged: the loss level {level:.4g} has stayed above twice its "
-                    f"initial {initial:.4g} for {self.patience} steps; lower the learning rate "
+                    f"Training diverged at step {obs.step}: the loss level {level:.4g} has stayed "
+                    f"above twice its initial {initial:.4g} for {self.patience} steps; lower the learning rate "
                     "(often 3-10x), add warm-up or gradient clipping, and restart from a "
                     "checkpoint taken before the rise.",
                     value=level,
@@ -255,7 +273,7 @@ class UnstableLoss(Detector):
                 self.finding(
                     obs,
                     "warning",
-                    f"The loss is unstable: its level {level:.4g} has stayed "
+                    f"The loss is unstable at step {obs.step}: its level {level:.4g} has stayed "
                     f"{level - best:.3g} above its best {best:.4g} for {self.patience} steps: "
                     "the learning rate is likely too high for this stage (or the data "
                     "distribution shifted); lower it or decay it sooner.",

@@ -1,0 +1,35 @@
+# The two commands of the README. Each creates .venv and installs what it needs
+# when it is missing or older than pyproject.toml / constraints.txt, then runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# constraints.txt pins torch to the local CPU wheel so pip never pulls the CUDA build
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[lightning,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/lightning_digits.py --fault lr
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/python -m pytest -q
+
+lint format: $(STAMP)
+	$(BIN)/ruff check --fix src tests examples benchmarks
+	$(BIN)/ruff format src tests examples benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.overhead
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,146 @@
+"""Tiny real Lightning models with injectable faults, shared by the callback tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink
+
+FEATURES, CLASSES = 20, 4
+
+
+def dataset(n: int = 512, *, seed: int = 0, label_noise: float = 0.0) -> TensorDataset:
+    """Standardised Gaussian features (values past ±1 everywhere), a linear teacher."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    teacher = torch.randn(FEATURES, CLASSES, generator=g)
+    y = (x @ teacher).argmax(1)
+    if label_noise:
+        flip = torch.rand(n, generator=g) < label_noise
+        y[flip] = torch.randint(0, CLASSES, (int(flip.sum()),), generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(batch_size: int = 32, **kw: Any) -> DataLoader:
+    return DataLoader(
+        dataset(**kw),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+
+
+class TinyMLP(L.LightningModule):
+    """20-32-32-4 MLP. ``fault`` and ``onset`` inject a problem at a global step."""
+
+    def __init__(
+        self,
+        *,
+        fault: str = "none",
+        onset: int = 40,
+        lr: float = 1e-2,
+        optimizer: str = "adam",
+        warmup_steps: int = 0,
+        depth: int = 2,
+        activation: str = "relu",
+        init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.fault, self.onset, self.lr = fault, onset, lr
+        self.optimizer_name, self.warmup_steps = optimizer, warmup_steps
+        act = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}[activation]
+        layers: list[nn.Module] = []
+        width = FEATURES
+        for _ in range(depth):
+            layers += [nn.Linear(width, 32), act()]
+            width = 32
+        self.net = nn.Sequential(*layers, nn.Linear(width, CLASSES))
+        if init_scale != 1.0:
+            with torch.no_grad():
+                for m in self.net:
+                    if isinstance(m, nn.Linear):
+                        m.weight.mul_(init_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def active(self) -> bool:
+        return self.global_step >= self.onset
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        at_onset = self.global_step == self.onset
+        if self.fault == "nan_input" and at_onset:
+            x = x.clone()
+            x[0, 0] = math.nan
+        if self.fault == "spike" and at_onset:
+            y = (y + 1) % CLASSES  # a corrupt batch: every label wrong
+        loss = nn.functional.cross_entropy(self(x), y)
+        if self.fault == "nan_grad" and self.active():
+            # finite in the forward pass, NaN in the backward pass (d sqrt(|w|)/dw at 0)
+            loss = loss + (self.net[2].weight * 0).abs().sqrt().sum()
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.fault == "nan_weight" and self.global_step == self.onset:
+            with torch.no_grad():  # an optimizer that writes a NaN into the weights
+                self.net[0].weight[0, 0] = math.nan
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.fault == "lr_jump" and self.global_step == self.onset:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = self.lr * 100
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.warmup_steps:
+            return opt
+        ramp = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, s / self.warmup_steps)
+        )  # warm-up from exactly 0
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": ramp, "interval": "step"}}
+
+
+def fit(
+    model: L.LightningModule,
+    *,
+    steps: int,
+    batch_size: int = 32,
+    data: DataLoader | None = None,
+    callback: LightningStethoscope | None = None,
+    sink: CapturingSink | None = None,
+    **trainer_kw: Any,
+) -> tuple[L.Trainer, CapturingSink]:
+    """Train ``model`` for at most ``steps`` steps with a capturing stethoscope."""
+    sink = sink if sink is not None else CapturingSink()
+    callback = callback if callback is not None else LightningStethoscope(sinks=[sink])
+    defaults: dict[str, Any] = dict(
+        max_steps=steps,
+        max_epochs=-1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(trainer_kw)
+    extra = defaults.pop("callbacks", [])
+    trainer = L.Trainer(callbacks=[callback, *extra], **defaults)
+    trainer.fit(model, data if data is not None else loader(batch_size))
+    return trainer, sink
+
+
+def problems(sink: CapturingSink) -> list:
+    """Findings of warning severity or worse."""
+    return sink.at_least("warning")
