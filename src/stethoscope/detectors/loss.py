@@ -185,8 +185,9 @@ class LossNotDecreasing(Detector):
             self.finding(
                 obs,
                 "warning",
-                f"The loss has not decreased in the {self.patience} steps to {obs.step}: best level "
-                f"{st['best']:.4g} vs initial {initial:.4g} ({100 * progress:.1f}% progress): "
+                f"The loss has not decreased in the {self.patience} steps to {obs.step}: "
+                f"best level {st['best']:.4g} vs initial {initial:.4g} "
+                f"({100 * progress:.1f}% progress): "
                 "the learning rate may be far too small, parameters frozen or missing from the "
                 "optimizer, or the labels unrelated to the inputs; try a 10x larger learning "
                 "rate and check what the optimizer updates.",
@@ -260,9 +261,9 @@ class UnstableLoss(Detector):
                     obs,
                     "error",
                     f"Training diverged at step {obs.step}: the loss level {level:.4g} has stayed "
-                    f"above twice its initial {initial:.4g} for {self.patience} steps; lower the learning rate "
-                    "(often 3-10x), add warm-up or gradient clipping, and restart from a "
-                    "checkpoint taken before the rise.",
+                    f"above twice its initial {initial:.4g} for {self.patience} steps; lower "
+                    "the learning rate (often 3-10x), add warm-up or gradient clipping, and "
+                    "restart from a checkpoint taken before the rise.",
                     value=level,
                     threshold=2 * initial,
                     where="loss",
