@@ -196,7 +196,7 @@ class VanishingGradients(Detector):
             st["streak"], st["fired"] = 0, False
             return []
         st["streak"] += 1
-        self.suspect = verdict[0]
+        self.suspect = f"gradient {verdict[1]:.2g} below {verdict[2]:.0e}"
         if st["streak"] < self.patience or st["fired"]:
             return []
         st["fired"] = True
