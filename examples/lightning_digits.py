@@ -28,7 +28,7 @@ from stethoscope.testing import CapturingSink
 
 FAULTS = {
     "none": "a healthy run",
-    "lr": "SGD with a learning rate far too high (lr=1.5, momentum 0.9)",
+    "lr": "SGD with a learning rate far too high (lr=3.0, momentum 0.9)",
     "nan": "one corrupt input batch at step 150 holds a NaN",
     "vanishing": "a 10-layer sigmoid network initialised with tiny weights",
     "spike": "one batch at step 150 is not normalised (inputs x100)",
@@ -82,7 +82,7 @@ class DigitsMLP(L.LightningModule):
 
     def configure_optimizers(self):
         if self.fault == "lr":
-            return torch.optim.SGD(self.parameters(), lr=1.5, momentum=0.9)
+            return torch.optim.SGD(self.parameters(), lr=3.0, momentum=0.9)
         lr = 1e-7 if self.fault == "stall" else 1e-3
         return torch.optim.Adam(self.parameters(), lr=lr)
 

@@ -180,8 +180,12 @@ class Monitor:
                     detector=SAMPLER,
                     status="info",
                     count=stats["count"],
-                    verdict=f"escalated {stats['escalations']}x this epoch"
-                    + ("; still hot" if self.sampler.hot else "; back at base intervals"),
+                    verdict=(
+                        f"escalated {stats['escalations']}x this epoch; "
+                        if stats["escalations"]
+                        else ""
+                    )
+                    + ("still sampling hot" if self.sampler.hot else "back at base intervals"),
                 )
             )
         if quiet:

@@ -71,7 +71,7 @@ class EpochSummary:
 
     def __rich__(self) -> Table:
         caption = self.verdict
-        if self.quiet:
+        if self.quiet and any(r.status != "ok" for r in self.rows):
             caption += "\nQuiet: " + ", ".join(self.quiet)
         table = Table(
             title=f"stethoscope · epoch {self.epoch} · {self.steps} steps",
