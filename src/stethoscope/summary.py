@@ -83,9 +83,9 @@ class EpochSummary:
         table.add_column("status", no_wrap=True)
         table.add_column("n", justify="right")
         table.add_column("worst / limit", justify="right", no_wrap=True)
-        table.add_column("where", overflow="fold", max_width=20)
+        table.add_column("where", overflow="fold", max_width=16)
         table.add_column("every", justify="right", no_wrap=True)
-        table.add_column("verdict", min_width=24, ratio=1)
+        table.add_column("verdict", ratio=1)
         for row in self.rows:
             # Text, not str: names like "blocks[0].w" must not be parsed as rich markup
             table.add_row(

@@ -9,7 +9,7 @@ from typing import Any
 try:
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, RichProgressBar
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
     raise ModuleNotFoundError(
         "LightningStethoscope needs torch and lightning: pip install 'stethoscope[lightning]'"
@@ -119,8 +119,12 @@ class LightningStethoscope(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar = trainer.progress_bar_callback
-        # Print through the progress bar so its line is not torn (tqdm.write / rich Live).
-        self._printer = bar.print if bar is not None and bar.is_enabled else None
+        # Print through the progress bar so its line is not torn: tqdm.write for TQDM. A
+        # RichProgressBar draws on rich's global console, which ConsoleSink prints to by
+        # default and which places output above the live bar itself (its stdout proxy would
+        # wrap our already-wrapped lines a second time).
+        enabled = bar is not None and bar.is_enabled
+        self._printer = bar.print if enabled and not isinstance(bar, RichProgressBar) else None
         for sink in self.monitor.sinks:
             if isinstance(sink, ConsoleSink):
                 sink.use_printer(self._printer)
