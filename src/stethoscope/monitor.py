@@ -62,10 +62,10 @@ class Monitor:
         self.detectors: list[Detector] = (
             list(detectors) if detectors is not None else default_detectors()
         )
-        names = [d.name for d in self.detectors]
         for d in self.detectors:
             if not isinstance(d, Detector):
                 raise TypeError(f"detectors must be Detector instances, got {d!r}")
+        names = [d.name for d in self.detectors]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"detectors lists {dupes!r} more than once")

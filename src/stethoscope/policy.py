@@ -52,12 +52,16 @@ def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Polic
                 "or a set of detector names"
             )
         return Policy(min_severity=Severity(value))
+    choices = "use None, 'error', 'warning', or a set of detector names"
+    if not isinstance(value, Iterable):
+        raise ValueError(f"{argument}={value!r} is not valid; {choices}")
     names = frozenset(value)
     known = set(known)
-    unknown = sorted(n for n in names if n not in known)
-    if unknown or not all(isinstance(n, str) for n in names):
+    unknown = sorted(repr(n) for n in names if not isinstance(n, str) or n not in known)
+    if unknown:
         raise ValueError(
-            f"{argument} names unknown detectors {unknown!r}; known: {', '.join(sorted(known))}"
+            f"{argument} names unknown detectors [{', '.join(unknown)}]; "
+            f"known: {', '.join(sorted(known))}"
         )
     return Policy(detectors=names)
 

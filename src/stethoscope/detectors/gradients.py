@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, push
-from stethoscope.detectors.base import Detector, check_positive
+from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation, global_norm
 
@@ -157,13 +157,10 @@ class VanishingGradients(Detector):
         loss_fraction: float = 0.1,
         patience: int = 3,
     ) -> None:
-        for arg, v in (
-            ("rms_threshold", rms_threshold),
-            ("first_layer_threshold", first_layer_threshold),
-            ("ratio", ratio),
-            ("loss_fraction", loss_fraction),
-        ):
-            check_positive(self.name, arg, v)
+        check_positive(self.name, "rms_threshold", rms_threshold)
+        check_positive(self.name, "first_layer_threshold", first_layer_threshold)
+        check_fraction(self.name, "ratio", ratio)
+        check_fraction(self.name, "loss_fraction", loss_fraction)
         check_positive(self.name, "patience", patience, integer=True)
         self.rms_threshold = float(rms_threshold)
         self.first_layer_threshold = float(first_layer_threshold)
