@@ -64,7 +64,11 @@ def loss_obs(losses: Iterable[float], lr: float | Sequence[float] | None = None)
     """One loss-only observation per value, at steps 0, 1, 2 …"""
     losses = [float(x) for x in losses]
     lrs = list(lr) if isinstance(lr, (Sequence, np.ndarray)) else [lr] * len(losses)
-    return [make_obs(t, loss=x, lr=r) for t, (x, r) in enumerate(zip(losses, lrs, strict=True))]
+    lrs = [None if r is None else float(r) for r in lrs]
+    # what make_obs(t, loss=x, lr=r) builds, without its per-call overhead (100-seed loops)
+    return [
+        Observation(step=t, loss=x, lr=r) for t, (x, r) in enumerate(zip(losses, lrs, strict=True))
+    ]
 
 
 def grad_obs(grads: np.ndarray, losses: Iterable[float] | None = None, **kw):

@@ -1,0 +1,304 @@
+"""Layer 1: exploding_gradients and vanishing_gradients on synthetic gradient-norm sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import (
+    GRAD_SHAPE,
+    NAN,
+    NUMEL,
+    alarms,
+    assert_actionable,
+    decaying_loss,
+    grad_obs,
+    make_obs,
+    run,
+    steps,
+)
+
+from stethoscope.detectors import ExplodingGradients, VanishingGradients
+
+STARVED = np.array([1e-9, 1e-9, 1e-2, 1e-3])  # layer0.weight starved, layer1.weight fine
+
+
+def healthy_grads(seed: int = 0, n: int = 100, sigma: float = 0.1) -> np.ndarray:
+    """Per-parameter gradient norms with lognormal noise around :data:`GRAD_SHAPE`."""
+    return GRAD_SHAPE * np.random.default_rng(seed).lognormal(0.0, sigma, (n, len(GRAD_SHAPE)))
+
+
+def decaying_grads(seed: int, n: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+    """Global norm decays 1 → 1e-3 (lognormal σ=0.5) while the loss converges 2.3 → 0.005."""
+    rng = np.random.default_rng(seed)
+    level = 10 ** (-3 * np.arange(n) / (n - 1)) * rng.lognormal(0.0, 0.5, n)
+    grads = GRAD_SHAPE / np.linalg.norm(GRAD_SHAPE) * level[:, None]
+    return grads * rng.lognormal(0.0, 0.2, grads.shape), decaying_loss(seed, n)
+
+
+def clipped_grads(seed: int, n: int = 1000) -> np.ndarray:
+    """Pre-clip norms around a level rising 5 → 10, 30% of samples 2-5x above or below it."""
+    rng = np.random.default_rng(seed)
+    level = 5 * (1 + np.arange(n) / n)
+    swing = rng.uniform(2, 5, n) ** rng.choice([-1, 1], n)
+    factor = np.where(rng.random(n) < 0.3, swing, rng.lognormal(0.0, 0.1, n))
+    grads = GRAD_SHAPE / np.linalg.norm(GRAD_SHAPE) * (level * factor)[:, None]
+    return grads * rng.lognormal(0.0, 0.1, grads.shape)
+
+
+def global_norms(grads: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.sum(np.square(grads), axis=-1))
+
+
+# -- exploding_gradients --------------------------------------------------------------------------
+def _scale(rows: slice | int, by: float, col: int | None = None):
+    def mutate(g: np.ndarray) -> None:
+        if col is None:
+            g[rows] *= by
+        else:
+            g[rows, col] *= by
+
+    return mutate
+
+
+def _nan_row(row: int):
+    def mutate(g: np.ndarray) -> None:
+        g[row, 1] = NAN
+
+    return mutate
+
+
+EXPLOSIONS = [
+    pytest.param([_scale(60, 1000)], [(60, "error")], id="1000x-error-at-once"),
+    pytest.param([_scale(60, 150)], [(60, "error")], id="factor-squared-error-at-once"),
+    pytest.param(
+        [_scale(slice(60, 63), 20)],
+        [(60, "warning"), (61, "warning"), (62, "error")],
+        id="20x-three-samples-error-at-the-third",
+    ),
+    pytest.param(
+        [_scale(slice(60, 62), 20), _scale(slice(63, 65), 20)],
+        [(60, "warning"), (61, "warning"), (63, "warning"), (64, "warning")],
+        id="20x-streak-broken-stays-warning",
+    ),
+    pytest.param([_scale(60, 20)], [(60, "warning")], id="20x-once"),
+    pytest.param([_scale(60, 8)], [], id="8x-below-factor"),
+    pytest.param([_scale(3, 1000)], [], id="during-warmup-not-judged"),
+    pytest.param([_scale(slice(60, 100), 1e-3)], [], id="collapse-is-not-explosion"),
+    pytest.param(
+        [_nan_row(40), _scale(slice(60, 63), 20)],
+        [(60, "warning"), (61, "warning"), (62, "error")],
+        id="nan-sample-skipped",
+    ),
+    pytest.param([_nan_row(60)], [], id="nan-left-to-nonfinite-gradients"),
+]
+
+
+@pytest.mark.parametrize(("faults", "expected"), EXPLOSIONS)
+def test_exploding_gradients_fires_at_the_expected_steps(faults, expected):
+    g = healthy_grads(0)
+    for mutate in faults:
+        mutate(g)
+    found = run(ExplodingGradients(), grad_obs(g))
+    assert steps(found) == expected
+    for f in found:
+        assert f.detector == "exploding_gradients"
+        assert f.value == pytest.approx(global_norms(g[f.step]))
+        # the baseline is quiet (log-spread x z < 1 decade), so the bar is factor x median
+        hist = global_norms(g[: f.step])
+        hist = hist[np.isfinite(hist)][-32:]  # the window: the last 32 finite samples
+        assert f.threshold == pytest.approx(10 * 10 ** np.median(np.log10(hist)), rel=1e-9)
+        assert f.value > f.threshold
+        assert_actionable(f, "clip gradients", "warm-up")
+
+
+def test_exploding_gradients_names_the_parameter_that_grew_most():
+    g = healthy_grads(0)
+    g[60] *= 1000
+    g[60, 1] *= 3  # layer0.bias grew 3000x, the rest 1000x
+    (f,) = run(ExplodingGradients(), grad_obs(g))
+    assert (f.step, f.severity.value, f.where) == (60, "error", "layer0.bias")
+    assert "layer0.bias" in f.message
+
+
+def test_exploding_gradients_zero_mad_baseline_uses_the_factor():
+    g = np.vstack([np.ones((50, 4)), 20 * np.ones((1, 4)), 9.9 * np.ones((1, 4))])
+    found = run(ExplodingGradients(), grad_obs(g))
+    assert steps(found) == [(50, "warning")]
+    assert found[0].value == pytest.approx(40.0)
+    assert found[0].threshold == pytest.approx(20.0)  # 10x the median global norm of 2
+
+
+def test_exploding_gradients_robust_spread_raises_the_bar_on_noisy_norms():
+    g = healthy_grads(0, sigma=1.0)  # log10 spread ~0.43: 6 sigma is ~2.6 decades
+    g[60] *= 20
+    assert run(ExplodingGradients(), grad_obs(g)) == []
+
+
+def test_exploding_gradients_skips_all_zero_and_empty_gradients():
+    zero = [make_obs(t, grads=np.zeros(4)) for t in range(10)]
+    empty = [make_obs(10 + t, grads=[]) for t in range(10)]
+    d = ExplodingGradients()
+    assert run(d, zero + empty) == []
+    assert d.state["seen"] == 0  # nothing to learn from: still warming up
+    g = np.vstack([np.ones((10, 4)), 1000 * np.ones((1, 4))])
+    assert steps(run(d, grad_obs(g))) == [(10, "error")]
+
+
+def test_exploding_gradients_single_step_is_quiet():
+    assert run(ExplodingGradients(), grad_obs(np.array([[1e6, 1e6, 1e6, 1e6]]))) == []
+
+
+def test_exploding_gradients_needs_the_initial_level_a_converged_jump_is_healthy():
+    # decays 1000x, then a hard batch 50x its recent median, still 20x below the start
+    g = np.vstack([np.ones((10, 4)), 1e-3 * np.ones((60, 4)), 5e-2 * np.ones((1, 4))])
+    assert run(ExplodingGradients(), grad_obs(g)) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exploding_gradients_quiet_on_a_healthy_twin(seed):
+    assert run(ExplodingGradients(), grad_obs(healthy_grads(seed, 500))) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("detector", [ExplodingGradients, VanishingGradients])
+def test_gradient_detectors_quiet_while_gradients_decay_with_the_loss(detector, seed):
+    grads, losses = decaying_grads(seed)
+    assert alarms(run(detector(), grad_obs(grads, losses))) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("detector", [ExplodingGradients, VanishingGradients])
+def test_gradient_detectors_quiet_on_clipped_norms_swinging_2_to_5x(detector, seed):
+    grads = clipped_grads(seed)
+    assert alarms(run(detector(), grad_obs(grads))) == []
+
+
+# -- vanishing_gradients --------------------------------------------------------------------------
+def _rows(*blocks: tuple[np.ndarray, int]) -> np.ndarray:
+    return np.vstack([np.tile(row, (n, 1)) for row, n in blocks])
+
+
+HEALTHY_ROW = GRAD_SHAPE
+
+
+@pytest.mark.parametrize(
+    ("grads", "losses", "expected"),
+    [
+        pytest.param(_rows((STARVED, 5)), [2.3] * 5, [2], id="starved-from-the-start"),
+        pytest.param(
+            _rows((HEALTHY_ROW, 5), (STARVED, 5)), [2.3] * 5 + [2.0] * 5, [7], id="starved-later"
+        ),
+        pytest.param(
+            _rows((HEALTHY_ROW, 5), (STARVED, 5)),
+            [2.3] * 5 + [0.5] * 5,
+            [7],
+            id="starved-loss-still-above-10pct",
+        ),
+        pytest.param(
+            _rows((HEALTHY_ROW, 5), (STARVED, 5)),
+            [2.3] * 5 + [0.2] * 5,
+            [],
+            id="starved-but-converged",
+        ),
+        pytest.param(
+            _rows((HEALTHY_ROW, 5), (STARVED, 5)),
+            [2.3] * 5 + [0.005] * 5,
+            [],
+            id="starved-and-fully-converged",
+        ),
+        pytest.param(_rows((STARVED, 20)), [2.3] * 20, [2], id="fires-once-while-it-lasts"),
+        pytest.param(
+            _rows((STARVED, 3), (HEALTHY_ROW, 1), (STARVED, 3)),
+            [2.3] * 7,
+            [2, 6],
+            id="fires-again-after-recovery",
+        ),
+        pytest.param(_rows((STARVED, 2)), [2.3] * 2, [], id="two-samples-short-of-patience"),
+        pytest.param(
+            _rows((STARVED, 2), (HEALTHY_ROW, 1), (STARVED, 2)),
+            [2.3] * 5,
+            [],
+            id="streak-broken",
+        ),
+        pytest.param(
+            _rows((np.array([1e-5, 1e-5, 1e-3, 1e-3]), 5)),
+            [2.3] * 5,
+            [],
+            id="first-small-but-ratio-1e-2",
+        ),
+        pytest.param(
+            _rows((np.array([1e-3, 1e-9, 1e-2, 1e-9]), 5)),
+            [2.3] * 5,
+            [],
+            id="tiny-biases-do-not-count",
+        ),
+    ],
+)
+def test_vanishing_gradients_first_layer_rule(grads, losses, expected):
+    found = run(VanishingGradients(), grad_obs(grads, losses))
+    assert steps(found) == [(s, "warning") for s in expected]
+    for f in found:
+        assert f.where == "layer0.weight"
+        assert f.value == pytest.approx(1e-9)
+        assert f.threshold == pytest.approx(1e-4)
+        assert "layer0.weight" in f.message
+        assert "layer1.weight" in f.message
+        assert_actionable(f, "initialisation", "residual")
+
+
+@pytest.mark.parametrize(
+    ("row", "value"),
+    [
+        pytest.param(np.full(4, 1e-6), 2e-6 / np.sqrt(sum(NUMEL)), id="rms-below-1e-7"),
+        pytest.param(np.zeros(4), 0.0, id="all-zero-gradients"),
+    ],
+)
+def test_vanishing_gradients_rms_rule(row, value):
+    found = run(VanishingGradients(), grad_obs(_rows((row, 4)), [2.3] * 4))
+    assert steps(found) == [(2, "warning")]
+    (f,) = found
+    assert f.where is None
+    assert f.value == pytest.approx(value, abs=1e-15)
+    assert f.threshold == pytest.approx(1e-7)
+    assert "RMS" in f.message
+    assert_actionable(f, "learning rate")
+
+
+def test_vanishing_gradients_rms_uses_element_counts():
+    # the same global norm spread over 100x more elements has a 10x smaller RMS
+    row = np.full(2, 1e-6)
+    few = grad_obs(_rows((row, 3)), names=("a", "b"), numel=(10, 10), is_matrix=(False, False))
+    many = grad_obs(_rows((row, 3)), names=("a", "b"), numel=(1e7, 1e7), is_matrix=(False, False))
+    assert run(VanishingGradients(), few) == []
+    assert steps(run(VanishingGradients(), many)) == [(2, "warning")]
+
+
+@pytest.mark.parametrize(
+    "obs",
+    [
+        pytest.param([make_obs(t, loss=2.3, grads=[]) for t in range(5)], id="empty"),
+        pytest.param(
+            [make_obs(t, loss=2.3, grads=[1e-9, NAN, 1e-2, 1e-3]) for t in range(5)], id="nan"
+        ),
+        pytest.param([make_obs(0, loss=2.3, grads=STARVED)], id="single-step"),
+        pytest.param(
+            [
+                make_obs(t, loss=2.3, grads=[1e-9, 1.0], names=("w", "b"), is_matrix=(True, False))
+                for t in range(5)
+            ],
+            id="one-matrix-no-ratio",
+        ),
+    ],
+)
+def test_vanishing_gradients_quiet_edge_cases(obs):
+    assert run(VanishingGradients(), obs) == []
+
+
+def test_vanishing_gradients_without_a_loss_still_judges():
+    obs = [make_obs(t, grads=STARVED) for t in range(3)]
+    assert steps(run(VanishingGradients(), obs)) == [(2, "warning")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vanishing_gradients_quiet_on_a_healthy_twin(seed):
+    assert run(VanishingGradients(), grad_obs(healthy_grads(seed, 300, sigma=0.5))) == []

@@ -1,0 +1,294 @@
+"""Layer 3, detectors: what every detector in ``DETECTORS`` promises, checked on each of them."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pickle
+import re
+
+import numpy as np
+import pytest
+
+from stethoscope.detectors import DETECTORS, Detector
+from stethoscope.findings import FIELDS, Finding
+from stethoscope.observation import PROBES, Observation
+
+#: The stable detector names of DESIGN.md ("Detector names (stable)").
+STABLE_NAMES = (
+    "nonfinite_loss",
+    "nonfinite_gradients",
+    "nonfinite_weights",
+    "exploding_gradients",
+    "vanishing_gradients",
+    "loss_spike",
+    "loss_not_decreasing",
+    "unstable_loss",
+    "overfitting",
+    "dead_relu",
+    "saturated_activation",
+    "small_updates",
+    "large_updates",
+    "frozen_weights",
+    "poor_initialization",
+    "class_imbalance",
+    "unnormalized_input",
+    "all_zero",
+    "replica_divergence",
+    "straggler",
+)
+
+CLASSES = [pytest.param(cls, id=name) for name, cls in DETECTORS.items()]
+NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
+GRAD = np.array([0.5, 0.05, 0.8, 0.1])
+
+
+def obs(step: int, loss: float, grads, weights, updates, lr: float = 1e-3) -> Observation:
+    return Observation(
+        step=step,
+        loss=float(loss),
+        lr=lr,
+        names=NAMES,
+        numel=np.array([100352, 128, 1280, 10]),
+        is_matrix=np.array([True, False, True, False]),
+        grad_norm=np.asarray(grads, dtype=float),
+        weight_norm=np.asarray(weights, dtype=float),
+        update_norm=np.asarray(updates, dtype=float),
+    )
+
+
+def random_run(n: int = 300, seed: int = 0) -> list[Observation]:
+    """Healthy-looking random observations with every probe, a few NaNs among them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(n):
+        loss = 2.3 * rng.lognormal(0.0, 0.1)
+        grads = GRAD * rng.lognormal(0.0, 0.3, 4)
+        if rng.random() < 0.02:
+            loss = float("nan")
+        if rng.random() < 0.02:
+            grads[rng.integers(4)] = float("inf")
+        out.append(obs(t, loss, grads, 10 * rng.lognormal(0, 0.01, 4), rng.lognormal(-5, 0.3, 4)))
+    return out
+
+
+def fault_tail(start: int, n: int = 50, seed: int = 1) -> list[Observation]:
+    """``n`` steps after a random run: a spike, NaNs, an explosion, starved gradients, a climb."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        loss = 2.3 * rng.lognormal(0.0, 0.1) * (3.0 if i >= 8 else 1.0)
+        grads = GRAD * rng.lognormal(0.0, 0.3, 4)
+        weights = 10 * rng.lognormal(0, 0.01, 4)
+        if i == 5:
+            loss *= 10
+        if i == 10:
+            loss = float("nan")
+        if 15 <= i < 18:
+            grads = grads * 1000
+        if i == 20:
+            grads[1] = float("nan")
+        if i == 25:
+            weights[2] = float("inf")
+        if 30 <= i < 35:
+            grads = np.array([1e-9, 1e-9, 1e-2, 1e-3])
+        out.append(obs(start + i, loss, grads, weights, rng.lognormal(-5, 0.3, 4)))
+    return out
+
+
+def fault_run() -> list[Observation]:
+    """A run in which every detector has something to report."""
+    flat = random_run(300, seed=2)  # flat loss: loss_not_decreasing at step 200
+    tail = fault_tail(300, 100)  # the loss climbs 3x and stays: unstable_loss
+    return [*flat, *tail]
+
+
+def feed(detector: Detector, observations) -> list[Finding]:
+    return [f for o in observations for f in detector.update(o)]
+
+
+def numeric_args(cls: type[Detector]) -> list[inspect.Parameter]:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [
+        p for p in params if isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+    ]
+
+
+def _bad_arg_cases():
+    for name, cls in DETECTORS.items():
+        for p in numeric_args(cls):
+            bads = [0, -1, "x", True, None]
+            if isinstance(p.default, int):
+                bads.append(2.5)
+            for bad in bads:
+                yield pytest.param(cls, p.name, bad, id=f"{name}-{p.name}={bad!r}")
+
+
+# -- identity -------------------------------------------------------------------------------------
+def test_registry_is_keyed_by_name_and_covers_the_implemented_detectors():
+    assert all(cls.name == name for name, cls in DETECTORS.items())
+    assert len(DETECTORS) == 8
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_class_attributes(cls):
+    assert cls.name in STABLE_NAMES
+    assert re.fullmatch(r"[a-z]+(_[a-z]+)*", cls.name)
+    assert cls.needs and set(cls.needs) <= set(PROBES)
+    assert isinstance(cls.base_interval, int) and cls.base_interval >= 1
+    assert cls.advice and isinstance(cls.advice, str)
+    assert "Rule:" in cls.__doc__
+
+
+# -- construction ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+def test_construction_with_defaults(cls):
+    d = cls()
+    assert d.state == d.state_dict() == cls().state_dict()
+    assert d.suspect is None
+    assert repr(d) == f"{cls.__name__}()"
+    for p in numeric_args(cls):  # the defaults are what the instance uses
+        assert getattr(d, p.name) == p.default
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_arguments_are_keyword_only(cls):
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    with pytest.raises(TypeError):
+        cls(1)
+
+
+@pytest.mark.parametrize(("cls", "arg", "bad"), list(_bad_arg_cases()))
+def test_bad_numeric_argument_raises_naming_it(cls, arg, bad):
+    with pytest.raises(ValueError, match=re.escape(f"{arg}={bad!r}")) as info:
+        cls(**{arg: bad})
+    assert cls.name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        pytest.param(DETECTORS["exploding_gradients"], {"factor": 1}, "factor=1", id="factor-1"),
+        pytest.param(DETECTORS["loss_spike"], {"warmup": 200}, "warmup=200", id="warmup>window"),
+        pytest.param(
+            DETECTORS["loss_not_decreasing"], {"patience": 10}, "patience=10", id="patience<window"
+        ),
+        pytest.param(
+            DETECTORS["loss_not_decreasing"], {"min_progress": 1}, "min_progress=1", id="progress"
+        ),
+        # d6cb240: a loss / median ratio below 1 and gradient fractions of 1 or more are nonsense
+        pytest.param(DETECTORS["loss_spike"], {"ratio": 0.5}, "ratio=0.5", id="spike-ratio<1"),
+        pytest.param(DETECTORS["vanishing_gradients"], {"ratio": 1}, "ratio=1", id="vg-ratio-1"),
+        pytest.param(
+            DETECTORS["vanishing_gradients"], {"ratio": 1.5}, "ratio=1.5", id="vg-ratio>1"
+        ),
+        pytest.param(
+            DETECTORS["vanishing_gradients"],
+            {"loss_fraction": 1.0},
+            "loss_fraction=1.0",
+            id="vg-loss-fraction-1",
+        ),
+    ],
+)
+def test_inconsistent_arguments_raise_naming_them(cls, kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)) as info:
+        cls(**kwargs)
+    assert cls.name in str(info.value)
+
+
+def test_boundary_arguments_are_accepted():
+    assert DETECTORS["loss_spike"](ratio=1).ratio == 1.0  # ratio >= 1, not > 1
+    vg = DETECTORS["vanishing_gradients"](ratio=0.999, loss_fraction=0.999)
+    assert (vg.ratio, vg.loss_fraction) == (0.999, 0.999)
+
+
+# -- state ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+def test_pickle_round_trip_keeps_config_and_state(cls):
+    d = cls()
+    feed(d, random_run())
+    copy = pickle.loads(pickle.dumps(d))
+    assert type(copy) is cls
+    assert vars(copy) == vars(d)
+    tail = fault_tail(300)
+    assert [f.to_dict(json_safe=True) for f in feed(copy, tail)] == [
+        f.to_dict(json_safe=True) for f in feed(d, tail)
+    ]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_state_dict_round_trip_through_json_continues_identically(cls):
+    d = cls()
+    feed(d, random_run())
+    state = json.loads(json.dumps(d.state_dict(), allow_nan=False))
+    restored, fresh = cls(), cls()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == d.state_dict()
+    tail = fault_tail(300)
+    expected = [f.to_dict(json_safe=True) for f in feed(d, tail)]
+    assert [f.to_dict(json_safe=True) for f in feed(restored, tail)] == expected
+    assert restored.state_dict() == d.state_dict()
+    if d.state_dict():  # a stateful detector: the restored baselines made the difference
+        feed(fresh, tail)
+        assert fresh.state_dict() != d.state_dict()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_state_dict_is_strict_json_after_a_fault_run(cls):
+    d = cls()
+    feed(d, fault_run())
+    text = json.dumps(d.state_dict(), allow_nan=False)
+    assert json.loads(text) == d.state_dict()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_state_dict_is_a_copy_and_load_ignores_unknown_keys(cls):
+    d = cls()
+    feed(d, random_run(100))
+    state = d.state_dict()
+    before = json.dumps(d.state_dict())
+    for v in state.values():
+        if isinstance(v, list):
+            v.append(123.0)
+    assert json.dumps(d.state_dict()) == before
+    other = cls()
+    other.load_state_dict({**d.state_dict(), "from_a_future_version": 1})
+    assert other.state_dict() == d.state_dict()
+    other.load_state_dict({})
+    assert other.state_dict() == cls().state_dict()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_reset_returns_to_the_initial_state(cls):
+    d = cls()
+    first = [f.to_dict(json_safe=True) for f in feed(d, fault_run())]
+    d.reset()
+    assert d.state_dict() == cls().state_dict()
+    assert d.suspect is None
+    assert [f.to_dict(json_safe=True) for f in feed(d, fault_run())] == first
+
+
+# -- findings -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+def test_fault_run_findings_are_well_formed(cls):
+    found = feed(cls(), fault_run())
+    assert found, f"{cls.name} found nothing in the fault run"
+    for f in found:
+        assert f.detector == cls.name
+        assert f.severity.value in ("warning", "error")
+        assert f.message.strip() and f.message.endswith(".")
+        assert f.message[0].isupper()
+        d = f.to_dict(json_safe=True)
+        assert tuple(d) == FIELDS
+        assert json.loads(json.dumps(d, allow_nan=False)) == d
+        assert Finding.from_dict(d).to_dict(json_safe=True) == d
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_suspect_is_cleared_by_the_next_update(cls):
+    d = cls()
+    feed(d, random_run(100))
+    d.suspect = "left over from the previous step"
+    d.update(obs(100, 2.3, GRAD, np.full(4, 10.0), np.full(4, 7e-3)))
+    assert d.suspect is None

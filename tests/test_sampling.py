@@ -1,0 +1,251 @@
+"""The adaptive sampler: its schedule pinned by units, its invariants by properties."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stethoscope.sampling import AdaptiveSampler
+
+BASE = {"loss": 1, "grads": 16, "acts": 64}
+
+
+def intervals(s: AdaptiveSampler, step: int) -> dict[str, int]:
+    return {name: s.interval(name, step) for name in s.base}
+
+
+def drive(s: AdaptiveSampler, steps: range, escalate_at=()) -> dict[int, str]:
+    """Tick every step (then escalate where asked), as the monitor does; the reports by step."""
+    reports = {}
+    for t in steps:
+        msg = s.tick(t)
+        if t in escalate_at:
+            msg2 = s.escalate(t, "suspect")
+            msg = msg2 if msg is None else f"{msg} | {msg2}"
+        if msg:
+            reports[t] = msg
+    return reports
+
+
+# -- calibration ----------------------------------------------------------------------------------
+def test_calibration_every_step_then_doubling_to_base_silently():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    expected = {0: 1, 3: 1, 4: 2, 7: 2, 8: 4, 12: 8, 16: 16, 20: 32, 24: 64, 100: 64}
+    assert {t: s.interval("acts", t) for t in expected} == expected
+    assert {t: s.interval("grads", t) for t in (0, 4, 8, 12, 16, 100)} == {
+        0: 1,
+        4: 2,
+        8: 4,
+        12: 8,
+        16: 16,
+        100: 16,
+    }
+    assert all(s.interval("loss", t) == 1 for t in range(100))
+    assert drive(s, range(200)) == {}  # the calibration window is not news
+    assert not s.hot
+    assert s.escalations == 0
+    assert intervals(s, 1000) == BASE
+
+
+def test_calibration_due_steps():
+    s = AdaptiveSampler({"grads": 16}, hot_steps=4)
+    due = [t for t in range(40) if s.is_due("grads", t)]
+    # interval 1 to step 3, 2 to 7, 4 to 11, 8 to 15, then 16: due on multiples of it
+    assert due == [0, 1, 2, 3, 4, 6, 8, 16, 32]
+
+
+def test_docstring_example_default_hot_steps():
+    s = AdaptiveSampler({"nonfinite_loss": 1, "exploding_gradients": 16})
+    assert [t for t in range(200, 240) if s.is_due("exploding_gradients", t)] == [208, 224]
+    assert s.due(208) == ["nonfinite_loss", "exploding_gradients"]
+    assert s.due(209) == ["nonfinite_loss"]
+
+
+# -- escalation -----------------------------------------------------------------------------------
+def test_escalation_is_reported_and_the_return_too():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    assert drive(s, range(100)) == {}
+    msg = s.escalate(100, "loss_spike warning")
+    assert msg == (
+        "loss_spike warning: running all detectors every step for 4 steps, then back off"
+    )
+    assert s.escalations == 1
+    assert intervals(s, 100) == intervals(s, 103) == {"loss": 1, "grads": 1, "acts": 1}
+    assert intervals(s, 104) == {"loss": 1, "grads": 2, "acts": 2}
+    assert intervals(s, 116) == {"loss": 1, "grads": 16, "acts": 16}
+    reports = drive(s, range(101, 200))
+    # back to 64 after 6 halvings of 4 steps
+    assert reports == {124: "no new suspicion for 24 steps: detectors back to their base intervals"}
+    assert not s.hot
+    assert intervals(s, 124) == BASE
+
+
+def test_suspicion_during_calibration_is_reported():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    assert drive(s, range(2)) == {}
+    assert s.escalate(2, "exploding_gradients: norm 40x") is not None
+    assert s.escalations == 1
+    reports = drive(s, range(3, 100))
+    assert list(reports) == [2 + 24]  # its return is reported, unlike calibration's end
+
+
+def test_suspicion_in_the_decay_is_reported():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    s.escalate(100, "first")
+    assert s.interval("acts", 110) == 4
+    assert s.escalate(110, "second") is not None  # the rate actually rises again
+    assert s.escalations == 2
+    assert s.interval("acts", 110) == 1
+
+
+def test_reescalation_while_every_step_extends_silently():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(100))
+    assert s.escalate(100, "first") is not None
+    assert s.escalate(102, "second") is None
+    assert s.escalations == 1
+    assert intervals(s, 105) == {"loss": 1, "grads": 1, "acts": 1}  # 102 + 4 steps
+    assert s.interval("acts", 106) == 2
+    assert list(drive(s, range(101, 200))) == [102 + 24]
+
+
+def test_escalate_false_keeps_base_intervals_and_never_reports():
+    s = AdaptiveSampler(BASE, escalate=False, hot_steps=4)
+    assert all(intervals(s, t) == BASE for t in range(0, 300, 7))
+    assert drive(s, range(300), escalate_at={5, 50, 51, 200}) == {}
+    assert s.escalations == 0
+    assert not s.hot
+    assert [t for t in range(40) if s.is_due("grads", t)] == [0, 16, 32]
+
+
+def test_all_base_one_has_nothing_to_escalate():
+    s = AdaptiveSampler({"a": 1, "b": 1}, hot_steps=4)
+    assert drive(s, range(100), escalate_at={3, 50}) == {}
+    assert s.escalations == 0
+
+
+def test_per_detector_intervals():
+    s = AdaptiveSampler({"a": 1, "b": 3, "c": 8}, escalate=False)
+    assert [s.due(t) for t in range(9)] == [
+        ["a", "b", "c"],
+        ["a"],
+        ["a"],
+        ["a", "b"],
+        ["a"],
+        ["a"],
+        ["a", "b"],
+        ["a"],
+        ["a", "c"],
+    ]
+    hot = AdaptiveSampler({"a": 1, "b": 3, "c": 8}, hot_steps=2)
+    hot.tick(0)
+    assert (hot.interval("b", 2), hot.interval("c", 2)) == (2, 2)  # the cap, under each base
+    assert (hot.interval("b", 4), hot.interval("c", 4)) == (3, 4)
+
+
+def test_empty_sampler():
+    s = AdaptiveSampler({})
+    assert s.due(0) == []
+    assert drive(s, range(50), escalate_at={10}) == {}
+
+
+# -- bad arguments --------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -1, 1.5, 2.0, "2", True, None])
+def test_bad_interval_raises_naming_the_value(bad):
+    with pytest.raises(ValueError, match=rf"'grads' is {bad!r}"):
+        AdaptiveSampler({"loss": 1, "grads": bad})
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, 4.0, "32", False, True, None])
+def test_bad_hot_steps_raises_naming_the_value(bad):
+    with pytest.raises(ValueError, match=rf"hot_steps={bad!r}"):
+        AdaptiveSampler(BASE, hot_steps=bad)
+
+
+# -- state ----------------------------------------------------------------------------------------
+def test_state_dict_is_json_and_restores_mid_escalation():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(100), escalate_at={60, 90})
+    state = json.loads(json.dumps(s.state_dict()))
+    r = AdaptiveSampler(BASE, hot_steps=4)
+    r.load_state_dict(state)
+    assert r.state_dict() == s.state_dict()
+    assert drive(r, range(100, 300)) == drive(s, range(100, 300)) != {}
+
+
+def test_load_empty_state_is_a_fresh_sampler():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(100), escalate_at={60})
+    s.load_state_dict({})
+    assert s.state_dict() == AdaptiveSampler(BASE, hot_steps=4).state_dict()
+
+
+# -- properties -----------------------------------------------------------------------------------
+bases = st.dictionaries(
+    st.sampled_from(["loss", "grads", "weights", "acts", "data"]),
+    st.integers(1, 256),
+    min_size=1,
+)
+hot_steps = st.integers(1, 64)
+escalations = st.lists(st.integers(0, 400), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=bases, hot=hot_steps, esc=st.lists(st.integers(0, 3000), max_size=8), tick=st.booleans()
+)
+def test_interval_is_always_within_1_and_base(base, hot, esc, tick):
+    s = AdaptiveSampler(base, hot_steps=hot)
+    for step in esc:  # in any order, ticking or not
+        if tick:
+            s.tick(step)
+        s.escalate(step, "x")
+        for t in (step, step + 1, step + hot, step + 10 * hot, max(0, step - 5)):
+            for name, b in base.items():
+                assert 1 <= s.interval(name, t) <= b
+                assert s.is_due(name, t) == (t % s.interval(name, t) == 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=bases, hot=hot_steps, esc=escalations)
+def test_returns_to_base_within_bound_and_reports_once(base, hot, esc):
+    s = AdaptiveSampler(base, hot_steps=hot)
+    max_base = max(base.values())
+    last = max(esc, default=0)
+    bound = hot * (math.ceil(math.log2(max_base)) + 1)
+    end = last + bound + 1
+    reports = drive(s, range(end + 1), escalate_at=set(esc))
+    after = [t for t in reports if t > last]
+    if not esc or max_base == 1:
+        assert after == []  # calibration's end is silent; nothing to escalate
+    else:
+        assert len(after) == 1
+        assert after[0] <= last + bound
+        assert "back to their base intervals" in reports[after[0]]
+    assert not s.hot
+    for t in range(end - 3, end + 2 * max_base):
+        assert intervals(s, t) == base
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=bases,
+    hot=hot_steps,
+    esc=escalations,
+    cut=st.integers(0, 500),
+    escalate=st.booleans(),
+)
+def test_schedule_is_a_pure_function_of_step_and_state(base, hot, esc, cut, escalate):
+    a = AdaptiveSampler(base, hot_steps=hot, escalate=escalate)
+    drive(a, range(cut), escalate_at=set(esc))
+    b = AdaptiveSampler(base, hot_steps=hot, escalate=escalate)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    later = {t + cut for t in esc}
+    rest = range(cut, cut + 600)
+    assert [b.due(t) for t in rest] == [a.due(t) for t in rest]
+    assert drive(b, rest, escalate_at=later) == drive(a, rest, escalate_at=later)
+    assert b.state_dict() == a.state_dict()
