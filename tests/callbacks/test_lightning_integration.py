@@ -213,6 +213,7 @@ def test_log_stats_sends_headline_stats_to_the_trainer_logger(tmp_path):
         float(r["stethoscope/update_ratio"]) for r in rows if r.get("stethoscope/update_ratio")
     ]
     assert len(grad) >= 30, "calibration samples every step for the first 32 steps"
+    assert len(ratio) == len(grad)
     assert all(g > 0 and math.isfinite(g) for g in grad)
     assert all(0 < r < 1 for r in ratio)
     assert any(r.get("stethoscope/interval") for r in rows)

@@ -112,15 +112,19 @@ class ParameterProbe:
 
 
 def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One fused kernel for all L2 norms, stacked into a single float32 tensor."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    if len(by_dtype) == 1:
-        return torch.stack(torch._foreach_norm(tensors)).float()
-    # mixed dtypes (e.g. fp16 weights beside fp32 norms): foreach needs one dtype per call
-    out = [None] * len(tensors)
-    for idx in by_dtype.values():
-        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx]), strict=False):
-            out[i] = n.float()
+    """All L2 norms in one fused kernel, accumulated in float32, stacked into one tensor.
+
+    Accumulating in float32 keeps an fp16/bf16 tensor of large but finite values from
+    reporting an infinite norm (which would read as a non-finite gradient).
+    """
+    if all(t.dtype != torch.float64 for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    # float64 cannot be narrowed inside the norm: take those apart, keep the order
+    out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
+    for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
+        if idx:
+            for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, **kw)):
+                out[i] = n.float()
     return torch.stack(out)

@@ -136,7 +136,10 @@ class LightningStethoscope(Callback):
         step = trainer.global_step
         if step != self._planned_step:
             self._planned_step = step
-            self._plan = self.monitor.plan(step)
+            plan = self.monitor.plan(step)
+            if self.log_stats and "grads" in plan:
+                plan |= {"weights", "updates"}  # the update ratio is a headline stat
+            self._plan = plan
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any

@@ -1,0 +1,112 @@
+"""The torch probe: fused norms, the host reader, and a cold hot path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import TinyMLP, fit
+from torch import nn
+
+from stethoscope import LightningStethoscope
+from stethoscope.callbacks import _torch
+from stethoscope.callbacks._torch import HostReader, ParameterProbe, _stack_norms
+from stethoscope.testing import CapturingSink
+
+
+def test_norms_match_per_tensor_norms_across_dtypes():
+    tensors = [torch.randn(5, 3), torch.randn(7, dtype=torch.float64), torch.randn(4).half()]
+    got = _stack_norms(tensors)
+    want = torch.tensor([float(t.double().norm()) for t in tensors])
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want.double(), rtol=1e-3)
+
+
+def test_half_precision_norm_does_not_overflow_to_inf():
+    big = torch.full((100_000,), 300.0, dtype=torch.float16)  # finite values, norm ~ 9.5e4
+    assert torch.isinf(torch._foreach_norm([big])[0])  # what a naive fp16 norm reports
+    norm = _stack_norms([big])[0]
+    assert torch.isfinite(norm) and norm == pytest.approx(300.0 * 100_000**0.5, rel=1e-3)
+
+
+def test_nan_and_inf_propagate_into_the_norm():
+    norms = _stack_norms([torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])])
+    assert torch.isnan(norms[0]) and torch.isinf(norms[1])
+
+
+def test_host_reader_returns_cpu_results_in_order_at_once():
+    reader = HostReader(max_lag=2)
+    for i in range(3):
+        reader.push(("step", i), torch.tensor([float(i), 2.0 * i]))
+    out = reader.pop()
+    assert [m for m, _ in out] == [("step", 0), ("step", 1), ("step", 2)]
+    assert out[2][1].tolist() == [2.0, 4.0]
+    assert len(reader) == 0 and reader.pop(wait=True) == []
+
+
+def test_parameter_probe_update_norms_equal_the_optimizer_step():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model[2].bias.requires_grad_(False)  # frozen: never watched
+    probe = ParameterProbe(list(model.named_parameters()))
+    assert probe.names == ("0.weight", "0.bias", "2.weight")
+    assert probe.is_matrix.tolist() == [True, False, True]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    idx = probe.with_grad(probe.indices_of(opt))
+    assert idx == [0, 1, 2]
+    grads = probe.grad_norms(idx)
+    before = probe.snapshot(idx)
+    expected_updates = [0.1 * p.grad.norm() for p in probe.params]
+    opt.step()
+    weights, updates = probe.weight_and_update_norms(idx, before)
+    assert torch.allclose(grads, torch.stack([p.grad.norm() for p in probe.params]))
+    assert torch.allclose(weights, torch.stack([p.detach().norm() for p in probe.params]))
+    assert torch.allclose(updates, torch.stack(expected_updates), rtol=1e-4)
+
+
+def test_unsampled_steps_never_touch_parameters(monkeypatch):
+    """The hot path stays cold: per-parameter work happens on sampled steps only."""
+    calls: dict[str, list[int]] = {"grad_norms": [], "snapshot": [], "weights": []}
+    cb = LightningStethoscope(sinks=[CapturingSink()])
+    steps_seen: list[int] = []
+
+    def spy(name, original):
+        def wrapper(self, *args, **kwargs):
+            calls[name].append(cb._planned_step)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(ParameterProbe, "grad_norms", spy("grad_norms", ParameterProbe.grad_norms))
+    monkeypatch.setattr(ParameterProbe, "snapshot", spy("snapshot", ParameterProbe.snapshot))
+    monkeypatch.setattr(
+        ParameterProbe,
+        "weight_and_update_norms",
+        spy("weights", ParameterProbe.weight_and_update_norms),
+    )
+    original_stack = _torch._stack_norms
+    monkeypatch.setattr(
+        _torch,
+        "_stack_norms",
+        lambda tensors: steps_seen.append(cb._planned_step) or original_stack(tensors),
+    )
+    planned: list[int] = []
+    plan = cb.monitor.plan
+
+    def recording_plan(step):
+        probes = plan(step)
+        if "grads" in probes:
+            planned.append(step)
+        return probes
+
+    cb.monitor.plan = recording_plan
+    torch.manual_seed(0)
+    _, sink = fit(TinyMLP(), steps=1000, callback=cb)
+    assert sink.at_least("warning") == []
+    assert calls["grad_norms"] == planned
+    assert calls["weights"] == planned
+    assert calls["snapshot"] == [], "no detector of the defaults needs update norms"
+    assert set(steps_seen) == set(planned)
+    # calibration samples the first ~60 steps; a quiet run then samples 1 step in 16
+    assert len(planned) < 0.2 * 1000, len(planned)
+    late = sum(1 for s in planned if s >= 128)
+    assert late <= len(range(128, 1000, 16)) + 64 * cb.monitor.sampler.escalations
