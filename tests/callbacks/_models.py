@@ -120,6 +120,7 @@ def fit(
     data: DataLoader | None = None,
     callback: LightningStethoscope | None = None,
     sink: CapturingSink | None = None,
+    ckpt_path: Any = None,
     **trainer_kw: Any,
 ) -> tuple[L.Trainer, CapturingSink]:
     """Train ``model`` for at most ``steps`` steps with a capturing stethoscope."""
@@ -137,7 +138,7 @@ def fit(
     defaults.update(trainer_kw)
     extra = defaults.pop("callbacks", [])
     trainer = L.Trainer(callbacks=[callback, *extra], **defaults)
-    trainer.fit(model, data if data is not None else loader(batch_size))
+    trainer.fit(model, data if data is not None else loader(batch_size), ckpt_path=ckpt_path)
     return trainer, sink
 
 

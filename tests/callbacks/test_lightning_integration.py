@@ -83,17 +83,7 @@ def test_resume_from_checkpoint_continues_baselines_and_schedule(tmp_path):
             seen["state"] = resumed.monitor.state_dict()
 
     resumed = LightningStethoscope(sinks=[CapturingSink()])
-    trainer2 = L.Trainer(
-        max_steps=260,
-        max_epochs=-1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[resumed, Peek()],
-    )
-    trainer2.fit(TinyMLP(), loader(), ckpt_path=ckpt)
+    trainer2, _ = fit(TinyMLP(), steps=260, callback=resumed, callbacks=[Peek()], ckpt_path=ckpt)
     assert seen["state"]["detectors"] == saved["detectors"], "baselines were not restored"
     assert seen["state"]["sampler"] == saved["sampler"], "the schedule restarted"
     assert trainer2.global_step == 260
