@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from _models import CLASSES, FEATURES, TinyMLP, fit, loader, problems
+from _models import CLASSES, FEATURES, TinyMLP, fit, problems
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
