@@ -105,7 +105,7 @@ class LightningStethoscope(Callback):
         self._printer = None
 
     @property
-    def findings_stopped_by(self) -> Finding | None:
+    def stopped_by(self) -> Finding | None:
         """The finding that stopped (or raised in) the run, if any."""
         return self.monitor.stopped_by
 
