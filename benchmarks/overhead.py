@@ -6,39 +6,48 @@ Four ways to train the same model are compared, step for step:
 * ``stethoscope``: ``LightningStethoscope(sinks=[])``: default detectors, sampler
   and policy; ``sinks=[]`` only silences the console (the default ConsoleSink
   prints nothing on a healthy run but the epoch summary, outside the timed steps);
-* ``detect_anomaly``: ``Trainer(detect_anomaly=True)``;
+* ``detect_anomaly``: autograd anomaly mode, as ``Trainer(detect_anomaly=True)``
+  sets it;
 * ``naive``: a callback that reads ``p.grad.norm().item()`` for every parameter in
   ``on_before_optimizer_step`` and checks ``math.isfinite``;
 
 plus ``stethoscope (calibration)``: a fresh ``LightningStethoscope(sinks=[])``
-timed over its first 128 sampled-hot steps, where the sampler runs the gradient
-detectors on every step at first and backs off to every 16th step.
+over its first 128 steps, where the sampler reads gradients on every step at
+first and backs off to every 16th step.
 
-Shared machines are noisy (the same plain run varies by a quarter between runs),
-so ratios from separate runs mean little. Here the variants take turns training
-one model (and its one Adam optimizer) in short blocks: a fresh ``Trainer`` per
-block, variants in a shuffled order each round, many rounds. A
-step is timed from one ``on_train_batch_start`` to the next, so it includes the
-forward and backward passes, the optimizer step, every hook and fetching the
-next (pre-built, in-memory) batch. The first steps of each block (Trainer
-start-up) and the whole first round (warm-up) are dropped. Ratios to ``plain``
-are taken within each round and summarised by their median and interquartile
-range over rounds.
+How. Shared machines are noisy: the same plain run varies by a quarter between
+runs, and on a small VM the speed of whole stretches of a second or less jumps
+by as much. Ratios from separate runs, or from separate short ``Trainer`` runs
+(two plain 37-step blocks a second apart differ by ±9% at the interquartile
+range), cannot resolve a few percent. So each model trains in ONE
+``trainer.fit`` and the variants take turns in segments of 16 steps: ``plain,
+A, plain, B, plain, ...``, the others in a shuffled order each round, for many
+rounds. A gating callback hands each step's hooks to the callbacks of the
+variant that owns the step (none, for ``plain``) and turns autograd anomaly
+mode on for the ``detect_anomaly`` steps, with the same call that
+``Trainer(detect_anomaly=True)`` makes around its loop
+(``torch.autograd.set_detect_anomaly``). A step is timed from one
+``on_train_batch_start`` to the next, so it includes the forward and backward
+passes, the optimizer step, every hook and fetching the next (pre-built,
+in-memory) batch. Each segment's ratio is taken against the mean of the two
+plain segments around it; the report gives the median and interquartile range
+of those ratios. The first round is warm-up and is dropped.
 
-The global step continues from block to block (the Trainer's step counter is
-preset before ``fit``), so the blocks form one training run whose steps the
-variants share. The steady-state ``stethoscope`` instance is reused across its
-blocks (``setup`` rebuilds only the per-fit probe and host reader; detector
-baselines and the sampler schedule live in its ``Monitor`` and persist) and runs
-past its calibration window in an untimed pre-roll, so its timed steps are the
-steady state. Its sampling follows the global step, so each 48-step block holds
-exactly three gradient samples. The synthetic task is learnable, so the run
-stays healthy: the report counts the findings to show it.
+The steady-state ``stethoscope`` is one instance for the whole run. It runs
+alone through an untimed pre-roll past its 128-step calibration window, then
+sees only its own segments; its state (detector baselines, sampler schedule)
+lives in its ``Monitor``, and ``setup`` runs once. Its schedule follows the
+global step, and segments start half-way between its samples, so each 16-step
+segment holds exactly one gradient sample, in its middle. Each calibration
+segment gets a fresh instance, set up at the segment's first step (about 0.1 ms,
+which a real run pays at fit start instead), with the sampler's calibration
+starting at that step. The synthetic task is learnable, so the run stays
+healthy; the report counts the findings to show it.
 
 Run:
-    python -m benchmarks.overhead                      # both models, ~8 min on 2 cores
-    python -m benchmarks.overhead --quick              # smoke run, ~1 min
-    python -m benchmarks.overhead --model mlp --rounds 30 --json out.json
+    python -m benchmarks.overhead                      # both models, ~7 min on 2 cores
+    python -m benchmarks.overhead --quick              # smoke run, under a minute
+    python -m benchmarks.overhead --model mlp --rounds 100 --json out.json
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -70,7 +79,11 @@ from stethoscope import LightningStethoscope
 
 THREADS = 2
 SEED = 0
+CALIBRATION_EVERY = 2  # rounds
 POOL_BATCHES = 64  # distinct synthetic batches per model, cycled
+DEFAULT_ROUNDS = {"mlp": 60, "cnn": 24}  # about 2 and 4 minutes on 2 cores
+QUICK_ROUNDS = 2
+DEFAULT_SEGMENT = 16
 
 PLAIN = "plain"
 STETHOSCOPE = "stethoscope"
@@ -85,9 +98,10 @@ DESCRIPTIONS = {
     "sampler, stop_on='error') past calibration; sinks=[] only keeps this output clean: the "
     "default ConsoleSink prints nothing on a healthy run but the epoch summary, which falls "
     "outside the timed steps",
-    ANOMALY: "Trainer(detect_anomaly=True)",
+    ANOMALY: "autograd anomaly mode, switched on as Trainer(detect_anomaly=True) does",
     NAIVE: "callback: p.grad.norm().item() + math.isfinite for every parameter, every step",
-    CALIBRATION: "fresh LightningStethoscope(sinks=[]), its first {n} steps (sampler hot)",
+    CALIBRATION: "a fresh LightningStethoscope(sinks=[]) over its first {n} steps (sampler hot: "
+    "gradients every step, then every 2, 4, 8 steps)",
 }
 
 
@@ -137,7 +151,7 @@ MODELS = {
 
 
 def synthetic_batches(spec: ModelSpec, n: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    """``n`` learnable batches: Gaussian noise plus a faint pattern of the batch's class."""
+    """``n`` learnable batches: Gaussian noise plus a faint pattern of each sample's class."""
     g = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, *spec.input_shape, generator=g)
     batches = []
@@ -149,34 +163,31 @@ def synthetic_batches(spec: ModelSpec, n: int, seed: int) -> list[tuple[torch.Te
 
 
 class _Cycle(Dataset):
-    """Pre-built batches, cycled from ``start``: a loader with no collation cost."""
+    """Pre-built batches, cycled: a loader with no collation cost."""
 
-    def __init__(self, pool: Sequence[tuple[torch.Tensor, ...]], start: int, length: int) -> None:
-        self.pool, self.start, self.length = pool, start, length
+    def __init__(self, pool: Sequence[tuple[torch.Tensor, ...]], length: int) -> None:
+        self.pool, self.length = pool, length
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        return self.pool[(self.start + i) % len(self.pool)]
+        return self.pool[i % len(self.pool)]
 
 
 class Task(L.LightningModule):
-    """Cross-entropy classification; keeps its Adam optimizer (and its state) across fits."""
+    """Cross-entropy classification with Adam."""
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net
-        self._optimizer: torch.optim.Optimizer | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self._optimizer is None:
-            self._optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
-        return self._optimizer
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 # -- callbacks -----------------------------------------------------------------------
@@ -193,10 +204,10 @@ class StepClock(Callback):
         self.times.append(time.perf_counter())
         self.steps.append(trainer.global_step)
 
-    def step_ms(self) -> list[tuple[int, float]]:
-        """(step, ms) for every step followed by another batch start."""
+    def step_ms(self) -> dict[int, float]:
+        """Milliseconds of every step that another batch start followed, by global step."""
         t = self.times
-        return [(self.steps[i], 1e3 * (t[i + 1] - t[i])) for i in range(len(t) - 1)]
+        return {self.steps[i]: 1e3 * (t[i + 1] - t[i]) for i in range(len(t) - 1)}
 
 
 class NaiveGradCheck(Callback):
@@ -210,59 +221,128 @@ class NaiveGradCheck(Callback):
                 raise FloatingPointError(f"non-finite gradient in {name}")
 
 
-# -- one block -----------------------------------------------------------------------
+# -- the schedule ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` consecutive steps from global step ``start``, owned by ``variant``."""
+
+    variant: str
+    round: int  # -1: pre-roll, 0: warm-up
+    start: int
+    length: int
+
+
+def schedule(
+    rounds: int, segment: int, calib_n: int, preroll: int, rng: random.Random
+) -> list[Segment]:
+    """The pre-roll, then per round ``plain, A, plain, B, ..., plain`` (A, B, ... shuffled)."""
+    segments = [Segment(STETHOSCOPE, -1, 0, preroll)]
+    step = preroll
+    for rnd in range(rounds + 1):
+        others = [STETHOSCOPE, ANOMALY, NAIVE]
+        if rnd % CALIBRATION_EVERY == 1:
+            others.append(CALIBRATION)
+        rng.shuffle(others)
+        for key in [PLAIN, *(k for other in others for k in (other, PLAIN))]:
+            n = calib_n if key == CALIBRATION else segment
+            segments.append(Segment(key, rnd, step, n))
+            step += n
+    return segments
+
+
+_STEP_HOOKS = (
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+_RUN_HOOKS = ("setup", "on_train_start", "on_train_epoch_end", "teardown", "on_exception")
+
+
+class Gate(Callback):
+    """Hands each step's hooks to the callbacks of the variant that owns the step.
+
+    Run-level hooks (``setup``, train start and end, epoch end, ``teardown``) go to
+    the steady-state stethoscope, which lives through the whole fit. Each
+    calibration segment gets a fresh stethoscope, set up when its first step starts.
+    """
+
+    def __init__(self, segments: Sequence[Segment], steady: LightningStethoscope) -> None:
+        self.steady = steady
+        self.owner: list[str] = [s.variant for s in segments for _ in range(s.length)]
+        self.starts = {s.start for s in segments}
+        self.naive = NaiveGradCheck()
+        self.calibration_runs: list[LightningStethoscope] = []
+        self.active: list[Callback] = []
+        self.anomaly = False
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        key = self.owner[step] if step < len(self.owner) else PLAIN  # the untimed last step
+        if key == CALIBRATION and step in self.starts:
+            fresh = LightningStethoscope(sinks=[])
+            fresh.setup(trainer, pl_module, "fit")
+            fresh.on_train_start(trainer, pl_module)
+            fresh.monitor.sampler.load_state_dict({"hot_since": step})  # its run starts now
+            self.calibration_runs.append(fresh)
+        if key == STETHOSCOPE:
+            self.active = [self.steady]
+        elif key == NAIVE:
+            self.active = [self.naive]
+        elif key == CALIBRATION:
+            self.active = [self.calibration_runs[-1]]
+        else:
+            self.active = []
+        if self.anomaly != (key == ANOMALY):
+            self.anomaly = key == ANOMALY
+            torch.set_anomaly_enabled(self.anomaly, True)  # as set_detect_anomaly(mode) does
+        for cb in self.active:
+            cb.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.anomaly = False
+        torch.set_anomaly_enabled(False, True)
+        self.steady.on_train_end(trainer, pl_module)
+
+
+def _step_hook(name: str) -> Callable[..., None]:
+    def hook(self: Gate, *args: Any, **kwargs: Any) -> None:
+        for cb in self.active:
+            getattr(cb, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    return hook
+
+
+def _run_hook(name: str) -> Callable[..., None]:
+    def hook(self: Gate, *args: Any, **kwargs: Any) -> None:
+        getattr(self.steady, name)(*args, **kwargs)
+
+    hook.__name__ = name
+    return hook
+
+
+for _name in _STEP_HOOKS:
+    setattr(Gate, _name, _step_hook(_name))
+for _name in _RUN_HOOKS:
+    setattr(Gate, _name, _run_hook(_name))
+
+
+# -- one model -----------------------------------------------------------------------
 
 
 def _quiet() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*Anomaly Detection has been enabled.*")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
     warnings.filterwarnings("ignore", module="lightning_utilities.*")
     warnings.filterwarnings("ignore", message=".*litlogger.*")
-
-
-def fit_block(
-    task: Task,
-    pool: Sequence[tuple[torch.Tensor, ...]],
-    start_step: int,
-    n_steps: int,
-    callbacks: list[Callback],
-    **trainer_kwargs: Any,
-) -> tuple[StepClock, int]:
-    """Train ``n_steps`` optimizer steps from global step ``start_step`` with a fresh Trainer."""
-    clock = StepClock()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=start_step + n_steps,
-        max_epochs=-1,
-        callbacks=[clock, *callbacks],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        num_sanity_val_steps=0,
-        **trainer_kwargs,
-    )
-    # Continue the step count where this variant's previous block ended, so that a
-    # reused LightningStethoscope sees one run (its sampling schedule follows the step).
-    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
-    progress.optimizer.step.total.completed = start_step
-    loader = DataLoader(_Cycle(pool, start_step, n_steps + 1), batch_size=None, shuffle=False)
-    gc.collect()
-    trainer.fit(task, loader)
-    if clock.steps[0] != start_step or trainer.global_step != start_step + n_steps:
-        raise RuntimeError(
-            f"the step counter did not continue: first step {clock.steps[0]}, expected "
-            f"{start_step}; ended at {trainer.global_step}, expected {start_step + n_steps} "
-            "(this Lightning version keeps it elsewhere)"
-        )
-    return clock, trainer.global_step
-
-
-# -- variants ------------------------------------------------------------------------
 
 
 def calibration_steps(cb: LightningStethoscope) -> int:
@@ -271,20 +351,9 @@ def calibration_steps(cb: LightningStethoscope) -> int:
     return sampler.hot_steps * (max(sampler.base.values()) - 1).bit_length()
 
 
-@dataclass
-class Variant:
-    key: str
-    blocks: list[dict[str, Any]] = field(default_factory=list)
-    callback: LightningStethoscope | None = None  # the reused steady-state instance
-
-
-@dataclass
-class Config:
-    rounds: int
-    block_steps: int
-    warmup_steps: int
-    models: tuple[str, ...]
-    seed: int = SEED
+def gradient_interval(cb: LightningStethoscope) -> int:
+    """The longest base interval: how often a healthy run reads gradients."""
+    return max(cb.monitor.sampler.base.values())
 
 
 def _findings(cb: LightningStethoscope) -> int:
@@ -294,81 +363,75 @@ def _findings(cb: LightningStethoscope) -> int:
     return done + sum(r.count for r in live.rows if r.status != "ok")
 
 
+@dataclass(frozen=True)
+class Config:
+    rounds: dict[str, int]
+    segment: int
+    models: tuple[str, ...]
+    seed: int = SEED
+
+
 def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-    net = spec.build()
+    task = Task(spec.build())
     pool = synthetic_batches(spec, POOL_BATCHES, cfg.seed + 1)
-    # One model and optimizer for every variant: all of them train the same weights in
-    # turn, so no variant gets a luckier copy (memory layout, training stage).
-    task = Task(net)
-    variants = {k: Variant(k) for k in VARIANTS}
-    steady = variants[STETHOSCOPE]
-    steady.callback = LightningStethoscope(sinks=[])
-    calib_n = calibration_steps(steady.callback)
-
-    # Untimed pre-roll: take the reused instance past its calibration window.
-    pre = calib_n + 1  # the sampler leaves its hot state when it observes step calib_n
+    steady = LightningStethoscope(sinks=[])
+    calib_n = calibration_steps(steady)
+    every = gradient_interval(steady)
+    # The pre-roll takes the steady instance past calibration (it leaves its hot state
+    # when it observes step calib_n) and ends half-way between two gradient samples.
+    preroll = calib_n + 1 + (every // 2 - calib_n - 1) % every
+    rounds = cfg.rounds[spec.name]
+    segments = schedule(rounds, cfg.segment, calib_n, preroll, random.Random(cfg.seed))
+    total = segments[-1].start + segments[-1].length
+    gate = Gate(segments, steady)
+    clock = StepClock()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=total + 1,  # +1: the last timed step ends at the next batch start
+        max_epochs=-1,
+        callbacks=[clock, gate],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(_Cycle(pool, total + 2), batch_size=None, shuffle=False)
+    # Move everything alive now out of the collector's sight: collections during the
+    # run then walk only what the run itself makes, whichever variant's step they hit.
+    gc.collect()
+    gc.freeze()
+    log(
+        f"{spec.name}: {total} steps ({preroll} pre-roll; {rounds} rounds after a warm-up "
+        f"round; segments of {cfg.segment} steps, {calib_n} for calibration)"
+    )
     t0 = time.perf_counter()
-    _, step = fit_block(task, pool, 0, pre, [steady.callback])
-    sampler = steady.callback.monitor.sampler
-    if sampler.hot or sampler.calibrating:
-        raise RuntimeError("the stethoscope's sampler is still hot after its calibration window")
-    log(f"{spec.name}: {pre} untimed pre-roll steps: {time.perf_counter() - t0:.1f}s")
+    try:
+        trainer.fit(task, loader)
+    finally:
+        gc.unfreeze()
+    log(f"{spec.name}: {time.perf_counter() - t0:.0f}s")
 
-    calib_callbacks: list[LightningStethoscope] = []
-    rng = random.Random(cfg.seed)
-    for rnd in range(cfg.rounds + 1):  # round 0 is warm-up
-        # The calibration row needs no warm-up round: a fresh instance is made per block.
-        order = [k for k in VARIANTS if rnd > 0 or k != CALIBRATION]
-        rng.shuffle(order)
-        t_round = time.perf_counter()
-        for key in order:
-            v = variants[key]
-            timed = calib_n if key == CALIBRATION else cfg.block_steps
-            n = cfg.warmup_steps + timed + 1  # +1: the last timed step ends at a batch start
-            first_timed = step + cfg.warmup_steps
-            kwargs: dict[str, Any] = {}
-            callbacks: list[Callback] = []
-            if key == STETHOSCOPE:
-                callbacks = [v.callback]
-            elif key == ANOMALY:
-                kwargs["detect_anomaly"] = True
-            elif key == NAIVE:
-                callbacks = [NaiveGradCheck()]
-            elif key == CALIBRATION:
-                fresh = LightningStethoscope(sinks=[])
-                # The run "starts" at the first timed step: the warm-up steps before it
-                # are sampled every step too, then the timed window is exactly the
-                # calibration schedule (every step, then every 2, 4, 8 steps).
-                fresh.monitor.sampler.load_state_dict({"hot_since": first_timed})
-                callbacks = [fresh]
-                calib_callbacks.append(fresh)
-            clock, step = fit_block(task, pool, step, n, callbacks, **kwargs)
-            kept = [(s, ms) for s, ms in clock.step_ms() if s >= first_timed]
-            assert len(kept) == timed, (key, len(kept), timed)
-            block: dict[str, Any] = {
-                "round": rnd,
-                "steps": [s for s, _ in kept],
-                "ms": [ms for _, ms in kept],
-            }
-            if key == STETHOSCOPE:
-                monitor = v.callback.monitor
-                block["sampled"] = [bool(monitor.plan(s) - {"loss"}) for s in block["steps"]]
-            v.blocks.append(block)
-        log(
-            f"{spec.name}: round {rnd}/{cfg.rounds}{' (warm-up)' if rnd == 0 else ''} "
-            f"{time.perf_counter() - t_round:.1f}s"
-        )
-
-    result = summarise(variants, cfg)
+    ms = clock.step_ms()
+    if sorted(ms) != list(range(total)):
+        raise RuntimeError(f"timed steps {min(ms)}..{max(ms)} ({len(ms)}), expected 0..{total - 1}")
+    sampled = {
+        s: bool(steady.monitor.plan(s) - {"loss"})
+        for seg in segments
+        if seg.variant == STETHOSCOPE
+        for s in range(seg.start, seg.start + seg.length)
+    }
+    result = summarise(segments, ms, sampled)
     result["model"] = spec.name
     result["title"] = spec.title
+    result["rounds"] = rounds
     result["calibration_steps"] = calib_n
     result["stethoscope_health"] = {
-        "findings_steady": _findings(steady.callback),
-        "escalations_steady": steady.callback.monitor.sampler.escalations,
-        "sampler_hot_at_end": steady.callback.monitor.sampler.hot,
-        "findings_calibration_runs": sum(_findings(cb) for cb in calib_callbacks),
+        "findings_steady": _findings(steady),
+        "escalations_steady": steady.monitor.sampler.escalations,
+        "findings_calibration_runs": sum(_findings(cb) for cb in gate.calibration_runs),
     }
     return result
 
@@ -384,42 +447,49 @@ def _quartiles(xs: Sequence[float]) -> dict[str, float]:
     return {"q1": q1, "median": q2, "q3": q3}
 
 
-def summarise(variants: dict[str, Variant], cfg: Config) -> dict[str, Any]:
-    def measured(v: Variant) -> list[dict[str, Any]]:
-        return [b for b in v.blocks if b["round"] >= 1]
+def summarise(
+    segments: Sequence[Segment], ms: dict[int, float], sampled: dict[int, bool]
+) -> dict[str, Any]:
+    def times(seg: Segment) -> list[float]:
+        return [ms[s] for s in range(seg.start, seg.start + seg.length)]
 
-    plain = {b["round"]: b for b in measured(variants[PLAIN])}
     out: dict[str, Any] = {"variants": {}}
-    for key, v in variants.items():
-        blocks = measured(v)
-        all_ms = [ms for b in blocks for ms in b["ms"]]
-        mean_ratios, median_ratios = [], []
-        for b in blocks:
-            p = plain[b["round"]]
-            mean_ratios.append(statistics.fmean(b["ms"]) / statistics.fmean(p["ms"]))
-            median_ratios.append(statistics.median(b["ms"]) / statistics.median(p["ms"]))
+    for key in VARIANTS:
+        mine = [(i, seg) for i, seg in enumerate(segments) if seg.variant == key and seg.round >= 1]
+        all_ms = [t for _, seg in mine for t in times(seg)]
         entry: dict[str, Any] = {
             "median_ms": statistics.median(all_ms),
             "mean_ms": statistics.fmean(all_ms),
             "steps_timed": len(all_ms),
-            "rounds": len(blocks),
-            "ratio_of_means": _quartiles(mean_ratios),
-            "ratio_of_medians": _quartiles(median_ratios),
-            "per_round_ratio_of_means": mean_ratios,
-            "blocks": blocks,
+            "segments": len(mine),
         }
-        if key == STETHOSCOPE:
-            # The sampled steps (gradient norms, 1 in 16) against the same round's plain median.
+        if key != PLAIN:
+            by_mean, by_median = [], []
             split: dict[str, list[float]] = {"sampled": [], "unsampled": []}
-            for b in blocks:
-                ref = statistics.median(plain[b["round"]]["ms"])
-                for ms, hit in zip(b["ms"], b["sampled"], strict=True):
-                    split["sampled" if hit else "unsampled"].append(ms / ref)
-            entry["step_ratio_by_kind"] = {
-                k: {"n": len(xs), "median": statistics.median(xs) if xs else None}
-                for k, xs in split.items()
-            }
+            for i, seg in mine:
+                before, after = times(segments[i - 1]), times(segments[i + 1])
+                assert segments[i - 1].variant == segments[i + 1].variant == PLAIN
+                own = times(seg)
+                ref_mean = statistics.fmean([statistics.fmean(before), statistics.fmean(after)])
+                ref_median = statistics.fmean([statistics.median(before), statistics.median(after)])
+                by_mean.append(statistics.fmean(own) / ref_mean)
+                by_median.append(statistics.median(own) / ref_median)
+                if key == STETHOSCOPE:
+                    for s in range(seg.start, seg.start + seg.length):
+                        split["sampled" if sampled[s] else "unsampled"].append(ms[s] / ref_median)
+            entry["ratio_of_means"] = _quartiles(by_mean)
+            entry["ratio_of_medians"] = _quartiles(by_median)
+            entry["per_segment_ratio_of_means"] = by_mean
+            if key == STETHOSCOPE:
+                entry["step_ratio_by_kind"] = {
+                    k: {"n": len(xs), "median": statistics.median(xs) if xs else None}
+                    for k, xs in split.items()
+                }
         out["variants"][key] = entry
+    out["segments"] = [
+        {"variant": seg.variant, "round": seg.round, "start": seg.start, "ms": times(seg)}
+        for seg in segments
+    ]
     return out
 
 
@@ -450,8 +520,8 @@ def _ratio(r: dict[str, float]) -> str:
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wall_s: float) -> str:
     lines = [
-        "| model | variant | median ms/step | mean ms/step | ratio vs plain, block means: "
-        "median [IQR] | ratio vs plain, step medians: median [IQR] |",
+        "| model | variant | median ms/step | mean ms/step | ratio vs plain, segment means: "
+        "median [IQR] | ratio vs plain, segment medians: median [IQR] |",
         "|---|---|---:|---:|---|---|",
     ]
     for res in results:
@@ -464,19 +534,22 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
                 f"{ratio_mean} | {ratio_median} |"
             )
     calib_n = results[0]["calibration_steps"] if results else 128
+    rounds = ", ".join(f"{r['model']} {r['rounds']}" for r in results)
     notes = [
         "",
         f"{env['date']}; torch {env['torch']}, lightning {env['lightning']}, "
         f"Python {env['python']}; {env['torch_threads']} torch threads on {env['cpu']} "
-        f"({env['cpu_count']} CPUs). `{env['command']}`, {wall_s / 60:.1f} min.",
-        f"{cfg.rounds} rounds after a warm-up round; per round and variant a fresh Trainer "
-        f"trains {cfg.warmup_steps} untimed + {cfg.block_steps} timed steps "
-        f"({calib_n} timed for the calibration row), variants in shuffled order. "
-        "A step is timed from one on_train_batch_start to the next (forward, backward, "
-        "optimizer, every hook, next in-memory batch). Ratios are taken within each round "
-        "against that round's plain block, then summarised over rounds.",
-        "Block means count every step, including the 1-in-16 steps on which the stethoscope "
-        "reads gradient norms; per-step medians hide those steps.",
+        f"({env['cpu_count']} CPUs). `{env['command']}`: {wall_s / 60:.1f} min.",
+        "",
+        f"One trainer.fit per model; the variants take turns in segments of {cfg.segment} steps "
+        f"({calib_n} for the calibration row, every {CALIBRATION_EVERY} rounds), each round "
+        "plain, A, plain, B, plain, ... with the others shuffled; rounds after a warm-up "
+        f"round: {rounds}. A step is timed from one on_train_batch_start to the next "
+        "(forward, backward, optimizer, every hook, the next in-memory batch). Each "
+        "segment's ratio is taken against the mean of the two plain segments around it; "
+        "the table gives the median and interquartile range of those ratios. Segment means "
+        "count every step, including the 1-in-16 steps on which the stethoscope reads "
+        "gradient norms; medians hide those steps.",
         "",
     ]
     for key in VARIANTS:
@@ -486,15 +559,15 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
         split = res["variants"][STETHOSCOPE].get("step_ratio_by_kind", {})
         h = res["stethoscope_health"]
         parts = [
-            f"{k} steps (n={v['n']}): {v['median']:.3f}x"
+            f"{k} steps {v['median']:.3f}x (n={v['n']})"
             for k, v in split.items()
             if v["median"] is not None
         ]
         notes.append(
-            f"{res['model']}: stethoscope steps against the round's plain median: "
-            + "; ".join(parts)
-            + f". Findings in the steady-state run: {h['findings_steady']}, sampler "
-            f"escalations: {h['escalations_steady']}."
+            f"{res['model']}: stethoscope steps vs the median of the plain segments around "
+            "them: " + ", ".join(parts) + ". Findings in the steady-state run: "
+            f"{h['findings_steady']}, sampler escalations: {h['escalations_steady']}; "
+            f"findings in the calibration runs: {h['findings_calibration_runs']}."
         )
     return "\n".join(lines + notes)
 
@@ -505,35 +578,33 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.overhead",
-        description="Per-step overhead of LightningStethoscope vs plain Lightning, "
-        "detect_anomaly and a naive gradient check (CPU, interleaved blocks).",
+        description="Per-step overhead of LightningStethoscope against plain Lightning, "
+        "detect_anomaly and a naive gradient check, on the CPU, with the variants "
+        "interleaved in short segments of one training run.",
     )
     p.add_argument("--model", choices=("mlp", "cnn", "both"), default="both")
     p.add_argument(
-        "--rounds", type=int, default=None, help="measured rounds (default 16; 2 with --quick)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="measured rounds per model (default: mlp 60, cnn 24; "
+        f"{QUICK_ROUNDS} with --quick); a warm-up round comes first",
     )
     p.add_argument(
         "--block-steps",
         type=int,
-        default=None,
-        help="timed steps per block (default 48; 16 with --quick); keep it a multiple of 16, "
-        "the stethoscope's gradient interval, so every block holds as many sampled steps",
+        default=DEFAULT_SEGMENT,
+        help=f"steps per segment (default {DEFAULT_SEGMENT}); a multiple of 16, the "
+        "stethoscope's gradient interval, so every segment holds as many gradient samples",
     )
-    p.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=None,
-        help="untimed steps opening each block (default 10; 3 with --quick)",
-    )
-    p.add_argument("--json", metavar="PATH", help="also write every timing and summary as JSON")
-    p.add_argument("--quick", action="store_true", help="a smoke run of about a minute")
+    p.add_argument("--json", metavar="PATH", help="also write every step time and summary")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds: a smoke run")
     args = p.parse_args(argv)
-    defaults = (2, 16, 3) if args.quick else (16, 48, 10)
-    for name, d in zip(("rounds", "block_steps", "warmup_steps"), defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, d)
-    if args.rounds < 1 or args.block_steps < 1 or args.warmup_steps < 1:
-        p.error("--rounds, --block-steps and --warmup-steps must be >= 1")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    every = gradient_interval(LightningStethoscope(sinks=[]))
+    if args.block_steps < every or args.block_steps % every:
+        p.error(f"--block-steps must be a multiple of {every}")
     return args
 
 
@@ -541,11 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _quiet()
     torch.set_num_threads(THREADS)
+    models = ("mlp", "cnn") if args.model == "both" else (args.model,)
+    default = dict.fromkeys(models, QUICK_ROUNDS) if args.quick else DEFAULT_ROUNDS
     cfg = Config(
-        rounds=args.rounds,
-        block_steps=args.block_steps,
-        warmup_steps=args.warmup_steps,
-        models=("mlp", "cnn") if args.model == "both" else (args.model,),
+        rounds={m: args.rounds or default[m] for m in models},
+        segment=args.block_steps,
+        models=models,
     )
 
     def log(msg: str) -> None:
@@ -557,7 +629,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = [run_model(MODELS[m], cfg, log) for m in cfg.models]
     wall = time.perf_counter() - t0
-    log(f"total {wall:.0f}s")
     print(markdown(results, env, cfg, wall))
     if args.json:
         with open(args.json, "w") as f:

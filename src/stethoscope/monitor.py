@@ -96,16 +96,27 @@ class Monitor:
         self.stopped_by: Finding | None = None
         self.last_step = -1
         self._closed = False
+        self._due_key: tuple[int, int | None] | None = None
+        self._due_set: frozenset[str] = frozenset()
         self._new_epoch()
 
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
         """The probes the adapter should compute at ``step``."""
+        due = self._due(step)
         probes: set[str] = set()
         for d in self.detectors:
-            if self.sampler.is_due(d.name, step):
+            if d.name in due:
                 probes |= d.needs
         return frozenset(probes)
+
+    def _due(self, step: int) -> frozenset[str]:
+        # plan() and observe() ask for the same step: compute the schedule once. The cache
+        # is keyed on the sampler's state too, since an escalation changes the answer.
+        key = (step, self.sampler.hot_since)
+        if self._due_key != key:
+            self._due_key, self._due_set = key, frozenset(self.sampler.due(step))
+        return self._due_set
 
     def interval(self, name: str, step: int | None = None) -> int:
         """The current sampling interval of detector ``name``."""
@@ -118,8 +129,9 @@ class Monitor:
         if back:
             findings.append(self._sampler_finding(obs, back))
         suspects: list[str] = []
+        due = self._due(obs.step)
         for d in self.detectors:
-            if not self.sampler.is_due(d.name, obs.step):
+            if d.name not in due:
                 continue
             if not all(obs.has(p) for p in d.needs):
                 continue

@@ -85,8 +85,13 @@ class AdaptiveSampler:
         return step % self.interval(name, step) == 0
 
     def due(self, step: int) -> list[str]:
-        """The names of the detectors that run at ``step``."""
-        return [name for name in self.base if self.is_due(name, step)]
+        """The names of the detectors that run at ``step``, in registration order."""
+        cap = self.cap(step)
+        return [
+            name
+            for name, base in self.base.items()
+            if step % (base if cap is None else min(base, cap)) == 0
+        ]
 
     @property
     def hot(self) -> bool:

@@ -91,11 +91,12 @@ class LossSpike(Detector):
             center = median(win)
             jump = loss - center
             bar = max(
-                self.z * robust_sigma(win, center),
                 self.tail * st["envelope"],
                 self.min_jump * abs(st["initial"]),
                 (self.ratio - 1) * max(center, 0.0),
             )
+            if jump > bar / 2:  # only then can the z-score matter: skip the MAD on most steps
+                bar = max(bar, self.z * robust_sigma(win, center))
             if jump > bar / 2 and jump > self.min_jump * abs(st["initial"]):
                 self.suspect = f"loss {loss:.4g} jumped {jump:.3g} above its median {center:.4g}"
             if jump > bar:
@@ -258,8 +259,10 @@ class UnstableLoss(Detector):
             st["initial"] = level
         st["best"] = level if st["best"] is None else min(st["best"], level)
         initial, best = st["initial"], st["best"]
-        noise = 6 * 1.25 * robust_sigma(st["recent"], level) / self.window**0.5
-        bar = max(self.rise * abs(initial), noise)
+        bar = self.rise * abs(initial)
+        if level - best > bar:  # the noise bar only matters past the rise bar: skip the MAD
+            noise = 6 * 1.25 * robust_sigma(st["recent"], level) / self.window**0.5
+            bar = max(bar, noise)
         rising = level - best > bar
         diverged = initial > 0 and level > 2 * initial
         st["streak"] = st["streak"] + 1 if rising else 0
