@@ -125,6 +125,7 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
     for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
         if idx:
-            for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, **kw)):
+            norms = torch._foreach_norm([tensors[i] for i in idx], 2, **kw)
+            for i, n in zip(idx, norms, strict=True):
                 out[i] = n.float()
     return torch.stack(out)
