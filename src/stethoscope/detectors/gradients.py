@@ -123,19 +123,21 @@ class VanishingGradients(Detector):
     """Gradients too small to train while the loss is still high.
 
     Rule: a sampled step is "vanishing" when either the root-mean-square gradient
-    over all parameters is below ``rms_threshold`` (SageMaker Debugger
-    ``vanishing_gradient``: mean |g| < 1e-7; the RMS bounds the mean |g| from
-    above, so this is never looser), or the first weight matrix's gradient norm
-    is below ``first_layer_threshold`` and below ``ratio`` times the last one's
-    (AutoTrainer: 1e-4 and 1e-3). Either only counts while the loss is still
-    above ``loss_fraction`` of its initial level: a converged model has tiny
-    gradients because it has nothing left to learn. ``patience`` vanishing
-    samples in a row raise a warning.
+    over all parameters is below ``rms_threshold`` per unit of loss (SageMaker
+    Debugger ``vanishing_gradient``: mean |g| < 1e-7; the RMS bounds the mean |g|
+    from above), or the first weight matrix's gradient norm is below
+    ``first_layer_threshold`` per unit of loss and below ``ratio`` times the last
+    one's (AutoTrainer: 1e-4 and 1e-3). Thresholds scale with the loss because a
+    converged model has tiny gradients for a tiny loss: SageMaker's absolute
+    1e-7 fires on any classifier trained to a loss of ~1e-6. Either only counts
+    while the loss is still above ``loss_fraction`` of its initial level.
+    ``patience`` vanishing samples in a row raise a warning.
 
     Args:
-        rms_threshold: Global gradient RMS below which gradients have vanished.
-        first_layer_threshold: Gradient norm of the first weight matrix below
-            which it counts as starved.
+        rms_threshold: Global gradient RMS, per unit of loss, below which
+            gradients have vanished.
+        first_layer_threshold: Gradient norm of the first weight matrix, per unit
+            of loss, below which it counts as starved.
         ratio: First-over-last weight-matrix gradient norm ratio below which
             the signal is lost on the way back.
         loss_fraction: The loss must still be above this fraction of its initial
@@ -209,25 +211,28 @@ class VanishingGradients(Detector):
             "use ReLU-family activations, He/Xavier initialisation, normalisation layers or "
             "residual connections, and check the learning rate is not tiny"
         )
-        if rms < self.rms_threshold:
+        # Thresholds are per unit of loss: a converged model's gradients shrink with its
+        # loss (cross-entropy: |dL/dlogit| ~ 2 x loss), which is not vanishing.
+        scale = abs(obs.loss) if is_finite(obs.loss) and obs.loss != 0 else 1.0
+        if rms < self.rms_threshold * scale:
             return (
-                f"Gradients have vanished at step {obs.step}: RMS gradient {rms:.2g} < "
-                f"{self.rms_threshold:.0e} while the loss is still high; {fix}.",
+                f"Gradients have vanished at step {obs.step}: RMS gradient {rms:.2g} for a loss "
+                f"of {scale:.3g} (< {self.rms_threshold:.0e} per unit of loss); {fix}.",
                 rms,
-                self.rms_threshold,
+                self.rms_threshold * scale,
                 None,
             )
         mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else np.array([], int)
         if len(mats) < 2:
             return None
         first, last = float(norms[mats[0]]), float(norms[mats[-1]])
-        if first < self.first_layer_threshold and first < self.ratio * last:
+        if first < self.first_layer_threshold * scale and first < self.ratio * last:
             return (
                 f"Gradients vanish on the way back at step {obs.step}: {obs.names[mats[0]]} gets "
                 f"a gradient norm of {first:.2g}, {last / max(first, 1e-300):.2g}x smaller than "
                 f"{obs.names[mats[-1]]}, so the first layers barely learn; {fix}.",
                 first,
-                self.first_layer_threshold,
+                self.first_layer_threshold * scale,
                 obs.names[mats[0]],
             )
         return None
