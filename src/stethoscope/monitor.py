@@ -341,11 +341,25 @@ class Monitor:
         self._last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
 
+    def begin(self, *, fresh: bool) -> None:
+        """Start a training run: reopen after a previous run's close, forget its stop.
+
+        Args:
+            fresh: The run starts at step 0, so the baselines and the schedule of a
+                previous run (keyed to its steps) are forgotten too. A resumed run
+                restores them with :meth:`load_state_dict` afterwards.
+        """
+        if fresh:
+            self.reset()
+        self.stopped_by = None
+        self._closed = False
+
     def reset(self) -> None:
         """Forget every baseline and the schedule (a fresh run)."""
         for d in self.detectors:
             d.reset()
         self.sampler.load_state_dict({})
+        self._due_key = None
         self._last_sent.clear()
         self.stopped_by = None
         self.last_step = -1

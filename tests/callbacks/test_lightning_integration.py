@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from stethoscope import LightningStethoscope, TrainingProblem
-from stethoscope.sinks import ConsoleSink
+from stethoscope.sinks import ConsoleSink, JSONLSink
 from stethoscope.testing import CapturingSink
 
 
@@ -89,6 +90,21 @@ def test_resume_from_checkpoint_continues_baselines_and_schedule(tmp_path):
     assert trainer2.global_step == 260
     # a resumed run does not re-learn: the sampler stayed out of its calibration window
     assert resumed.monitor.sampler.calibrating is False
+
+
+def test_one_callback_serves_two_fits(tmp_path):
+    jsonl = tmp_path / "findings.jsonl"
+    cb = LightningStethoscope(sinks=[JSONLSink(jsonl)])
+    first, _ = fit(TinyMLP(fault="nan_input", onset=20), steps=100, callback=cb)
+    assert first.should_stop and cb.stopped_by.detector == "nonfinite_loss"
+    second, _ = fit(TinyMLP(), steps=60, callback=cb)
+    assert second.global_step == 60, "the first run's stop must not stop the second"
+    assert cb.stopped_by is None
+    assert cb.summaries[-1].stopped_by is None
+    assert cb.monitor.sampler.escalations == 0, "the first run's escalation was forgotten"
+    assert cb.monitor.last_step == 59, "the second run's steps start again at 0"
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["step"] for r in lines if r["detector"] == "nonfinite_loss"] == [20]
 
 
 @pytest.mark.parametrize("bar", [TQDMProgressBar, RichProgressBar], ids=["tqdm", "rich"])

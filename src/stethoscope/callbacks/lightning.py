@@ -115,6 +115,9 @@ class LightningStethoscope(Callback):
             return
         self._reset_run()
         self._probe = ParameterProbe(list(pl_module.named_parameters()))
+        # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
+        # if any, restores the baselines right after setup); the same Trainer continues.
+        self.monitor.begin(fresh=trainer.global_step == 0)
         self.monitor.emit = trainer.is_global_zero
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -44,16 +44,13 @@ class _FileSink(Sink):
     def emit(self, finding: Finding) -> None:
         """Append ``finding`` as one line if it is at or above ``min_severity``.
 
-        Raises:
-            RuntimeError: The sink was closed.
+        After :meth:`close` (a callback reused for a second ``fit``), the file is reopened
+        in append mode: a finding is never dropped, and the rows already written stay.
         """
-        if self._file is None:
-            raise RuntimeError(
-                f"{self!r} is closed, so this finding would be lost; emit before close(), "
-                "or make a new sink (append=True keeps the rows already written)"
-            )
         if finding.severity < self.min_severity:
             return
+        if self._file is None:
+            self._open(truncate=False)
         self._write(self._format(finding))
 
     def flush(self) -> None:
