@@ -119,13 +119,20 @@ def fit(
     batch_size: int = 32,
     data: DataLoader | None = None,
     callback: LightningStethoscope | None = None,
-    sink: CapturingSink | None = None,
+    sink: CapturingSink | None = None,  # used only when ``callback`` is None
     ckpt_path: Any = None,
     **trainer_kw: Any,
-) -> tuple[L.Trainer, CapturingSink]:
-    """Train ``model`` for at most ``steps`` steps with a capturing stethoscope."""
-    sink = sink if sink is not None else CapturingSink()
-    callback = callback if callback is not None else LightningStethoscope(sinks=[sink])
+) -> tuple[L.Trainer, CapturingSink | None]:
+    """Train ``model`` for at most ``steps`` steps with a capturing stethoscope.
+
+    Returns the trainer and the CapturingSink that the stethoscope actually writes to.
+    """
+    if callback is not None:
+        own = [s for s in callback.monitor.sinks if isinstance(s, CapturingSink)]
+        sink = own[0] if own else None  # never hand back a sink nobody writes to
+    else:
+        sink = sink if sink is not None else CapturingSink()
+        callback = LightningStethoscope(sinks=[sink])
     defaults: dict[str, Any] = dict(
         max_steps=steps,
         max_epochs=-1,

@@ -103,6 +103,7 @@ class LightningStethoscope(Callback):
         self._stepped: list[int] = []
         self._warned_no_loss = False
         self._printer = None
+        self._lr_group: dict[str, Any] | None = None
 
     @property
     def stopped_by(self) -> Finding | None:
@@ -126,6 +127,9 @@ class LightningStethoscope(Callback):
         # RichProgressBar draws on rich's global console, which ConsoleSink prints to by
         # default and which places output above the live bar itself (its stdout proxy would
         # wrap our already-wrapped lines a second time).
+        optimizers = trainer.optimizers
+        # the dict object stays the same while schedulers change its "lr": read it per step
+        self._lr_group = optimizers[0].param_groups[0] if optimizers else None
         enabled = bar is not None and bar.is_enabled
         self._printer = bar.print if enabled and not isinstance(bar, RichProgressBar) else None
         for sink in self.monitor.sinks:
@@ -184,9 +188,15 @@ class LightningStethoscope(Callback):
                     parts.append(updates)
             self._grad_parts, self._snapshots, self._stepped = [], [], []
         if parts:
-            meta = (self._planned_step, trainer.current_epoch, loss is not None, idx, fields)
-            meta += (_lr(trainer),)
-            self._reader.push(meta, parts[0] if len(parts) == 1 else torch.cat(parts))
+            lr = self._lr_group.get("lr") if self._lr_group is not None else None
+            lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
+            meta = (self._planned_step, trainer.current_epoch, loss is not None, idx, fields, lr)
+            if not fields and loss.device.type == "cpu" and not len(self._reader):
+                # The CPU fast path: reading a CPU scalar is no device sync, and skipping the
+                # reader saves several tensor ops on the step that every step is.
+                self._judge(trainer, meta, (loss.item(),))
+            else:
+                self._reader.push(meta, parts[0] if len(parts) == 1 else torch.cat(parts))
         self._drain(trainer, wait=False)
 
     # -- per epoch / end ------------------------------------------------------------
@@ -251,14 +261,17 @@ class LightningStethoscope(Callback):
 
     def _drain(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for meta, values in self._reader.pop(wait=wait):
-            obs = self._observation(meta, values)
-            decision = self.monitor.observe(obs)
-            if self.log_stats and obs.grad_norm is not None:
-                self._log_headline(trainer, obs)
-            if decision.raise_:
-                raise TrainingProblem(decision.reason)
-            if decision.stop and not trainer.should_stop:
-                trainer.should_stop = True
+            self._judge(trainer, meta, values)
+
+    def _judge(self, trainer: pl.Trainer, meta: tuple, values: Any) -> None:
+        obs = self._observation(meta, values)
+        decision = self.monitor.observe(obs)
+        if self.log_stats and obs.grad_norm is not None:
+            self._log_headline(trainer, obs)
+        if decision.raise_:
+            raise TrainingProblem(decision.reason)
+        if decision.stop and not trainer.should_stop:
+            trainer.should_stop = True
 
     def _observation(self, meta: tuple, values: Any) -> Observation:
         step, epoch, has_loss, idx, fields, lr = meta
@@ -295,12 +308,3 @@ class LightningStethoscope(Callback):
 
     def _echo(self, text: str) -> None:
         (self._printer or print)(text)
-
-
-def _lr(trainer: pl.Trainer) -> float | None:
-    """The first parameter group's learning rate, when it is a plain number (no sync)."""
-    optimizers = trainer.optimizers
-    if not optimizers:
-        return None
-    lr = optimizers[0].param_groups[0].get("lr")
-    return float(lr) if isinstance(lr, (int, float)) else None

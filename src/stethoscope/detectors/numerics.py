@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from stethoscope.detectors.base import Detector
@@ -31,7 +33,7 @@ class NonfiniteLoss(Detector):
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
-        if loss is None or np.isfinite(loss):
+        if loss is None or math.isfinite(loss):  # math, not numpy: this runs every step
             return []
         return [
             self.finding(
