@@ -82,7 +82,7 @@ class EpochSummary:
         table.add_column("detector", no_wrap=True)
         table.add_column("status", no_wrap=True)
         table.add_column("n", justify="right")
-        table.add_column("worst / limit", justify="right", no_wrap=True)
+        table.add_column("worst / limit", justify="right")
         table.add_column("where", overflow="fold", max_width=16)
         table.add_column("every", justify="right", no_wrap=True)
         table.add_column("verdict", ratio=1)
