@@ -187,16 +187,13 @@ class Monitor:
         rows.sort(key=lambda r: order.index(r.status))
         if SAMPLER in self._epoch:
             stats = self._epoch[SAMPLER]
+            escalated = self.sampler.escalations - self._epoch_escalations
             rows.append(
                 SummaryRow(
                     detector=SAMPLER,
                     status="info",
                     count=stats["count"],
-                    verdict=(
-                        f"escalated {stats['escalations']}x this epoch; "
-                        if stats["escalations"]
-                        else ""
-                    )
+                    verdict=(f"escalated {escalated}x this epoch; " if escalated else "")
                     + ("still sampling hot" if self.sampler.hot else "back at base intervals"),
                 )
             )
@@ -270,20 +267,16 @@ class Monitor:
             detector=SAMPLER,
             severity=Severity.INFO,
             message=message,
-            value=float(self.sampler.cap(obs.step) or 0) or None,
+            value=self.sampler.cap(obs.step),  # the interval cap now: 1, or None at base
             rank=obs.rank,
         )
 
     def _record(self, f: Finding) -> None:
-        stats = self._epoch.setdefault(
-            f.detector, {"count": 0, "worst": f, "by_severity": {}, "escalations": 0}
-        )
+        stats = self._epoch.setdefault(f.detector, {"count": 0, "worst": f, "by_severity": {}})
         stats["count"] += 1
         stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
         if f.severity > stats["worst"].severity:
             stats["worst"] = f
-        if f.detector == SAMPLER and "running all detectors" in f.message:
-            stats["escalations"] += 1
         key = f"{f.detector}|{f.where}|{f.severity.value}"
         last = self._last_sent.get(key)
         if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
@@ -311,6 +304,7 @@ class Monitor:
         self._epoch: dict[str, dict[str, Any]] = {}
         self._epoch_steps: set[int] = set()
         self._epoch_grad_steps: set[int] = set()
+        self._epoch_escalations = self.sampler.escalations
 
     # -- lifecycle ------------------------------------------------------------------
     def flush(self) -> None:
@@ -338,6 +332,7 @@ class Monitor:
             if d.name in state.get("detectors", {}):
                 d.load_state_dict(state["detectors"][d.name])
         self.sampler.load_state_dict(state.get("sampler", {}))
+        self._epoch_escalations = self.sampler.escalations  # count this epoch's from here
         self._last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
 
