@@ -122,14 +122,14 @@ class LightningStethoscope(Callback):
         self.monitor.emit = trainer.is_global_zero
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizers = trainer.optimizers
+        # the dict object stays the same while schedulers change its "lr": read it per step
+        self._lr_group = optimizers[0].param_groups[0] if optimizers else None
         bar = trainer.progress_bar_callback
         # Print through the progress bar so its line is not torn: tqdm.write for TQDM. A
         # RichProgressBar draws on rich's global console, which ConsoleSink prints to by
         # default and which places output above the live bar itself (its stdout proxy would
         # wrap our already-wrapped lines a second time).
-        optimizers = trainer.optimizers
-        # the dict object stays the same while schedulers change its "lr": read it per step
-        self._lr_group = optimizers[0].param_groups[0] if optimizers else None
         enabled = bar is not None and bar.is_enabled
         self._printer = bar.print if enabled and not isinstance(bar, RichProgressBar) else None
         for sink in self.monitor.sinks:
@@ -172,7 +172,7 @@ class LightningStethoscope(Callback):
         batch_idx: int,
     ) -> None:
         loss = self._loss_of(outputs, trainer, pl_module)
-        parts = [loss.reshape(1).float()] if loss is not None else []
+        parts: list[torch.Tensor] = []
         fields: list[str] = []
         idx = self._stepped
         if idx:  # an optimizer stepped on a sampled step: every array follows ``idx``
@@ -187,15 +187,17 @@ class LightningStethoscope(Callback):
                     fields.append("update_norm")
                     parts.append(updates)
             self._grad_parts, self._snapshots, self._stepped = [], [], []
-        if parts:
+        if loss is not None or parts:
             lr = self._lr_group.get("lr") if self._lr_group is not None else None
             lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
             meta = (self._planned_step, trainer.current_epoch, loss is not None, idx, fields, lr)
-            if not fields and loss.device.type == "cpu" and not len(self._reader):
+            if not parts and loss.device.type == "cpu" and not len(self._reader):
                 # The CPU fast path: reading a CPU scalar is no device sync, and skipping the
                 # reader saves several tensor ops on the step that every step is.
                 self._judge(trainer, meta, (loss.item(),))
             else:
+                if loss is not None:
+                    parts.insert(0, loss.reshape(1).float())
                 self._reader.push(meta, parts[0] if len(parts) == 1 else torch.cat(parts))
         self._drain(trainer, wait=False)
 
