@@ -13,6 +13,7 @@ __all__ = ["Decision", "Policy", "StopOn", "decide", "parse_policy"]
 StopOn = str | Iterable[str] | None
 
 _LEVELS = ("error", "warning")
+_CHOICES = "use None, 'error', 'warning', or a set of detector names"
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,10 @@ def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Polic
         return Policy()
     if isinstance(value, str):
         if value not in _LEVELS:
-            raise ValueError(
-                f"{argument}={value!r} is not valid; use None, 'error', 'warning', "
-                "or a set of detector names"
-            )
+            raise ValueError(f"{argument}={value!r} is not valid; {_CHOICES}")
         return Policy(min_severity=Severity(value))
-    choices = "use None, 'error', 'warning', or a set of detector names"
     if not isinstance(value, Iterable):
-        raise ValueError(f"{argument}={value!r} is not valid; {choices}")
+        raise ValueError(f"{argument}={value!r} is not valid; {_CHOICES}")
     names = frozenset(value)
     known = set(known)
     unknown = sorted(repr(n) for n in names if not isinstance(n, str) or n not in known)

@@ -76,9 +76,7 @@ class AdaptiveSampler:
 
     def interval(self, name: str, step: int) -> int:
         """The interval of detector ``name`` at ``step``."""
-        base = self.base[name]
-        cap = self.cap(step)
-        return base if cap is None else min(base, cap)
+        return _capped(self.base[name], self.cap(step))
 
     def is_due(self, name: str, step: int) -> bool:
         """Whether detector ``name`` runs at ``step``."""
@@ -87,11 +85,7 @@ class AdaptiveSampler:
     def due(self, step: int) -> list[str]:
         """The names of the detectors that run at ``step``, in registration order."""
         cap = self.cap(step)
-        return [
-            name
-            for name, base in self.base.items()
-            if step % (base if cap is None else min(base, cap)) == 0
-        ]
+        return [name for name, base in self.base.items() if step % _capped(base, cap) == 0]
 
     @property
     def hot(self) -> bool:
@@ -148,3 +142,8 @@ class AdaptiveSampler:
             f"AdaptiveSampler(intervals={self.base!r}, escalate={self.escalation}, "
             f"hot_steps={self.hot_steps})"
         )
+
+
+def _capped(base: int, cap: int | None) -> int:
+    """A base interval under the escalation's cap (no cap: the base)."""
+    return base if cap is None else min(base, cap)
