@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
 from stethoscope.findings import Finding, Severity
-from stethoscope.observation import Observation
+from stethoscope.observation import EVENT_PROBES, Observation
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import Sink
@@ -98,17 +99,19 @@ class Monitor:
         self._closed = False
         self._due_key: tuple[int, int | None] | None = None
         self._due_set: frozenset[str] = frozenset()
+        self._deep: set[str] = set()  # deeper probes detectors asked for
+        self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         self._new_epoch()
 
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
         """The probes the adapter should compute at ``step``."""
         due = self._due(step)
-        probes: set[str] = set()
+        probes: set[str] = set(self._deep)
         for d in self.detectors:
             if d.name in due:
                 probes |= d.needs
-        return frozenset(probes)
+        return frozenset(probes - EVENT_PROBES)
 
     def _due(self, step: int) -> frozenset[str]:
         # plan() and observe() ask for the same step: compute the schedule once. The cache
@@ -139,6 +142,11 @@ class Monitor:
             findings.extend(found)
             if d.suspect:
                 suspects.append(f"{d.name}: {d.suspect}")
+            self._deep |= d.request
+        self._deep -= {p for p in self._deep if obs.has(p)}
+        if obs.val_loss is None and obs.loss is not None and math.isfinite(obs.loss):
+            self._train_sum += obs.loss
+            self._train_n += 1
         self._epoch_steps.add(obs.step)
         if obs.has("grads"):
             self._epoch_grad_steps.add(obs.step)
@@ -155,6 +163,13 @@ class Monitor:
         if decision.stop and self.stopped_by is None:
             self.stopped_by = decision.reason
         return decision
+
+    def observe_validation(self, step: int, epoch: int, val_loss: float, rank: int = 0) -> Decision:
+        """Judge a validation loss against the mean training loss since the last one."""
+        train = self._train_sum / self._train_n if self._train_n else None
+        self._train_sum, self._train_n = 0.0, 0
+        obs = Observation(step=step, epoch=epoch, rank=rank, val_loss=val_loss, train_loss=train)
+        return self.observe(obs)
 
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
@@ -355,6 +370,8 @@ class Monitor:
             d.reset()
         self.sampler.load_state_dict({})
         self._due_key = None
+        self._deep.clear()
+        self._train_sum, self._train_n = 0.0, 0
         self._last_sent.clear()
         self.stopped_by = None
         self.last_step = -1

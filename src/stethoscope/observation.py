@@ -6,11 +6,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PROBES", "Observation"]
+__all__ = ["EVENT_PROBES", "PROBES", "SATURATION_BOUNDS", "Observation", "global_norm"]
 
 #: The probes an adapter can run. ``loss`` is the every-step sentinel; the
 #: others reduce every parameter and run only on steps the sampler selects.
-PROBES: tuple[str, ...] = ("loss", "grads", "weights", "updates")
+PROBES: tuple[str, ...] = (
+    "loss",
+    "grads",
+    "weights",
+    "updates",
+    "units",
+    "activations",
+    "inputs",
+    "labels",
+    "val",
+    "trace",
+)
+
+#: Probes that arrive with an event (a validation) rather than being planned per step.
+EVENT_PROBES: frozenset[str] = frozenset({"val"})
+
+#: Pre-activation magnitudes past which an activation counts as saturated: where its
+#: local gradient falls below 1/5000 of its peak (tanh'(5) = 1.8e-4; the logistic
+#: sigmoid is tanh at half the input, so its bound is twice as far). DeepDiagnosis uses
+#: |x| >= 5; SageMaker Debugger's ±9.5 / (-23, 17) only flags float32 saturation to
+#: exactly 1, far past the point where learning has stopped.
+SATURATION_BOUNDS: dict[str, float] = {"tanh": 5.0, "sigmoid": 10.0}
 
 
 @dataclass
@@ -33,6 +54,26 @@ class Observation:
         grad_norm: L2 norm of each parameter's gradient, before clipping.
         weight_norm: L2 norm of each parameter after the optimizer step.
         update_norm: L2 norm of each parameter's change made by the step.
+        fan_in: Inputs per output unit of each parameter that is the weight of a
+            layer with units (dense, convolution); NaN for every other parameter.
+        unoptimized: Parameters that require grad but that no optimizer updates.
+        unit_names: Layers (with units) whose per-unit gradient flags follow.
+        unit_zero: Per layer, whether each output unit's weight-gradient row was
+            exactly zero this step (no sample of the batch passed through it).
+        act_names: Modules whose activations were observed, in forward order.
+        act_kinds: ``"tanh"`` or ``"sigmoid"`` (their inputs were observed) or
+            ``"layer"`` (a layer with units: its output was observed).
+        act_saturated: Fraction of each activation's inputs beyond
+            :data:`SATURATION_BOUNDS` (NaN for layers).
+        act_rms: Root mean square of each observed tensor.
+        act_max: Largest absolute value of each observed tensor (0: all zero).
+        input_sq: Per-feature mean of the batch's squared inputs (per channel for images).
+        input_count: Samples behind ``input_sq``.
+        labels: The batch's integer class labels, flattened.
+        val_loss: A validation loss (set only on a validation observation).
+        train_loss: Mean training loss since the previous validation.
+        trace_names: Modules in the order their forward ran (the deep non-finite probe).
+        trace_finite: Whether each of those modules' outputs was entirely finite.
     """
 
     step: int
@@ -46,6 +87,22 @@ class Observation:
     grad_norm: np.ndarray | None = None
     weight_norm: np.ndarray | None = None
     update_norm: np.ndarray | None = None
+    fan_in: np.ndarray | None = None
+    unoptimized: tuple[str, ...] = ()
+    unit_names: tuple[str, ...] = ()
+    unit_zero: tuple[np.ndarray, ...] | None = None
+    act_names: tuple[str, ...] = ()
+    act_kinds: tuple[str, ...] = ()
+    act_saturated: np.ndarray | None = None
+    act_rms: np.ndarray | None = None
+    act_max: np.ndarray | None = None
+    input_sq: np.ndarray | None = None
+    input_count: int = 0
+    labels: np.ndarray | None = None
+    val_loss: float | None = None
+    train_loss: float | None = None
+    trace_names: tuple[str, ...] = ()
+    trace_finite: np.ndarray | None = None
 
     def has(self, probe: str) -> bool:
         """Whether the data of ``probe`` is present."""
@@ -54,7 +111,17 @@ class Observation:
         return getattr(self, _PROBE_FIELD[probe]) is not None
 
 
-_PROBE_FIELD = {"grads": "grad_norm", "weights": "weight_norm", "updates": "update_norm"}
+_PROBE_FIELD = {
+    "grads": "grad_norm",
+    "weights": "weight_norm",
+    "updates": "update_norm",
+    "units": "unit_zero",
+    "activations": "act_rms",
+    "inputs": "input_sq",
+    "labels": "labels",
+    "val": "val_loss",
+    "trace": "trace_finite",
+}
 
 
 def global_norm(norms: np.ndarray) -> float:

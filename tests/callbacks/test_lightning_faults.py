@@ -77,13 +77,23 @@ FAULTS = [
     ),
     pytest.param(
         "lr_jump",
-        {"lr": 1e-2, "onset": 300},
+        {"lr": 1e-2, "onset": 300, "activation": "sigmoid"},
         480,
         "unstable_loss",
         (300, 420),
         None,
         "loss",
         id="lr-jump-unstable",
+    ),
+    pytest.param(  # the same jump with ReLUs kills them: every unit of the first layer dies
+        "lr_jump",
+        {"lr": 1e-2, "onset": 300},
+        480,
+        "dead_relu",
+        (300, 330),
+        "warning",
+        None,
+        id="lr-jump-kills-relus",
     ),
 ]
 

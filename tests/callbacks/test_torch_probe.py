@@ -9,7 +9,8 @@ from torch import nn
 
 from stethoscope import LightningStethoscope
 from stethoscope.callbacks import _torch
-from stethoscope.callbacks._torch import HostReader, ParameterProbe, _stack_norms
+from stethoscope.callbacks import lightning as lightning_cb
+from stethoscope.callbacks._torch import ForwardProbe, HostReader, ParameterProbe, _stack_norms
 from stethoscope.testing import CapturingSink
 
 
@@ -65,7 +66,15 @@ def test_parameter_probe_update_norms_equal_the_optimizer_step():
 
 def test_unsampled_steps_never_touch_parameters(monkeypatch):
     """The hot path stays cold: per-parameter work happens on sampled steps only."""
-    calls: dict[str, list[int]] = {"grad_norms": [], "snapshot": [], "weights": []}
+    calls: dict[str, list[int]] = {
+        "grad_norms": [],
+        "snapshot": [],
+        "weights": [],
+        "attach": [],
+        "zero_rows": [],
+        "input_moments": [],
+        "class_labels": [],
+    }
     sink = CapturingSink()
     cb = LightningStethoscope(sinks=[sink])
     steps_seen: list[int] = []
@@ -84,6 +93,14 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         "weight_and_update_norms",
         spy("weights", ParameterProbe.weight_and_update_norms),
     )
+    monkeypatch.setattr(ForwardProbe, "attach", spy("attach", ForwardProbe.attach))
+    for fn in ("zero_rows", "input_moments", "class_labels"):  # module functions, called bare
+        original = getattr(lightning_cb, fn)
+        monkeypatch.setattr(
+            lightning_cb,
+            fn,
+            lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._planned_step) or _orig(*a),
+        )
     original_stack = _torch._stack_norms
     monkeypatch.setattr(
         _torch,
@@ -105,7 +122,9 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     assert sink.at_least("warning") == []
     assert calls["grad_norms"] == planned
     assert calls["weights"] == planned
-    assert calls["snapshot"] == [], "no detector of the defaults needs update norms"
+    assert calls["snapshot"] == planned  # small/large_updates and frozen_weights need them
+    for probe in ("attach", "zero_rows", "input_moments", "class_labels"):
+        assert calls[probe] == planned, probe  # hooks and data stats: sampled steps only
     assert set(steps_seen) == set(planned)
     # calibration samples the first ~60 steps; after it, a step off the 1-in-16 grid is
     # sampled only inside a hot window that the sampler reported opening and closing

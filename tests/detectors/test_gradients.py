@@ -111,13 +111,19 @@ def test_exploding_gradients_fires_at_the_expected_steps(faults, expected):
         assert_actionable(f, "clip gradients", "warm-up")
 
 
-def test_exploding_gradients_names_the_parameter_that_grew_most():
+def test_exploding_gradients_names_where_the_jump_enters_the_backward_pass():
     g = healthy_grads(0)
-    g[60] *= 1000
-    g[60, 1] *= 3  # layer0.bias grew 3000x, the rest 1000x
+    g[60] *= 1000  # every gradient jumps: the backward pass carried it from the output
     (f,) = run(ExplodingGradients(), grad_obs(g))
-    assert (f.step, f.severity.value, f.where) == (60, "error", "layer0.bias")
-    assert "layer0.bias" in f.message
+    assert (f.step, f.severity.value, f.where) == (60, "error", "layer1.bias")
+    assert "layer1.bias" in f.message
+
+
+def test_exploding_gradients_names_a_jump_that_starts_inside_the_network():
+    g = healthy_grads(0)
+    g[60, :2] *= 1000  # only the input-side layer jumps (its own weights blew up)
+    (f,) = run(ExplodingGradients(), grad_obs(g))
+    assert f.where == "layer0.bias"
 
 
 def test_exploding_gradients_zero_mad_baseline_uses_the_factor():

@@ -129,3 +129,192 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
             for i, n in zip(idx, norms, strict=True):
                 out[i] = n.float()
     return torch.stack(out)
+
+
+#: Layers whose weight has one row per output unit (dim 0): dense and convolution layers.
+UNIT_LAYERS: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+)
+#: Activation modules whose inputs are checked for saturation.
+SATURATING: dict[type[torch.nn.Module], str] = {torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid"}
+
+
+def unit_layers(
+    module: torch.nn.Module, probe: ParameterProbe
+) -> list[tuple[str, int, torch.nn.Module]]:
+    """``(module name, index of its weight in probe, module)`` for each watched layer with units."""
+    out = []
+    for name, mod in module.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, UNIT_LAYERS) and isinstance(w, torch.Tensor) and id(w) in probe.index:
+            out.append((name or type(mod).__name__, probe.index[id(w)], mod))
+    return out
+
+
+def zero_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """For each gradient, 1.0 for every output unit (row) that is exactly zero, else 0.0."""
+    return torch.cat([(g.detach().flatten(1).abs().amax(1) == 0).float() for g in grads])
+
+
+class ForwardProbe:
+    """Forward hooks attached for one step only, then removed.
+
+    ``activations`` mode watches the inputs of tanh / sigmoid modules (the fraction
+    beyond the saturation bound) and the outputs of layers with units (RMS, max);
+    ``trace`` mode records, for every leaf module in the order its forward runs,
+    whether its output is entirely finite. Each module is recorded on its first
+    call of the step only. Every statistic stays on the device.
+    """
+
+    def __init__(self, module: torch.nn.Module, layers: Sequence[tuple[str, int, Any]]) -> None:
+        from stethoscope.observation import SATURATION_BOUNDS
+
+        self._bounds = SATURATION_BOUNDS
+        named = list(module.named_modules())
+        self._act_targets = [
+            (name, SATURATING[type(m)], m) for name, m in named if type(m) in SATURATING
+        ] + [(name, "layer", m) for name, _, m in layers]
+        self._leaves = [(n or type(m).__name__, m) for n, m in named if not any(m.children())]
+        self._handles: list[Any] = []
+        self.names: list[str] = []
+        self.kinds: list[str] = []
+        self.values: list[torch.Tensor] = []
+        self._seen: set[str] = set()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, *, activations: bool, trace: bool) -> None:
+        self.detach()
+        self.names, self.kinds, self.values, self._seen = [], [], [], set()
+        if activations:
+            for name, kind, mod in self._act_targets:
+                self._handles.append(mod.register_forward_hook(self._act_hook(name, kind)))
+        if trace:
+            for name, mod in self._leaves:
+                self._handles.append(mod.register_forward_hook(self._trace_hook(name)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _act_hook(self, name: str, kind: str):
+        def hook(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            key = f"act|{name}"
+            x = out if kind == "layer" else (args[0] if args else None)
+            if key in self._seen or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return
+            self._seen.add(key)
+            with torch.no_grad():
+                x = x.detach()
+                a = x.abs()
+                if kind == "layer":
+                    sat = torch.full((), float("nan"), device=x.device)
+                else:
+                    sat = (a >= self._bounds[kind]).float().mean()
+                rms = x.float().square().mean().sqrt()
+                stats = torch.stack([sat, rms, a.amax().float()])
+            self.names.append(name)
+            self.kinds.append(kind)
+            self.values.append(stats)
+
+        return hook
+
+    def _trace_hook(self, name: str):
+        def hook(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            key = f"trace|{name}"
+            if key in self._seen:
+                return
+            tensors = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [
+                    t
+                    for t in (out if isinstance(out, (tuple, list)) else ())
+                    if isinstance(t, torch.Tensor)
+                ]
+            )
+            tensors = [t for t in tensors if t.is_floating_point()]
+            if not tensors:
+                return
+            self._seen.add(key)
+            with torch.no_grad():
+                finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
+            self.names.append(name)
+            self.kinds.append("trace")
+            self.values.append(finite.float().reshape(1))
+
+        return hook
+
+    def collect(self) -> tuple[list[str], list[str], torch.Tensor | None]:
+        """What the hooks recorded this step (names, kinds, values), and detach them."""
+        self.detach()
+        if not self.values:
+            return [], [], None
+        flat = torch.cat([v.reshape(-1) for v in self.values])
+        return self.names, self.kinds, flat
+
+
+#: Keys of a dict batch that hold the inputs, and the labels, in order of preference.
+INPUT_KEYS = ("x", "input", "inputs", "features", "image", "images", "pixel_values")
+LABEL_KEYS = ("labels", "label", "y", "target", "targets")
+#: Above this many features, inputs are judged as one whole.
+MAX_FEATURES = 4096
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """The (inputs, labels) of a batch: ``(x, y, ...)`` sequences or dicts with usual keys."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0], batch[1] if len(batch) > 1 else None
+    if isinstance(batch, dict):
+        x = next((batch[k] for k in INPUT_KEYS if k in batch), None)
+        y = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+        return x, y
+    return None, None
+
+
+def input_moments(x: Any) -> tuple[torch.Tensor, int] | None:
+    """Per-feature mean of x^2 (channels for images, last dim for sequences), and the samples."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 or not len(x):
+        return None
+    with torch.no_grad():
+        x = x.detach()
+        if x.dim() == 1:
+            flat = x.reshape(-1, 1)
+        elif x.dim() == 2:
+            flat = x
+        elif x.dim() == 3:
+            flat = x.reshape(-1, x.shape[-1])
+        else:
+            flat = x.transpose(0, 1).reshape(x.shape[1], -1).T
+        if flat.shape[1] > MAX_FEATURES:
+            flat = flat.reshape(-1, 1)
+        return flat.float().square().mean(0), int(x.shape[0])
+
+
+def class_labels(y: Any) -> torch.Tensor | None:
+    """Integer class labels of a batch as float32 (exact below 2**24), then a validity flag.
+
+    One-hot or soft labels (rows of probabilities) become their argmax; the last
+    element is 1.0 when the labels are class labels and 0.0 when a float target
+    turned out not to be rows of probabilities (decided on the host, no sync).
+    """
+    if not isinstance(y, torch.Tensor) or y.numel() == 0:
+        return None
+    with torch.no_grad():
+        y = y.detach()
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)
+        if y.dim() == 1 and not y.is_floating_point() and y.dtype != torch.bool:
+            return torch.cat([y.float(), y.new_ones(1, dtype=torch.float32)])
+        if y.dim() == 2 and y.is_floating_point() and y.shape[1] >= 2:
+            rows = ((y.sum(1) - 1).abs() < 1e-3).all() & (y >= 0).all()
+            return torch.cat([y.argmax(1).float(), rows.float().reshape(1)])
+    return None

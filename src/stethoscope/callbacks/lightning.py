@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 try:
     import lightning.pytorch as pl
@@ -15,7 +17,16 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "LightningStethoscope needs torch and lightning: pip install 'stethoscope[lightning]'"
     ) from exc
 
-from stethoscope.callbacks._torch import HostReader, ParameterProbe
+from stethoscope.callbacks._torch import (
+    ForwardProbe,
+    HostReader,
+    ParameterProbe,
+    class_labels,
+    input_moments,
+    split_batch,
+    unit_layers,
+    zero_rows,
+)
 from stethoscope.detectors import Detector
 from stethoscope.findings import Finding, TrainingProblem
 from stethoscope.monitor import Monitor
@@ -54,6 +65,14 @@ class LightningStethoscope(Callback):
         max_lag: On CUDA, how many steps a reading may trail the step it measures
             before the callback waits for it; this bounds detection latency. On
             the CPU readings are never late.
+        inputs_from: ``batch -> tensor`` giving the model inputs of a batch, for the
+            data detectors (default: ``batch[0]`` of a tuple, or the ``x`` /
+            ``input(s)`` / ``features`` / ``image(s)`` key of a dict).
+        labels_from: ``batch -> tensor`` giving the class labels (default:
+            ``batch[1]``, or the ``labels`` / ``y`` / ``target(s)`` key).
+        val_loss_key: The logged metric holding the validation loss, when
+            ``validation_step`` does not return it (default: the first of
+            ``val_loss``, ``val/loss``, ``validation_loss`` that is logged).
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices.
@@ -74,10 +93,20 @@ class LightningStethoscope(Callback):
         hot_steps: int = 32,
         log_stats: bool = False,
         max_lag: int = 2,
+        inputs_from: Callable[[Any], Any] | None = None,
+        labels_from: Callable[[Any], Any] | None = None,
+        val_loss_key: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
             raise ValueError(f"max_lag={max_lag!r} must be an integer >= 0 (steps)")
+        for arg, fn in (("inputs_from", inputs_from), ("labels_from", labels_from)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{arg}={fn!r} must be a callable taking a batch, or None")
+        if val_loss_key is not None and not isinstance(val_loss_key, str):
+            raise TypeError(f"val_loss_key={val_loss_key!r} must be a metric name or None")
+        self.inputs_from, self.labels_from = inputs_from, labels_from
+        self.val_loss_key = val_loss_key
         self.monitor = Monitor(
             detectors=detectors,
             sinks=[ConsoleSink()] if sinks is None else list(sinks),
@@ -101,6 +130,13 @@ class LightningStethoscope(Callback):
         self._grad_parts: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
         self._stepped: list[int] = []
+        self._units: list[tuple[str, int]] = []  # (layer, units) behind self._unit_parts
+        self._unit_parts: list[torch.Tensor] = []
+        self._early: list[tuple[str, torch.Tensor, Any]] = []  # data and hook results
+        self._layers: list[tuple[str, int, Any]] = []
+        self._forward: ForwardProbe | None = None
+        self._unoptimized: tuple[str, ...] = ()
+        self._val_losses: list[torch.Tensor] = []
         self._warned_no_loss = False
         self._printer = None
         self._lr_group: dict[str, Any] | None = None
@@ -116,6 +152,12 @@ class LightningStethoscope(Callback):
             return
         self._reset_run()
         self._probe = ParameterProbe(list(pl_module.named_parameters()))
+        self._layers = unit_layers(pl_module, self._probe)
+        self._forward = ForwardProbe(pl_module, self._layers)
+        fan_in = np.full(len(self._probe.names), np.nan)
+        for _, i, mod in self._layers:
+            fan_in[i] = mod.weight.numel() / max(mod.weight.shape[0], 1)
+        self._fan_in = fan_in
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
@@ -125,6 +167,10 @@ class LightningStethoscope(Callback):
         optimizers = trainer.optimizers
         # the dict object stays the same while schedulers change its "lr": read it per step
         self._lr_group = optimizers[0].param_groups[0] if optimizers else None
+        held = {i for opt in optimizers for i in self._probe.indices_of(opt)}
+        self._unoptimized = tuple(
+            n for i, n in enumerate(self._probe.names) if i not in held and optimizers
+        )
         bar = trainer.progress_bar_callback
         # Print through the progress bar so its line is not torn: tqdm.write for TQDM. A
         # RichProgressBar draws on rich's global console, which ConsoleSink prints to by
@@ -141,18 +187,37 @@ class LightningStethoscope(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step != self._planned_step:
-            self._planned_step = step
-            plan = self.monitor.plan(step)
-            if self.log_stats and "grads" in plan:
-                plan |= {"weights", "updates"}  # the update ratio is a headline stat
-            self._plan = plan
+        if step == self._planned_step:
+            return  # a later micro-batch of an accumulated step: the plan is made
+        self._planned_step = step
+        plan = self.monitor.plan(step)
+        if self.log_stats and "grads" in plan:
+            plan |= {"weights", "updates"}  # the update ratio is a headline stat
+        self._plan = plan
+        if len(plan) > 1:  # more than the loss: a sampled step
+            self._sample_data(plan, batch)
+            if self._forward is not None and ({"activations", "trace"} & plan):
+                self._forward.attach(activations="activations" in plan, trace="trace" in plan)
+
+    def _sample_data(self, plan: frozenset[str], batch: Any) -> None:
+        """Input moments and labels of the step's first batch, kept on the device."""
+        if not ({"inputs", "labels"} & plan):
+            return
+        x, y = split_batch(batch)
+        if self.inputs_from is not None:
+            x = self.inputs_from(batch)
+        if self.labels_from is not None:
+            y = self.labels_from(batch)
+        if "inputs" in plan and (moments := input_moments(x)) is not None:
+            self._early.append(("input_sq", moments[0], moments[1]))
+        if "labels" in plan and (labels := class_labels(y)) is not None:
+            self._early.append(("labels", labels, None))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         plan = self._plan
-        if self._probe is None or not (plan - {"loss"}):
+        if self._probe is None or not (plan & {"grads", "weights", "updates", "units"}):
             return  # not a sampled step: nothing to do here
         indices = self._probe.with_grad(self._probe.indices_of(optimizer))
         if not indices:
@@ -161,6 +226,13 @@ class LightningStethoscope(Callback):
             self._grad_parts.append(self._probe.grad_norms(indices))
         if "updates" in plan:
             self._snapshots.extend(self._probe.snapshot(indices))
+        if "units" in plan:
+            chosen = set(indices)
+            layers = [(n, i) for n, i, _ in self._layers if i in chosen]
+            if layers:
+                grads = [self._probe.params[i].grad for _, i in layers]
+                self._units.extend((n, g.shape[0]) for (n, _), g in zip(layers, grads, strict=True))
+                self._unit_parts.append(zero_rows(grads))
         self._stepped.extend(indices)
 
     def on_train_batch_end(
@@ -172,34 +244,95 @@ class LightningStethoscope(Callback):
         batch_idx: int,
     ) -> None:
         loss = self._loss_of(outputs, trainer, pl_module)
-        parts: list[torch.Tensor] = []
-        fields: list[str] = []
+        parts: list[tuple[str, torch.Tensor, Any]] = self._early
+        self._early = []
+        if self._forward is not None and self._forward.attached:
+            names, kinds, values = self._forward.collect()
+            if values is not None:
+                parts.append(("forward", values, (tuple(names), tuple(kinds))))
         idx = self._stepped
         if idx:  # an optimizer stepped on a sampled step: every array follows ``idx``
             if self._grad_parts:
-                fields.append("grad_norm")
-                parts.extend(self._grad_parts)
+                parts.append(("grad_norm", torch.cat(self._grad_parts), None))
             if {"weights", "updates"} & self._plan:
                 weights, updates = self._probe.weight_and_update_norms(idx, self._snapshots or None)
-                fields.append("weight_norm")
-                parts.append(weights)
+                parts.append(("weight_norm", weights, None))
                 if updates is not None:
-                    fields.append("update_norm")
-                    parts.append(updates)
+                    parts.append(("update_norm", updates, None))
+            if self._unit_parts:
+                parts.append(("unit_zero", torch.cat(self._unit_parts), tuple(self._units)))
             self._grad_parts, self._snapshots, self._stepped = [], [], []
+            self._unit_parts, self._units = [], []
         if loss is not None or parts:
             lr = self._lr_group.get("lr") if self._lr_group is not None else None
             lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
-            meta = (self._planned_step, trainer.current_epoch, loss is not None, idx, fields, lr)
-            if not parts and loss.device.type == "cpu" and not len(self._reader):
+            if loss is not None:
+                parts.insert(0, ("loss", loss.reshape(1).float(), None))
+            layout = [(key, t.numel(), extra) for key, t, extra in parts]
+            meta = (self._planned_step, trainer.current_epoch, idx, layout, lr)
+            if (
+                len(parts) == 1
+                and loss is not None
+                and loss.device.type == "cpu"
+                and not len(self._reader)
+            ):
                 # The CPU fast path: reading a CPU scalar is no device sync, and skipping the
                 # reader saves several tensor ops on the step that every step is.
                 self._judge(trainer, meta, (loss.item(),))
             else:
-                if loss is not None:
-                    parts.insert(0, loss.reshape(1).float())
-                self._reader.push(meta, parts[0] if len(parts) == 1 else torch.cat(parts))
+                tensors = [t.reshape(-1).float() for _, t, _ in parts]
+                self._reader.push(meta, tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         self._drain(trainer, wait=False)
+
+    # -- validation -----------------------------------------------------------------
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking or dataloader_idx != 0:
+            return
+        loss = (
+            outputs.get("loss", outputs.get("val_loss"))
+            if isinstance(outputs, Mapping)
+            else outputs
+        )
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._val_losses.append(loss.detach().reshape(1).float())
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        losses, self._val_losses = self._val_losses, []
+        if losses:
+            val = float(torch.cat(losses).mean())  # once per validation: a sync is fine here
+        else:
+            val = self._logged_val_loss(trainer)
+            if val is None:
+                return
+        self._drain(trainer, wait=True)
+        decision = self.monitor.observe_validation(
+            max(trainer.global_step - 1, 0), trainer.current_epoch, val
+        )
+        self._act(trainer, decision)
+
+    def _logged_val_loss(self, trainer: pl.Trainer) -> float | None:
+        keys = (
+            (self.val_loss_key,)
+            if self.val_loss_key
+            else ("val_loss", "val/loss", "validation_loss")
+        )
+        for key in keys:
+            value = trainer.callback_metrics.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                return float(value)
+            if isinstance(value, (int, float)):
+                return float(value)
+        return None
 
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -219,6 +352,8 @@ class LightningStethoscope(Callback):
             )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._forward is not None:
+            self._forward.detach()  # never leave a hook on the user's model
         if stage == "fit":
             self.monitor.close()
             for sink in self.monitor.sinks:
@@ -270,25 +405,61 @@ class LightningStethoscope(Callback):
         decision = self.monitor.observe(obs)
         if self.log_stats and obs.grad_norm is not None:
             self._log_headline(trainer, obs)
+        self._act(trainer, decision)
+
+    def _act(self, trainer: pl.Trainer, decision: Any) -> None:
         if decision.raise_:
             raise TrainingProblem(decision.reason)
         if decision.stop and not trainer.should_stop:
             trainer.should_stop = True
 
     def _observation(self, meta: tuple, values: Any) -> Observation:
-        step, epoch, has_loss, idx, fields, lr = meta
+        step, epoch, idx, layout, lr = meta
         obs = Observation(step=step, epoch=epoch, rank=0, lr=lr)
-        if has_loss:
-            obs.loss = float(values[0])
-        if fields:
+        at = 0
+        for key, n, extra in layout:
+            chunk = np.asarray(values[at : at + n], dtype=np.float64)
+            at += n
+            if key == "loss":
+                obs.loss = float(chunk[0])
+            elif key in ("grad_norm", "weight_norm", "update_norm"):
+                setattr(obs, key, chunk)
+            elif key == "unit_zero":
+                obs.unit_names = tuple(name for name, _ in extra)
+                cuts = np.cumsum([units for _, units in extra])[:-1]
+                obs.unit_zero = tuple(part.astype(bool) for part in np.split(chunk, cuts))
+            elif key == "input_sq":
+                obs.input_sq, obs.input_count = chunk, extra
+            elif key == "labels":
+                if chunk[-1] == 1.0:  # the validity flag: class labels after all
+                    obs.labels = chunk[:-1].astype(np.int64)
+            elif key == "forward":
+                self._forward_stats(obs, chunk, *extra)
+        if idx:
             probe = self._probe
             obs.names = tuple(probe.names[i] for i in idx)
             obs.numel = probe.numel[idx]
             obs.is_matrix = probe.is_matrix[idx]
-            per_param = values[int(has_loss) :].astype("float64").reshape(len(fields), len(idx))
-            for field, row in zip(fields, per_param, strict=False):
-                setattr(obs, field, row)
+            obs.fan_in = self._fan_in[idx]
+            obs.unoptimized = self._unoptimized
         return obs
+
+    @staticmethod
+    def _forward_stats(
+        obs: Observation, chunk: np.ndarray, names: tuple[str, ...], kinds: tuple[str, ...]
+    ) -> None:
+        """Split the forward hooks' values into activation stats and the finite trace."""
+        acts = [i for i, k in enumerate(kinds) if k != "trace"]
+        offsets = np.cumsum([0] + [1 if k == "trace" else 3 for k in kinds])
+        if acts:
+            rows = np.stack([chunk[offsets[i] : offsets[i] + 3] for i in acts])
+            obs.act_names = tuple(names[i] for i in acts)
+            obs.act_kinds = tuple(kinds[i] for i in acts)
+            obs.act_saturated, obs.act_rms, obs.act_max = rows[:, 0], rows[:, 1], rows[:, 2]
+        traced = [i for i, k in enumerate(kinds) if k == "trace"]
+        if traced:
+            obs.trace_names = tuple(names[i] for i in traced)
+            obs.trace_finite = np.array([chunk[offsets[i]] for i in traced]) == 1.0
 
     def _log_headline(self, trainer: pl.Trainer, obs: Observation) -> None:
         metrics = {

@@ -6,20 +6,42 @@ state as a dict of primitives (see :class:`Detector`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from stethoscope.detectors.activations import DeadRelu, SaturatedActivation
 from stethoscope.detectors.base import Detector
+from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
-from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, UnstableLoss
+from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
+from stethoscope.detectors.weights import (
+    AllZero,
+    FrozenWeights,
+    LargeUpdates,
+    PoorInitialization,
+    SmallUpdates,
+)
 
 __all__ = [
     "DETECTORS",
+    "AllZero",
+    "ClassImbalance",
+    "DeadRelu",
     "Detector",
     "ExplodingGradients",
+    "FrozenWeights",
+    "LargeUpdates",
     "LossNotDecreasing",
     "LossSpike",
     "NonfiniteGradients",
     "NonfiniteLoss",
     "NonfiniteWeights",
+    "Overfitting",
+    "PoorInitialization",
+    "SaturatedActivation",
+    "SmallUpdates",
+    "UnnormalizedInput",
     "UnstableLoss",
     "VanishingGradients",
     "default_detectors",
@@ -37,10 +59,50 @@ DETECTORS: dict[str, type[Detector]] = {
         LossSpike,
         LossNotDecreasing,
         UnstableLoss,
+        Overfitting,
+        DeadRelu,
+        SaturatedActivation,
+        SmallUpdates,
+        LargeUpdates,
+        FrozenWeights,
+        PoorInitialization,
+        AllZero,
+        ClassImbalance,
+        UnnormalizedInput,
     )
 }
 
 
-def default_detectors() -> list[Detector]:
-    """A fresh instance of every detector, with default thresholds."""
-    return [cls() for cls in DETECTORS.values()]
+def default_detectors(**overrides: Mapping[str, Any] | Detector | None) -> list[Detector]:
+    """A fresh instance of every detector, with default thresholds unless overridden.
+
+    Args:
+        **overrides: By detector name: keyword arguments for that detector, an
+            instance to use instead, or ``None`` to leave it out.
+
+    Raises:
+        ValueError: If a name is not a detector's.
+
+    Example:
+        >>> ds = default_detectors(poor_initialization={"num_classes": 10}, dead_relu=None)
+        >>> "dead_relu" in [d.name for d in ds]
+        False
+    """
+    unknown = sorted(set(overrides) - set(DETECTORS))
+    if unknown:
+        raise ValueError(f"unknown detector name(s) {unknown!r}; valid: {sorted(DETECTORS)!r}")
+    out: list[Detector] = []
+    for name, cls in DETECTORS.items():
+        spec = overrides.get(name, {})
+        if spec is None:
+            continue
+        if isinstance(spec, Detector):
+            out.append(spec)
+        elif isinstance(spec, Mapping):
+            out.append(cls(**spec))
+        else:
+            raise TypeError(
+                f"default_detectors: {name}={spec!r} must be a dict of arguments, a "
+                f"{cls.__name__} instance, or None"
+            )
+    return out

@@ -24,6 +24,8 @@ class Detector:
 
     After each ``update``, ``suspect`` holds a short reason when the detector saw
     something unusual that is not (yet) a finding; the sampler escalates on it.
+    ``request`` names deeper probes (e.g. ``"trace"``) it wants on the next
+    steps, until an observation carries them.
     """
 
     name: ClassVar[str] = ""
@@ -37,6 +39,7 @@ class Detector:
         if not self.name or unknown:  # a programming error in a subclass, not user input
             raise TypeError(f"{type(self).__name__} needs a name and probes among {PROBES}")
         self.suspect: str | None = None
+        self.request: frozenset[str] = frozenset()
         self.reset()
 
     # -- contract -------------------------------------------------------------
@@ -51,12 +54,14 @@ class Detector:
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""
         self.suspect = None
+        self.request = frozenset()
         return self._update(obs)
 
     def reset(self) -> None:
         """Forget everything seen so far."""
         self.state: dict[str, Any] = self._initial_state()
         self.suspect = None
+        self.request = frozenset()
 
     def state_dict(self) -> dict[str, Any]:
         """A deep copy of the state (primitives), for checkpoints."""

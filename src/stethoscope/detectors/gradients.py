@@ -87,15 +87,16 @@ class ExplodingGradients(Detector):
             if over > margin and log_norm >= st["initial"]:
                 st["streak"] += 1
                 severe = over >= 2 * math.log10(self.factor) or st["streak"] >= self.patience
-                where = _largest_jump(obs.names, norms, last)
+                where = _largest_jump(obs.names, norms, last, self.factor)
                 findings.append(
                     self.finding(
                         obs,
                         "error" if severe else "warning",
                         f"Gradient norm {total:.3g} is {10**over:.3g}x its recent median "
-                        f"{10**center:.3g} at step {obs.step} (largest jump in {where}): "
-                        "the learning rate is likely too high for this point of training; "
-                        "lower it, add warm-up, or clip gradients (e.g. gradient_clip_val=1.0).",
+                        f"{10**center:.3g} at step {obs.step} (it jumps first in {where}, "
+                        "in backward order): the learning rate is likely too high for this "
+                        "point of training; lower it, add warm-up, or clip gradients "
+                        "(e.g. gradient_clip_val=1.0).",
                         value=total,
                         threshold=10 ** (center + margin),
                         where=where,
@@ -110,13 +111,21 @@ class ExplodingGradients(Detector):
         return findings
 
 
-def _largest_jump(names: tuple[str, ...], norms: np.ndarray, last: list[float] | None) -> str:
-    """The parameter whose gradient norm grew most since the last sample (or the largest)."""
+def _largest_jump(
+    names: tuple[str, ...], norms: np.ndarray, last: list[float] | None, factor: float
+) -> str:
+    """Where the gradient first jumps in backward order, else where it grew most.
+
+    Among the parameters whose gradient norm grew ``factor``-fold since the last
+    sample, the one nearest the output (last registered) is where the jump
+    entered the backward pass. Without a previous sample: the largest norm.
+    """
     if last is None or len(last) != len(norms):
         return names[int(np.nanargmax(norms))]
     prev = np.maximum(np.asarray(last, dtype=np.float64), 1e-30)
     growth = np.where(np.isfinite(norms), norms / prev, -np.inf)
-    return names[int(np.argmax(growth))]
+    jumped = np.flatnonzero(growth >= factor)
+    return names[int(jumped[-1]) if len(jumped) else int(np.argmax(growth))]
 
 
 class VanishingGradients(Detector):

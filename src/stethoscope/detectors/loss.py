@@ -7,7 +7,7 @@ from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
-__all__ = ["LossNotDecreasing", "LossSpike", "UnstableLoss"]
+__all__ = ["LossNotDecreasing", "LossSpike", "Overfitting", "UnstableLoss"]
 
 
 class LossSpike(Detector):
@@ -298,3 +298,78 @@ class UnstableLoss(Detector):
                 )
             ]
         return []
+
+
+class Overfitting(Detector):
+    """Validation loss rising while the training loss keeps falling.
+
+    Rule: at each validation (never the sanity check), the validation loss is
+    compared with the best (lowest) one so far. It is a warning when it has been
+    more than ``min_rise`` above the best on ``patience`` validations in a row
+    while the mean training loss since the previous validation is below the one
+    at the best validation (training still improves: the model memorises).
+
+    Sources: SageMaker Debugger ``overfit`` compares validation with training
+    loss ((val - train) / train > 0.1, patience 1), which fires on any healthy
+    model with a generalisation gap; the rise of validation against its own best
+    (its ``overtraining`` rule) is what early stopping acts on.
+
+    Args:
+        min_rise: Relative rise above the best validation loss that counts.
+        patience: Validations in a row above it that raise a warning.
+    """
+
+    name = "overfitting"
+    needs = frozenset({"val"})
+    base_interval = 1
+    advice = "early stopping, regularisation or more data"
+
+    def __init__(self, *, min_rise: float = 0.1, patience: int = 2) -> None:
+        check_positive(self.name, "min_rise", min_rise)
+        check_positive(self.name, "patience", patience, integer=True)
+        self.min_rise, self.patience = float(min_rise), patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        # best: [val loss, train loss, epoch, validation index]; n: validations seen
+        return {"best": None, "n": 0, "streak": 0, "fired": False}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        val, train = obs.val_loss, obs.train_loss
+        if not is_finite(val):
+            return []
+        st["n"] += 1
+        best = st["best"]
+        if best is None or val < best[0]:
+            st["best"], st["streak"], st["fired"] = [val, train, obs.epoch, st["n"]], 0, False
+            return []
+        rose = val > best[0] * (1 + self.min_rise) if best[0] > 0 else val > best[0]
+        train_falls = is_finite(train) and is_finite(best[1]) and train < best[1]
+        if not (rose and train_falls):
+            st["streak"] = 0
+            return []
+        st["streak"] += 1
+        self.suspect = f"validation loss {val:.3g} above its best {best[0]:.3g}"
+        if st["streak"] < self.patience or st["fired"]:
+            return []
+        st["fired"] = True
+        ago = obs.epoch - best[2]
+        when = (
+            f"{ago} epoch(s) ago, at epoch {best[2]}"
+            if ago > 0
+            else f"{st['n'] - best[3]} validation(s) ago"
+        )
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"The model is overfitting: validation loss rose to {val:.3g} from its best "
+                f"{best[0]:.3g} ({when}) while the training loss fell from {best[1]:.3g} to "
+                f"{train:.3g}; keep the checkpoint of the best epoch and stop early, or add "
+                "regularisation (weight decay, dropout, augmentation) or more data.",
+                value=val,
+                threshold=best[0] * (1 + self.min_rise),
+                where="validation",
+            )
+        ]

@@ -24,6 +24,12 @@ class NonfiniteLoss(Detector):
     every-step sentinel (SageMaker Debugger ``exploding_tensor``, Keras
     ``TerminateOnNaN``, AutoTrainer's NaN-loss check); it reads a scalar the
     adapter keeps on the device, so it costs no synchronisation.
+
+    If training goes on (``stop_on`` did not stop it), the detector asks for the
+    ``trace`` probe on the next step: forward hooks on every module name the first
+    one whose output is non-finite, or tell that the problem did not recur (one
+    bad batch) or that the model's outputs were finite (the loss function itself).
+    A targeted ``detect_anomaly`` that costs nothing on healthy steps.
     """
 
     name = "nonfinite_loss"
@@ -31,11 +37,24 @@ class NonfiniteLoss(Detector):
     base_interval = 1
     advice = "check the batch; lower the LR or clip gradients"
 
+    def _initial_state(self) -> dict:
+        return {"tracing": None}  # the step whose non-finite loss the next trace explains
+
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
+        findings: list[Finding] = []
+        tracing = self.state["tracing"]
+        if tracing is not None and obs.trace_finite is not None and obs.step > tracing:
+            findings.append(self._located(obs, tracing))
+            self.state["tracing"] = None
         if loss is None or math.isfinite(loss):  # math, not numpy: this runs every step
-            return []
-        return [
+            if self.state["tracing"] is not None:
+                self.request = frozenset({"trace"})
+            return findings
+        if self.state["tracing"] is None:
+            self.state["tracing"] = obs.step
+        self.request = frozenset({"trace"})
+        findings.append(
             self.finding(
                 obs,
                 "error",
@@ -45,7 +64,43 @@ class NonfiniteLoss(Detector):
                 value=loss,
                 where="loss",
             )
-        ]
+        )
+        return findings
+
+    def _located(self, obs: Observation, origin: int) -> Finding:
+        bad = np.flatnonzero(np.asarray(obs.trace_finite) == 0)
+        if len(bad):
+            where = obs.trace_names[int(bad[0])]
+            before = f"after {bad[0]} finite module output(s)" if bad[0] else "first of all"
+            return self.finding(
+                obs,
+                "error",
+                f"Traced at step {obs.step} (after the non-finite loss at step {origin}): the "
+                f"first module whose output is non-finite is {where} ({before}, in forward "
+                "order); if its input is finite, its weights or its operation (overflow, "
+                "log/sqrt/division at 0) produce it: inspect that module.",
+                value=float(len(bad)),
+                where=where,
+            )
+        if obs.loss is not None and not math.isfinite(obs.loss):
+            return self.finding(
+                obs,
+                "error",
+                f"Traced at step {obs.step}: every module output is finite but the loss is "
+                f"{_describe(obs.loss)}, so the loss function produces it (log of 0, division "
+                "by zero, a bad reduction); use a numerically stable loss (e.g. "
+                "cross_entropy on logits, not log(softmax)).",
+                value=obs.loss,
+                where="loss",
+            )
+        return self.finding(
+            obs,
+            "info",
+            f"Traced at step {obs.step}: every module output and the loss are finite again, so "
+            f"the non-finite loss at step {origin} came from that batch or that one step; "
+            "check the data of that batch.",
+            where="loss",
+        )
 
 
 class NonfiniteGradients(Detector):

@@ -1,0 +1,167 @@
+"""Activations: dead ReLU units and saturated tanh / sigmoid units."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.findings import Finding
+from stethoscope.observation import SATURATION_BOUNDS, Observation
+
+__all__ = ["DeadRelu", "SaturatedActivation"]
+
+
+class DeadRelu(Detector):
+    """Layers whose units have stopped passing any signal.
+
+    Rule: a unit is dead when its weight-gradient row was exactly zero on each
+    of the last ``window`` sampled steps, that is, no sample of any of those
+    batches activated it. A layer whose dead fraction exceeds ``threshold`` is
+    a warning; a layer with every unit dead is an error (nothing below it can
+    learn any more).
+
+    Counting is per unit, never per value: a healthy ReLU layer has ~50% zeros
+    in every batch but few dead units (0-6%). A dead unit's weight-gradient row
+    (and bias gradient) is exactly zero whatever computes the ReLU, ``nn.ReLU``
+    or ``F.relu``, so no activation hook is needed. Layers not followed by a
+    ReLU-like function never have an exactly zero row.
+
+    Sources: SageMaker Debugger ``dead_relu`` (a unit active < 1% of the time is
+    dead; fire when > 50% of a layer is); CS231n: "as much as 40% of your network
+    can be dead" when the learning rate is too high.
+
+    Args:
+        threshold: Dead fraction of a layer's units above which it is a warning.
+        window: Consecutive sampled steps with a zero gradient row that make a unit dead.
+    """
+
+    name = "dead_relu"
+    needs = frozenset({"units"})
+    base_interval = 16
+    advice = "lower the LR; LeakyReLU/GELU or He init"
+
+    def __init__(self, *, threshold: float = 0.5, window: int = 8) -> None:
+        check_fraction(self.name, "threshold", threshold)
+        check_positive(self.name, "window", window, integer=True)
+        self.threshold, self.window = float(threshold), window
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        # per layer: for each unit, how many sampled steps in a row its row was zero;
+        # and the worst severity already reported for that layer (0: none)
+        return {"streaks": {}, "reported": {}}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        findings: list[Finding] = []
+        for layer, zero in zip(obs.unit_names, obs.unit_zero, strict=True):
+            zero = np.asarray(zero, dtype=bool)
+            old = st["streaks"].get(layer)
+            streak = (
+                np.zeros(len(zero), np.int64)
+                if old is None or len(old) != len(zero)
+                else (np.asarray(old, np.int64))
+            )
+            streak = np.where(zero, np.minimum(streak + 1, self.window), 0)
+            st["streaks"][layer] = streak.tolist()
+            if len(zero) == 0:
+                continue
+            dead = float(np.mean(streak >= self.window))
+            if zero.mean() > self.threshold and dead <= self.threshold:
+                self.suspect = f"{zero.mean():.0%} of the units of {layer} got no gradient"
+            rank = 2 if dead >= 1.0 else 1 if dead > self.threshold else 0
+            if rank == 0:
+                st["reported"].pop(layer, None)
+                continue
+            if rank <= st["reported"].get(layer, 0) or findings:
+                continue  # already said; or a layer nearer the input already explains this step
+            st["reported"][layer] = rank
+            n = len(zero)
+            span = f"the last {self.window} sampled steps"
+            what = (
+                f"All {n} units of {layer} are dead"
+                if rank == 2
+                else f"In {layer}, {dead:.0%} of the {n} units are dead"
+            )
+            findings.append(
+                self.finding(
+                    obs,
+                    "error" if rank == 2 else "warning",
+                    f"{what}: no sample activated them in any batch of {span} (step {obs.step}), "
+                    "so they output 0 and no longer learn; usual causes are a learning rate too "
+                    "high or large negative biases: lower the LR, use LeakyReLU/GELU, or He "
+                    "initialisation.",
+                    value=dead,
+                    threshold=self.threshold,
+                    where=layer,
+                )
+            )
+        return findings
+
+
+class SaturatedActivation(Detector):
+    """tanh / sigmoid units pushed into their flat tails, where gradients vanish.
+
+    Rule: the fraction of an activation's inputs beyond the saturation bound
+    (|x| >= 5 for tanh, |x| >= 10 for the logistic sigmoid: where the local
+    gradient is under 1/5000 of its peak) is measured on sampled steps. Above
+    ``threshold`` on ``patience`` sampled steps in a row is a warning.
+
+    Sources: DeepDiagnosis (> 50% of tanh / sigmoid inputs with |x| >= 5);
+    SageMaker Debugger ``saturated_activation`` (bounds ±9.5 for tanh and
+    (-23, 17) for sigmoid, layer fraction 50%). Only ``nn.Tanh`` / ``nn.Sigmoid``
+    modules (Keras: ``activation="tanh"`` layers) are observed; a ``torch.tanh``
+    call inside ``forward`` is invisible to hooks.
+
+    Args:
+        threshold: Saturated fraction of an activation's inputs that is too much.
+        patience: Consecutive sampled steps above it that raise a warning.
+    """
+
+    name = "saturated_activation"
+    needs = frozenset({"activations"})
+    base_interval = 16
+    advice = "smaller init/LR, normalise inputs, or ReLU"
+
+    def __init__(self, *, threshold: float = 0.5, patience: int = 3) -> None:
+        check_fraction(self.name, "threshold", threshold)
+        check_positive(self.name, "patience", patience, integer=True)
+        self.threshold, self.patience = float(threshold), patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streaks": {}, "reported": []}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        findings: list[Finding] = []
+        for name, kind, frac in zip(obs.act_names, obs.act_kinds, obs.act_saturated, strict=True):
+            if kind not in SATURATION_BOUNDS or not np.isfinite(frac):
+                continue
+            if frac <= self.threshold:
+                st["streaks"][name] = 0
+                if name in st["reported"]:
+                    st["reported"].remove(name)
+                continue
+            st["streaks"][name] = streak = st["streaks"].get(name, 0) + 1
+            self.suspect = f"{frac:.0%} of the inputs of {name} ({kind}) are saturated"
+            if streak < self.patience or name in st["reported"] or findings:
+                continue
+            st["reported"].append(name)
+            bound = SATURATION_BOUNDS[kind]
+            findings.append(
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Saturated {kind}: {frac:.0%} of the inputs of {name} are beyond "
+                    f"±{bound:g} at step {obs.step}, where its gradient is almost zero, so "
+                    "those units have stopped learning; usual causes are weights initialised "
+                    "too large, unnormalised inputs or a learning rate too high: use "
+                    "Xavier/Glorot init, normalise the inputs, add normalisation layers, or "
+                    "switch to ReLU-family activations.",
+                    value=float(frac),
+                    threshold=self.threshold,
+                    where=name,
+                )
+            )
+        return findings

@@ -1,0 +1,178 @@
+"""The data a model is fed: imbalanced labels and unnormalised inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stethoscope.detectors.base import Detector, check_positive
+from stethoscope.findings import Finding
+from stethoscope.observation import Observation
+
+__all__ = ["ClassImbalance", "UnnormalizedInput"]
+
+
+class ClassImbalance(Detector):
+    """One class far more frequent than another among the labels of the first batches.
+
+    Rule: integer class labels are counted over the sampled batches until at
+    least ``samples`` labels and ``20 x K`` labels (K: the number of classes seen,
+    taken as the largest label + 1) were seen; then, once, the count of the
+    most frequent class over that of the rarest (a class in 0..K-1 that never
+    appears counts as 0) is compared with ``ratio``. Above it is a warning.
+
+    Sources: SageMaker Debugger ``class_imbalance`` (ratio 10 after 500
+    samples); the 20-per-class floor keeps the ratio of a balanced dataset with
+    many classes from being sampling noise.
+
+    Args:
+        ratio: Largest over smallest class count above which labels are imbalanced.
+        samples: Labels to count before judging.
+    """
+
+    name = "class_imbalance"
+    needs = frozenset({"labels"})
+    base_interval = 16
+    advice = "class weights or a balanced sampler; shuffle"
+
+    def __init__(self, *, ratio: float = 10.0, samples: int = 500) -> None:
+        check_positive(self.name, "ratio", ratio)
+        if ratio <= 1:
+            raise ValueError(f"{self.name}: ratio={ratio!r} must be > 1")
+        check_positive(self.name, "samples", samples, integer=True)
+        self.ratio, self.samples = float(ratio), samples
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"counts": [], "judged": False}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        labels = np.asarray(obs.labels)
+        if st["judged"] or labels.size == 0:
+            return []
+        if np.any(labels < 0):
+            labels = labels[labels >= 0]  # -100 and friends: ignored targets
+        counts = np.bincount(labels.astype(np.int64, copy=False))
+        old = st["counts"]
+        size = max(len(old), len(counts))
+        total = np.zeros(size, np.int64)
+        total[: len(old)] += np.asarray(old, np.int64)
+        total[: len(counts)] += counts
+        st["counts"] = total.tolist()
+        seen = int(total.sum())
+        if seen < max(self.samples, 20 * len(total)) or len(total) < 2:
+            return []
+        st["judged"] = True
+        big, small = int(np.argmax(total)), int(np.argmin(total))
+        r = total[big] / total[small] if total[small] else float("inf")
+        if r <= self.ratio:
+            return []
+        rare = (
+            f"class {small} never appears"
+            if total[small] == 0
+            else f"class {small} has {total[small]}"
+        )
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"Labels are imbalanced: class {big} has {total[big]} of the first {seen} "
+                f"labels and {rare} (ratio {r:.3g} > {self.ratio:g}); the model can score "
+                "well by predicting the majority: weight the loss by class (e.g. "
+                "CrossEntropyLoss(weight=...)), use a balanced sampler, or check that the "
+                "data is shuffled and the labels are right.",
+                value=float(r),
+                threshold=self.ratio,
+                where="labels",
+            )
+        ]
+
+
+class UnnormalizedInput(Detector):
+    """Input features on a scale far from standardised (pixels in 0..255, raw units).
+
+    Rule: the per-feature root mean square ``sqrt(mean(x^2))`` (channels for
+    images) is accumulated over the sampled batches until ``samples`` samples
+    were seen; then, once, it is a warning when the 90th percentile of the
+    features' RMS is above ``scale``, when any feature's RMS is above ``10 x
+    scale``, or when every feature's RMS is below ``1 / (100 x scale)``. The RMS
+    of a standardised feature is exactly 1 however heavy its tails, so values
+    beyond ±1 (which standardised data has all the time) never count; images in
+    0..1 have an RMS of ~0.5.
+
+    Sources: UMLAUT flags inputs outside [-1, 1] and so warns on standardised
+    data; SageMaker Debugger ``check_input_images`` flags |mean| > 0.2 after 500
+    samples, which fires on every image set scaled to 0..1.
+
+    Args:
+        scale: Largest healthy RMS of the typical (90th percentile) feature.
+        samples: Samples to see before judging.
+    """
+
+    name = "unnormalized_input"
+    needs = frozenset({"inputs"})
+    base_interval = 16
+    advice = "standardise inputs (mean 0, std 1)"
+
+    def __init__(self, *, scale: float = 5.0, samples: int = 256) -> None:
+        check_positive(self.name, "scale", scale)
+        check_positive(self.name, "samples", samples, integer=True)
+        self.scale, self.samples = float(scale), samples
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        # sums over samples of each feature's x^2, and the sample count
+        return {"sq": [], "count": 0, "judged": False}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        n = int(obs.input_count)
+        sq = np.asarray(obs.input_sq, np.float64)
+        if st["judged"] or n <= 0 or sq.size == 0 or not np.all(np.isfinite(sq)):
+            return []  # non-finite inputs: nonfinite_loss names the batch
+        if len(st["sq"]) != sq.size:
+            st["sq"], st["count"] = [0.0] * sq.size, 0  # a different input: start over
+        st["sq"] = (np.asarray(st["sq"]) + sq * n).tolist()
+        st["count"] += n
+        if st["count"] < self.samples:
+            return []
+        st["judged"] = True
+        rms = np.sqrt(np.asarray(st["sq"]) / st["count"])
+        p90, top = float(np.percentile(rms, 90)), int(np.argmax(rms))
+        what = "feature" if rms.size > 1 else "input"
+        if p90 > self.scale or rms[top] > 10 * self.scale:
+            detail = (
+                f"the typical (90th percentile) input {what} has an RMS of {p90:.3g}"
+                if p90 > self.scale
+                else f"input {what} {top} has an RMS of {rms[top]:.3g}"
+            )
+            value, threshold = (
+                (p90, self.scale) if p90 > self.scale else (float(rms[top]), 10 * self.scale)
+            )
+            return [
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Inputs are not normalised: over the first {st['count']} samples {detail} "
+                    f"(a standardised feature has 1; limit {threshold:g}), so the first layer "
+                    "starts saturated or with huge gradients; standardise each feature (subtract "
+                    "the mean, divide by the std) or scale images to 0..1 and normalise.",
+                    value=value,
+                    threshold=threshold,
+                    where="input" if rms.size == 1 else f"input[{top}]",
+                )
+            ]
+        if rms[top] < 1 / (100 * self.scale):
+            return [
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Inputs are vanishingly small: over the first {st['count']} samples no input "
+                    f"{what} has an RMS above {rms[top]:.3g} (a standardised feature has 1); "
+                    "check for double scaling (e.g. dividing by 255 twice) and standardise.",
+                    value=float(rms[top]),
+                    threshold=1 / (100 * self.scale),
+                    where="input",
+                )
+            ]
+        return []

@@ -1,0 +1,530 @@
+"""Weights and their updates: too small, too large, frozen, badly initialised, all zero."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from stethoscope.detectors._stats import is_finite, median
+from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.findings import Finding
+from stethoscope.observation import Observation
+
+__all__ = ["AllZero", "FrozenWeights", "LargeUpdates", "PoorInitialization", "SmallUpdates"]
+
+
+def _update_ratios(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
+    """||Δw|| / ||w|| of each weight matrix with a non-zero weight, and their indices."""
+    mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else np.arange(len(obs.names))
+    w = obs.weight_norm[mats]
+    keep = np.isfinite(w) & (w > 0) & np.isfinite(obs.update_norm[mats])
+    idx = mats[keep]
+    return obs.update_norm[idx] / obs.weight_norm[idx], idx
+
+
+class LargeUpdates(Detector):
+    """Optimizer steps that change a weight matrix by as much as its own size.
+
+    Rule: on sampled steps, each weight matrix's update ratio ||Δw|| / ||w|| (the
+    change made by the optimizer step over the weights after it) is compared
+    with ``threshold``. Above it on ``patience`` sampled steps in a row is a
+    warning; a single ratio above ``error_threshold`` is an error. Healthy runs
+    sit near 1e-3 (CS231n) and decay from ~5e-3 to ~3e-4 as they converge; Adam's
+    very first step moves every weight by about the learning rate, which is why
+    one step alone is not enough.
+
+    Sources: SageMaker Debugger ``weight_update_ratio`` (large: > 10, the error
+    here); DeepDiagnosis (lr·||g||/||W|| above 1e-3 x 100 hints at the learning rate).
+
+    Args:
+        threshold: Update ratio that is a warning when it persists.
+        error_threshold: Update ratio that is an error at once.
+        patience: Consecutive sampled steps above ``threshold`` for a warning.
+    """
+
+    name = "large_updates"
+    needs = frozenset({"weights", "updates"})
+    base_interval = 16
+    advice = "lower the LR or add warm-up"
+
+    def __init__(
+        self, *, threshold: float = 1.0, error_threshold: float = 10.0, patience: int = 3
+    ) -> None:
+        check_positive(self.name, "threshold", threshold)
+        check_positive(self.name, "error_threshold", error_threshold)
+        if error_threshold < threshold:
+            raise ValueError(
+                f"{self.name}: error_threshold={error_threshold!r} must be >= threshold="
+                f"{threshold!r}"
+            )
+        check_positive(self.name, "patience", patience, integer=True)
+        self.threshold, self.error_threshold = float(threshold), float(error_threshold)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streak": 0}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        ratios, idx = _update_ratios(obs)
+        if len(ratios) == 0:
+            return []
+        worst = int(np.argmax(ratios))
+        ratio, where = float(ratios[worst]), obs.names[idx[worst]]
+        if ratio <= self.threshold:
+            self.state["streak"] = 0
+            return []
+        self.state["streak"] += 1
+        self.suspect = f"update ratio {ratio:.3g} in {where}"
+        error = ratio > self.error_threshold
+        if not error and self.state["streak"] < self.patience:
+            return []
+        lr = f" at a learning rate of {obs.lr:.3g}" if is_finite(obs.lr) else ""
+        return [
+            self.finding(
+                obs,
+                "error" if error else "warning",
+                f"The optimizer step changed {where} by {ratio:.3g}x its own norm at step "
+                f"{obs.step}{lr} (healthy: ~1e-3): the learning rate is far too high for this "
+                "model; lower it (try 10-100x smaller) or add a warm-up.",
+                value=ratio,
+                threshold=self.error_threshold if error else self.threshold,
+                where=where,
+            )
+        ]
+
+
+class SmallUpdates(Detector):
+    """Optimizer steps too small to move the weights while the loss is still high.
+
+    Rule: on sampled steps, the median update ratio ||Δw|| / ||w|| over the
+    weight matrices is compared with ``threshold``. It is a warning when it has
+    stayed below for at least ``min_steps`` steps (and ``patience`` sampled
+    steps) while (1) the loss is still above ``loss_fraction`` of its initial
+    level, since a converged run's updates shrink with its gradients, and (2) the
+    learning rate is at least half the highest seen so far, since a schedule
+    annealing towards 0 (cosine, step decay) shrinks updates on purpose.
+
+    Sources: SageMaker Debugger ``weight_update_ratio`` (small: < 1e-8);
+    DeepDiagnosis (lr·||g||/||W|| below 1e-3 / 100 = 1e-5 hints at the learning
+    rate); CS231n (healthy ~1e-3).
+
+    Args:
+        threshold: Median update ratio below which updates are too small.
+        min_steps: Steps the condition must hold.
+        patience: Sampled steps the condition must hold.
+        loss_fraction: The loss must still be above this fraction of its initial level.
+    """
+
+    name = "small_updates"
+    needs = frozenset({"weights", "updates"})
+    base_interval = 16
+    advice = "raise the LR; check the scheduler and frozen params"
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 1e-5,
+        min_steps: int = 50,
+        patience: int = 3,
+        loss_fraction: float = 0.5,
+    ) -> None:
+        check_positive(self.name, "threshold", threshold)
+        check_positive(self.name, "min_steps", min_steps, integer=True)
+        check_positive(self.name, "patience", patience, integer=True)
+        check_fraction(self.name, "loss_fraction", loss_fraction)
+        self.threshold, self.min_steps, self.patience = float(threshold), min_steps, patience
+        self.loss_fraction = float(loss_fraction)
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"since": None, "count": 0, "initial_loss": None, "max_lr": None, "fired": False}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if is_finite(obs.loss) and st["initial_loss"] is None:
+            st["initial_loss"] = abs(float(obs.loss))
+        if is_finite(obs.lr):
+            st["max_lr"] = max(st["max_lr"] or 0.0, float(obs.lr))
+        ratios, _ = _update_ratios(obs)
+        ratio = float(np.median(ratios)) if len(ratios) else math.nan
+        annealed = is_finite(obs.lr) and obs.lr < 0.5 * st["max_lr"]
+        converged = (
+            is_finite(obs.loss)
+            and st["initial_loss"] is not None
+            and abs(obs.loss) < self.loss_fraction * st["initial_loss"]
+        )
+        if not (ratio < self.threshold) or annealed or converged:
+            st["since"], st["count"], st["fired"] = None, 0, False
+            return []
+        if st["since"] is None:
+            st["since"] = obs.step
+        st["count"] += 1
+        self.suspect = f"median update ratio {ratio:.2g}"
+        if st["fired"] or st["count"] < self.patience or obs.step - st["since"] < self.min_steps:
+            return []
+        st["fired"] = True
+        lr = f" at a learning rate of {obs.lr:.3g}" if is_finite(obs.lr) else ""
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"Updates are too small to train: the median weight matrix changes by "
+                f"{ratio:.2g}x its norm per step{lr} (healthy: ~1e-3) since step {st['since']}, "
+                "while the loss is still high; raise the learning rate (try 10-100x), and check "
+                "the scheduler and which parameters the optimizer holds.",
+                value=ratio,
+                threshold=self.threshold,
+            )
+        ]
+
+
+class FrozenWeights(Detector):
+    """Parameters that require grad but never change while the others do.
+
+    Rule: a parameter that requires grad but is in no optimizer is a warning at
+    once. A parameter whose update is exactly zero on ``patience`` sampled steps
+    in a row, while other parameters changed, is a warning too (a param group
+    with learning rate 0, an optimizer built before the layer was replaced).
+    Parameters with ``requires_grad=False`` are frozen on purpose and never
+    watched; a parameter whose gradient is zero as well is not frozen but
+    starved (see ``all_zero`` / ``dead_relu``).
+
+    Sources: SageMaker Debugger ``unchanged_tensor`` (allclose over 3 steps);
+    here the comparison is exact, since any optimizer step with a non-zero
+    gradient and learning rate changes a parameter.
+
+    Args:
+        patience: Consecutive sampled steps with a zero update for a warning.
+    """
+
+    name = "frozen_weights"
+    needs = frozenset({"weights", "updates"})
+    base_interval = 16
+    advice = "check the optimizer's param groups and their LR"
+
+    def __init__(self, *, patience: int = 3) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streaks": {}, "reported": []}
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        findings: list[Finding] = []
+        missing = [n for n in obs.unoptimized if n not in st["reported"]]
+        if missing:
+            st["reported"].extend(missing)
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            findings.append(
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Parameters that require grad are in no optimizer ({len(missing)}: "
+                    f"{shown}), so they keep their initial values; add them to the optimizer "
+                    "(e.g. self.parameters() in configure_optimizers), or set "
+                    "requires_grad=False if they are meant to be frozen.",
+                    value=float(len(missing)),
+                    where=missing[0],
+                )
+            )
+        upd = obs.update_norm
+        moved = np.isfinite(upd) & (upd > 0)
+        if not moved.any():
+            return findings  # nothing changed anywhere: LR 0 for all (warm-up start, schedule end)
+        grads = obs.grad_norm
+        frozen_now: list[str] = []
+        for i, name in enumerate(obs.names):
+            starved = grads is not None and grads[i] == 0
+            if moved[i] or starved or not np.isfinite(upd[i]):
+                st["streaks"].pop(name, None)
+                continue
+            st["streaks"][name] = st["streaks"].get(name, 0) + 1
+            if st["streaks"][name] >= self.patience and name not in st["reported"]:
+                frozen_now.append(name)
+        if frozen_now:
+            st["reported"].extend(frozen_now)
+            lr = f" (learning rate of the first group: {obs.lr:.3g})" if is_finite(obs.lr) else ""
+            findings.append(
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Parameter {frozen_now[0]}"
+                    + (
+                        f" and {len(frozen_now) - 1} other parameter(s)"
+                        if len(frozen_now) > 1
+                        else ""
+                    )
+                    + f" did not change on {self.patience} sampled steps up to step {obs.step} "
+                    f"although they have gradients and other parameters changed{lr}: their "
+                    "param group likely has a learning rate of 0; check the optimizer's "
+                    "param_groups and the scheduler.",
+                    value=float(len(frozen_now)),
+                    where=frozen_now[0],
+                )
+            )
+        return findings
+
+
+class PoorInitialization(Detector):
+    """Weights, activations or the initial loss that say the model started badly.
+
+    Rule: on the observations of the first ``steps`` steps, each check at most
+    once:
+
+    * weight scale: for each layer with units, ``var(w) x fan_in`` outside
+      [``min_scale``, ``max_scale``]. Fan-in scaled schemes give 1/3 (PyTorch's
+      default), 1 (LeCun, Glorot for square layers) or 2 (He); a raw N(0, 1)
+      init gives the fan-in itself. A plain variance ratio across layers, as
+      SageMaker Debugger uses, fires on healthy nets whose fan-ins differ.
+    * activations: the root-mean-square output of the first and the most
+      extreme layer with units differ by more than ``activation_ratio``: the
+      signal explodes or dies with depth.
+    * initial loss: when ``num_classes`` (K) is given, the median of the first
+      3 losses above ``max(2 ln K, ln K + 1)``; a fresh classifier should score
+      about ``ln K`` (CS231n).
+
+    Sources: SageMaker Debugger ``poor_weight_initialization`` (activation
+    variance ratio > 10 over the first 10 steps); CS231n (initial loss -ln(1/K));
+    DeepDiagnosis (weight variance outside [1e-5, 10]).
+
+    Args:
+        num_classes: Number of classes of a classification task, for the loss check.
+        steps: The checks run on observations before this step.
+        min_scale: Smallest healthy ``var(w) x fan_in``.
+        max_scale: Largest healthy ``var(w) x fan_in``.
+        activation_ratio: Largest healthy ratio of layer output RMS across depth.
+    """
+
+    name = "poor_initialization"
+    needs = frozenset({"weights"})
+    base_interval = 16
+    advice = "use fan-in scaled init (He / Glorot)"
+
+    def __init__(
+        self,
+        *,
+        num_classes: int | None = None,
+        steps: int = 10,
+        min_scale: float = 1e-3,
+        max_scale: float = 10.0,
+        activation_ratio: float = 1000.0,
+    ) -> None:
+        if num_classes is not None:
+            check_positive(self.name, "num_classes", num_classes, integer=True)
+            if num_classes < 2:
+                raise ValueError(f"{self.name}: num_classes={num_classes!r} must be >= 2")
+        check_positive(self.name, "steps", steps, integer=True)
+        check_positive(self.name, "min_scale", min_scale)
+        check_positive(self.name, "max_scale", max_scale)
+        check_positive(self.name, "activation_ratio", activation_ratio)
+        if activation_ratio <= 1 or max_scale <= min_scale:
+            raise ValueError(
+                f"{self.name}: need activation_ratio > 1 (got {activation_ratio!r}) and "
+                f"max_scale > min_scale (got {max_scale!r} <= {min_scale!r})"
+            )
+        self.num_classes, self.steps = num_classes, steps
+        self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+        self.activation_ratio = float(activation_ratio)
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"losses": [], "done": []}  # done: the checks already judged
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if obs.step >= self.steps:
+            return []
+        findings: list[Finding] = []
+        if "weights" not in st["done"] and obs.fan_in is not None:
+            st["done"].append("weights")
+            findings += self._weights(obs)
+        if "activations" not in st["done"] and obs.act_rms is not None:
+            st["done"].append("activations")
+            findings += self._activations(obs)
+        if self.num_classes and "loss" not in st["done"] and is_finite(obs.loss):
+            st["losses"].append(float(obs.loss))
+            if len(st["losses"]) >= 3:
+                st["done"].append("loss")
+                findings += self._loss(obs, median(st["losses"]))
+        return findings
+
+    def _weights(self, obs: Observation) -> list[Finding]:
+        units = np.flatnonzero(np.isfinite(obs.fan_in) & (obs.numel > 0))
+        if len(units) == 0:
+            return []
+        var = np.square(obs.weight_norm[units]) / obs.numel[units]
+        scale = var * obs.fan_in[units]
+        bad = np.flatnonzero((scale > self.max_scale) | ((scale < self.min_scale) & (var > 0)))
+        if len(bad) == 0:
+            return []
+        i = bad[np.argmax(np.abs(np.log10(scale[bad])))]
+        s, name = float(scale[i]), obs.names[units[i]]
+        big = s > self.max_scale
+        std, fan = math.sqrt(var[i]), obs.fan_in[units[i]]
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"Layer weight {name} starts with values of std {std:.3g} for a fan-in of "
+                f"{fan:.0f}: "
+                f"var x fan_in = {s:.3g}, {'above' if big else 'below'} the healthy "
+                f"{self.min_scale:g}-{self.max_scale:g} (He: 2, Glorot/LeCun: ~1), so "
+                f"activations {'grow' if big else 'shrink'} layer by layer"
+                f"{' and saturate or explode' if big else ' and gradients vanish'}; use a fan-in "
+                "scaled init (nn.init.kaiming_normal_ for ReLU, xavier_normal_ for tanh).",
+                value=s,
+                threshold=self.max_scale if big else self.min_scale,
+                where=name,
+            )
+        ]
+
+    def _activations(self, obs: Observation) -> list[Finding]:
+        layers = [
+            (n, float(r))
+            for n, k, r in zip(obs.act_names, obs.act_kinds, obs.act_rms, strict=True)
+            if k == "layer" and np.isfinite(r) and r > 0
+        ]
+        if len(layers) < 2:
+            return []
+        first_name, first = layers[0]
+        name, rms = max(layers[1:], key=lambda nr: abs(math.log(nr[1] / first)))
+        ratio = max(rms / first, first / rms)
+        if ratio <= self.activation_ratio:
+            return []
+        grows = rms > first
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"Activations {'explode' if grows else 'die out'} with depth at step {obs.step}: "
+                f"the output RMS of {name} is {rms:.3g} against {first:.3g} in {first_name} "
+                f"({ratio:.3g}x, healthy < {self.activation_ratio:g}x); use a fan-in scaled "
+                "init (He for ReLU, Glorot for tanh), normalisation layers or residual "
+                "connections.",
+                value=ratio,
+                threshold=self.activation_ratio,
+                where=name,
+            )
+        ]
+
+    def _loss(self, obs: Observation, loss: float) -> list[Finding]:
+        chance = math.log(self.num_classes)
+        bound = max(2 * chance, chance + 1)
+        if loss <= bound:
+            return []
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"The initial loss {loss:.3g} is far above chance level ln({self.num_classes}) = "
+                f"{chance:.3g} for {self.num_classes} classes: the untrained model is confidently "
+                "wrong, so its final layer or its inputs are badly scaled; initialise the last "
+                "layer smaller (or its bias to the class log-priors) and check input scaling.",
+                value=loss,
+                threshold=bound,
+                where="loss",
+            )
+        ]
+
+
+class AllZero(Detector):
+    """A weight matrix, gradient or layer output that is entirely zero, and stays so.
+
+    Rule: on sampled steps, each case needing ``patience`` sampled steps in a row:
+
+    * a weight matrix whose weights *and* gradient are all zero: it can never
+      move again (a zero-initialised layer before a ReLU): error;
+    * a weight matrix whose gradient is all zero while the loss is not: nothing
+      reaches it (a detached branch, a dead layer after it): warning;
+    * a layer whose output is all zero (seen when activations are observed): warning.
+
+    A bias or weight that merely starts at zero (biases, LoRA's B matrix) moves
+    at the first step and is never flagged.
+
+    Sources: SageMaker Debugger ``all_zero`` (100% of the values zero).
+
+    Args:
+        patience: Consecutive sampled steps a tensor must stay all zero.
+    """
+
+    name = "all_zero"
+    needs = frozenset({"grads", "weights"})
+    base_interval = 16
+    advice = "re-initialise the layer (no zero or constant init)"
+
+    def __init__(self, *, patience: int = 2) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streaks": {}, "reported": []}
+
+    def _bump(self, key: str, hit: bool) -> bool:
+        """Count ``key``'s streak; True once when it reaches the patience."""
+        st = self.state
+        if not hit:
+            st["streaks"].pop(key, None)
+            return False
+        st["streaks"][key] = st["streaks"].get(key, 0) + 1
+        if st["streaks"][key] >= self.patience and key not in st["reported"]:
+            st["reported"].append(key)
+            return True
+        return False
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        # Each case reports its first tensor (nearest the input: the likely cause) per step,
+        # counting the others, rather than one finding per tensor.
+        hits: dict[str, list[str]] = {"stuck": [], "grad": [], "act": []}
+        loss_nonzero = not is_finite(obs.loss) or obs.loss != 0
+        mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else []
+        grads = obs.grad_norm
+        for i in mats:
+            name = obs.names[i]
+            w_zero = bool(obs.weight_norm[i] == 0)
+            g_zero = grads is not None and bool(grads[i] == 0)
+            if self._bump(f"stuck|{name}", w_zero and g_zero):
+                hits["stuck"].append(name)
+            elif self._bump(f"grad|{name}", g_zero and not w_zero and loss_nonzero):
+                hits["grad"].append(name)
+        if obs.act_max is not None:
+            for name, kind, m in zip(obs.act_names, obs.act_kinds, obs.act_max, strict=True):
+                if kind == "layer" and self._bump(f"act|{name}", bool(m == 0)):
+                    hits["act"].append(name)
+        findings: list[Finding] = []
+        for case, names in hits.items():
+            if not names:
+                continue
+            name = names[0]
+            more = f" (and {len(names) - 1} more after it)" if len(names) > 1 else ""
+            severity, message = {
+                "stuck": (
+                    "error",
+                    f"Weight {name}{more} is all zeros and so is its gradient (step {obs.step}): "
+                    "it can never move away from zero, and every unit after it sees the same "
+                    "input; initialise it randomly (never zeros or a constant).",
+                ),
+                "grad": (
+                    "warning",
+                    f"The gradient of {name}{more} has been all zeros on {self.patience} sampled "
+                    f"steps up to step {obs.step}: no signal reaches it (a layer after it is "
+                    "dead or zero, or its output is detached from the loss); check the layers "
+                    "after it and any .detach() / torch.no_grad() in forward.",
+                ),
+                "act": (
+                    "warning",
+                    f"The output of {name}{more} has been all zeros on {self.patience} sampled "
+                    f"steps up to step {obs.step}: every layer after it sees a constant; check "
+                    "its weights and inputs (zero init, a mask, a dead input).",
+                ),
+            }[case]
+            findings.append(
+                self.finding(obs, severity, message, value=float(len(names)), where=name)
+            )
+        return findings
