@@ -158,8 +158,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1) -> list[Observation]:
             updates[2] *= 1e4  # ratio ~10: the optimizer step is as large as the weights
         if i >= 45:
             updates = updates * 1e-4  # far too small to train
-        if 55 <= i < 70:
-            updates[2] = 0.0  # layer1.weight stops moving
+        if 20 <= i < 35:
+            updates[2] = 0.0  # layer1.weight stops moving while the others move
         if 75 <= i < 80:
             grads[2] = 0.0  # no gradient reaches layer1.weight
         val = (1.0 + 0.1 * i / 10, 0.5 - 0.01 * i / 10) if i % 10 == 9 else None

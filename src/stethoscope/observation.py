@@ -54,6 +54,8 @@ class Observation:
         grad_norm: L2 norm of each parameter's gradient, before clipping.
         weight_norm: L2 norm of each parameter after the optimizer step.
         update_norm: L2 norm of each parameter's change made by the step.
+        prev_weight_norm: L2 norm of each parameter before the step (present with
+            ``update_norm``; at step 0, the initialisation).
         fan_in: Inputs per output unit of each parameter that is the weight of a
             layer with units (dense, convolution); NaN for every other parameter.
         unoptimized: Parameters that require grad but that no optimizer updates.
@@ -87,6 +89,7 @@ class Observation:
     grad_norm: np.ndarray | None = None
     weight_norm: np.ndarray | None = None
     update_norm: np.ndarray | None = None
+    prev_weight_norm: np.ndarray | None = None
     fan_in: np.ndarray | None = None
     unoptimized: tuple[str, ...] = ()
     unit_names: tuple[str, ...] = ()

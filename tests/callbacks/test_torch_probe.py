@@ -58,7 +58,9 @@ def test_parameter_probe_update_norms_equal_the_optimizer_step():
     before = probe.snapshot(idx)
     expected_updates = [0.1 * p.grad.norm() for p in probe.params]
     opt.step()
-    weights, updates = probe.weight_and_update_norms(idx, before)
+    previous = torch.stack([b.norm() for b in before])
+    weights, updates, prev = probe.weight_and_update_norms(idx, before)
+    assert torch.allclose(prev, previous)
     assert torch.allclose(grads, torch.stack([p.grad.norm() for p in probe.params]))
     assert torch.allclose(weights, torch.stack([p.detach().norm() for p in probe.params]))
     assert torch.allclose(updates, torch.stack(expected_updates), rtol=1e-4)

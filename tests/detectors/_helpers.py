@@ -130,3 +130,36 @@ def batch8_loss(seed: int, n: int = 2000, tau: float | None = None):
     )
     x = per_sample.mean(axis=1)
     return x if tau is None else x * np.exp(-np.arange(n) / tau)
+
+
+# -- layer-1 tests of the activation, weight, data and validation detectors ------------------------
+def assert_sentence(finding: Finding, *fix_words: str, names: Sequence[str] = ()) -> None:
+    """One sentence (no full stop inside but ``e.g.``) that names each of ``names`` and whose
+    last clause holds the fix: for findings whose message need not name the step."""
+    msg = finding.message
+    assert msg[:1].isupper() and msg.endswith("."), msg
+    assert not re.search(r"\.\s+[A-Z]", msg.replace("e.g.", "eg")), msg
+    for name in names:
+        assert name in msg, (name, msg)
+    fix = msg.rsplit(";", 1)[-1].lower()
+    for word in fix_words:
+        assert word.lower() in fix, (word, msg)
+
+
+def assert_resumes(
+    cls: type[Detector], observations: Sequence[Observation], at: int, **kwargs
+) -> list[Finding]:
+    """Checkpoint a ``cls(**kwargs)`` after ``observations[:at]`` through strict JSON, restore it
+    into a fresh one, and check it goes on exactly as an uninterrupted one; return the findings."""
+    import json
+
+    whole, head, resumed = cls(**kwargs), cls(**kwargs), cls(**kwargs)
+    expected = run(whole, observations)
+    found = run(head, observations[:at])
+    resumed.load_state_dict(json.loads(json.dumps(head.state_dict(), allow_nan=False)))
+    found += run(resumed, observations[at:])
+    assert [f.to_dict(json_safe=True) for f in found] == [
+        f.to_dict(json_safe=True) for f in expected
+    ]
+    assert resumed.state_dict() == whole.state_dict()
+    return expected

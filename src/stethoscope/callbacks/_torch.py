@@ -101,14 +101,15 @@ class ParameterProbe:
 
     def weight_and_update_norms(
         self, indices: Sequence[int], before: list[torch.Tensor] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Norms of the weights now, and of their change since ``before``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Norms of the weights now, of their change since ``before``, and of ``before``."""
         now = [self.params[i].detach() for i in indices]
         weights = _stack_norms(now)
         if before is None:
-            return weights, None
+            return weights, None, None
+        previous = _stack_norms(before)
         torch._foreach_sub_(before, now)  # reuse the snapshot's memory for the difference
-        return weights, _stack_norms(before)
+        return weights, _stack_norms(before), previous
 
 
 def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:

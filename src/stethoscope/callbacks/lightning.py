@@ -255,10 +255,13 @@ class LightningStethoscope(Callback):
             if self._grad_parts:
                 parts.append(("grad_norm", torch.cat(self._grad_parts), None))
             if {"weights", "updates"} & self._plan:
-                weights, updates = self._probe.weight_and_update_norms(idx, self._snapshots or None)
+                weights, updates, previous = self._probe.weight_and_update_norms(
+                    idx, self._snapshots or None
+                )
                 parts.append(("weight_norm", weights, None))
                 if updates is not None:
                     parts.append(("update_norm", updates, None))
+                    parts.append(("prev_weight_norm", previous, None))
             if self._unit_parts:
                 parts.append(("unit_zero", torch.cat(self._unit_parts), tuple(self._units)))
             self._grad_parts, self._snapshots, self._stepped = [], [], []
@@ -422,7 +425,7 @@ class LightningStethoscope(Callback):
             at += n
             if key == "loss":
                 obs.loss = float(chunk[0])
-            elif key in ("grad_norm", "weight_norm", "update_norm"):
+            elif key in ("grad_norm", "weight_norm", "update_norm", "prev_weight_norm"):
                 setattr(obs, key, chunk)
             elif key == "unit_zero":
                 obs.unit_names = tuple(name for name, _ in extra)

@@ -139,13 +139,16 @@ class UnnormalizedInput(Detector):
         st["judged"] = True
         rms = np.sqrt(np.asarray(st["sq"]) / st["count"])
         p90, top = float(np.percentile(rms, 90)), int(np.argmax(rms))
-        what = "feature" if rms.size > 1 else "input"
         if p90 > self.scale or rms[top] > 10 * self.scale:
-            detail = (
-                f"the typical (90th percentile) input {what} has an RMS of {p90:.3g}"
-                if p90 > self.scale
-                else f"input {what} {top} has an RMS of {rms[top]:.3g}"
-            )
+            if rms.size == 1:
+                detail = f"the input has an RMS of {rms[top]:.3g}"
+            elif p90 > self.scale:
+                detail = (
+                    f"the typical (90th percentile) input feature has an RMS of {p90:.3g} "
+                    f"(the largest: feature {top}, {rms[top]:.3g})"
+                )
+            else:
+                detail = f"input feature {top} has an RMS of {rms[top]:.3g}"
             value, threshold = (
                 (p90, self.scale) if p90 > self.scale else (float(rms[top]), 10 * self.scale)
             )
@@ -167,8 +170,13 @@ class UnnormalizedInput(Detector):
                 self.finding(
                     obs,
                     "warning",
-                    f"Inputs are vanishingly small: over the first {st['count']} samples no input "
-                    f"{what} has an RMS above {rms[top]:.3g} (a standardised feature has 1); "
+                    f"Inputs are vanishingly small: over the first {st['count']} samples "
+                    + (
+                        f"the input has an RMS of only {rms[top]:.3g}"
+                        if rms.size == 1
+                        else f"no input feature has an RMS above {rms[top]:.3g}"
+                    )
+                    + " (a standardised feature has 1); "
                     "check for double scaling (e.g. dividing by 255 twice) and standardise.",
                     value=float(rms[top]),
                     threshold=1 / (100 * self.scale),

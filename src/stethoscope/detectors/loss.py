@@ -344,7 +344,8 @@ class Overfitting(Detector):
         if best is None or val < best[0]:
             st["best"], st["streak"], st["fired"] = [val, train, obs.epoch, st["n"]], 0, False
             return []
-        rose = val > best[0] * (1 + self.min_rise) if best[0] > 0 else val > best[0]
+        bar = best[0] + self.min_rise * abs(best[0])  # also right for a negative loss (NLL)
+        rose = val > bar if best[0] != 0 else val > 0
         train_falls = is_finite(train) and is_finite(best[1]) and train < best[1]
         if not (rose and train_falls):
             st["streak"] = 0
@@ -369,7 +370,7 @@ class Overfitting(Detector):
                 f"{train:.3g}; keep the checkpoint of the best epoch and stop early, or add "
                 "regularisation (weight decay, dropout, augmentation) or more data.",
                 value=val,
-                threshold=best[0] * (1 + self.min_rise),
+                threshold=bar,
                 where="validation",
             )
         ]

@@ -15,19 +15,24 @@ __all__ = ["AllZero", "FrozenWeights", "LargeUpdates", "PoorInitialization", "Sm
 
 
 def _update_ratios(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
-    """||Δw|| / ||w|| of each weight matrix with a non-zero weight, and their indices."""
+    """||Δw|| / ||w|| of each weight matrix with non-zero weights, and their indices.
+
+    ``w`` is the weight before the step when the adapter measured it (else after):
+    a step that moves a weight of norm 0.1 by 1 is a ratio of 10, not of ~1.
+    """
     mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else np.arange(len(obs.names))
-    w = obs.weight_norm[mats]
+    base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
+    w = base[mats]
     keep = np.isfinite(w) & (w > 0) & np.isfinite(obs.update_norm[mats])
     idx = mats[keep]
-    return obs.update_norm[idx] / obs.weight_norm[idx], idx
+    return obs.update_norm[idx] / base[idx], idx
 
 
 class LargeUpdates(Detector):
     """Optimizer steps that change a weight matrix by as much as its own size.
 
     Rule: on sampled steps, each weight matrix's update ratio ||Δw|| / ||w|| (the
-    change made by the optimizer step over the weights after it) is compared
+    change made by the optimizer step over the weights before it) is compared
     with ``threshold``. Above it on ``patience`` sampled steps in a row is a
     warning; a single ratio above ``error_threshold`` is an error. Healthy runs
     sit near 1e-3 (CS231n) and decay from ~5e-3 to ~3e-4 as they converge; Adam's
@@ -104,7 +109,9 @@ class SmallUpdates(Detector):
     steps) while (1) the loss is still above ``loss_fraction`` of its initial
     level, since a converged run's updates shrink with its gradients, and (2) the
     learning rate is at least half the highest seen so far, since a schedule
-    annealing towards 0 (cosine, step decay) shrinks updates on purpose.
+    annealing towards 0 (cosine, step decay) shrinks updates on purpose, and
+    (3) the learning rate has not risen since the condition began: a warm-up
+    from 0, however long, restarts the clock at each rise.
 
     Sources: SageMaker Debugger ``weight_update_ratio`` (small: < 1e-8);
     DeepDiagnosis (lr·||g||/||W|| below 1e-3 / 100 = 1e-5 hints at the learning
@@ -139,7 +146,14 @@ class SmallUpdates(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        return {"since": None, "count": 0, "initial_loss": None, "max_lr": None, "fired": False}
+        return {
+            "since": None,
+            "since_lr": None,
+            "count": 0,
+            "initial_loss": None,
+            "max_lr": None,
+            "fired": False,
+        }
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -158,8 +172,9 @@ class SmallUpdates(Detector):
         if not (ratio < self.threshold) or annealed or converged:
             st["since"], st["count"], st["fired"] = None, 0, False
             return []
-        if st["since"] is None:
-            st["since"] = obs.step
+        rising = is_finite(obs.lr) and st["since_lr"] is not None and obs.lr > 1.01 * st["since_lr"]
+        if st["since"] is None or rising:  # a warm-up: small updates are its first steps
+            st["since"], st["since_lr"], st["count"] = obs.step, obs.lr, 0
         st["count"] += 1
         self.suspect = f"median update ratio {ratio:.2g}"
         if st["fired"] or st["count"] < self.patience or obs.step - st["since"] < self.min_steps:
@@ -180,13 +195,20 @@ class SmallUpdates(Detector):
         ]
 
 
+#: The median update ratio of the parameters that moved, below which nothing really moved.
+_MOVED = 1e-6
+
+
 class FrozenWeights(Detector):
     """Parameters that require grad but never change while the others do.
 
     Rule: a parameter that requires grad but is in no optimizer is a warning at
     once. A parameter whose update is exactly zero on ``patience`` sampled steps
-    in a row, while other parameters changed, is a warning too (a param group
-    with learning rate 0, an optimizer built before the layer was replaced).
+    in a row, while the others changed (their median update is at least 1e-6
+    of their norm), is a warning too (a param group with learning rate 0, an
+    optimizer built before the layer was replaced). When everything barely
+    moves, float32 rounds an update of 1e-9 to exactly zero: that is
+    ``small_updates``' finding, not this one.
     Parameters with ``requires_grad=False`` are frozen on purpose and never
     watched; a parameter whose gradient is zero as well is not frozen but
     starved (see ``all_zero`` / ``dead_relu``).
@@ -235,8 +257,10 @@ class FrozenWeights(Detector):
             )
         upd = obs.update_norm
         moved = np.isfinite(upd) & (upd > 0)
-        if not moved.any():
-            return findings  # nothing changed anywhere: LR 0 for all (warm-up start, schedule end)
+        base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
+        usable = moved & np.isfinite(base) & (base > 0)
+        if not usable.any() or np.median(upd[usable] / base[usable]) < _MOVED:
+            return findings  # nothing (or nothing much) changed anywhere: not one frozen part
         grads = obs.grad_norm
         frozen_now: list[str] = []
         for i, name in enumerate(obs.names):
@@ -261,7 +285,7 @@ class FrozenWeights(Detector):
                         else ""
                     )
                     + f" did not change on {self.patience} sampled steps up to step {obs.step} "
-                    f"although they have gradients and other parameters changed{lr}: their "
+                    f"despite non-zero gradients, while other parameters changed{lr}: its "
                     "param group likely has a learning rate of 0; check the optimizer's "
                     "param_groups and the scheduler.",
                     value=float(len(frozen_now)),
@@ -323,10 +347,11 @@ class PoorInitialization(Detector):
         check_positive(self.name, "min_scale", min_scale)
         check_positive(self.name, "max_scale", max_scale)
         check_positive(self.name, "activation_ratio", activation_ratio)
-        if activation_ratio <= 1 or max_scale <= min_scale:
+        if activation_ratio <= 1:
+            raise ValueError(f"{self.name}: activation_ratio={activation_ratio!r} must be > 1")
+        if max_scale <= min_scale:
             raise ValueError(
-                f"{self.name}: need activation_ratio > 1 (got {activation_ratio!r}) and "
-                f"max_scale > min_scale (got {max_scale!r} <= {min_scale!r})"
+                f"{self.name}: max_scale={max_scale!r} must be > min_scale={min_scale!r}"
             )
         self.num_classes, self.steps = num_classes, steps
         self.min_scale, self.max_scale = float(min_scale), float(max_scale)
@@ -358,7 +383,8 @@ class PoorInitialization(Detector):
         units = np.flatnonzero(np.isfinite(obs.fan_in) & (obs.numel > 0))
         if len(units) == 0:
             return []
-        var = np.square(obs.weight_norm[units]) / obs.numel[units]
+        norms = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
+        var = np.square(norms[units]) / obs.numel[units]
         scale = var * obs.fan_in[units]
         bad = np.flatnonzero((scale > self.max_scale) | ((scale < self.min_scale) & (var > 0)))
         if len(bad) == 0:

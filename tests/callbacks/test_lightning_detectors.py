@@ -1,0 +1,208 @@
+"""Layer 2 for the detectors of activations, weights, data and validation: a tiny real
+Lightning model with the fault injected, and healthy twins that must stay quiet."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from _models import TinyMLP, dataset, fit, loader, problems
+from torch.utils.data import DataLoader, Subset
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink
+
+# (model kwargs, data kwargs, steps, detector, first-step window, severity, where)
+FAULTS = [
+    pytest.param(
+        {"fault": "dead_bias", "onset": 300},
+        {},
+        360,
+        "dead_relu",
+        (300, 316),
+        "error",
+        "net.0",
+        id="biases-to-minus-100-kill-every-relu",
+    ),
+    pytest.param(
+        {"activation": "tanh", "init_scale": 20.0},
+        {},
+        100,
+        "saturated_activation",
+        (0, 8),
+        "warning",
+        "net.1",
+        id="tanh-weights-x20-saturate",
+    ),
+    pytest.param(
+        {"lr": 1e-9}, {}, 200, "small_updates", (50, 80), "warning", None, id="adam-lr-1e-9"
+    ),
+    pytest.param({"lr": 1.0}, {}, 60, "large_updates", (0, 2), "error", None, id="adam-lr-1"),
+    pytest.param(
+        {"exclude": "net.0"},
+        {},
+        60,
+        "frozen_weights",
+        (0, 0),
+        "warning",
+        "net.0.weight",
+        id="layer-left-out-of-the-optimizer",
+    ),
+    pytest.param(
+        {"zero_lr": "net.2"},
+        {},
+        100,
+        "frozen_weights",
+        (0, 10),
+        "warning",
+        "net.2.weight",
+        id="param-group-with-lr-0",
+    ),
+    pytest.param(
+        {"init": "normal"},
+        {},
+        60,
+        "poor_initialization",
+        (0, 0),
+        "warning",
+        None,
+        id="weights-drawn-from-N(0,1)",
+    ),
+    pytest.param(
+        {"init": "zero_hidden"},
+        {},
+        60,
+        "all_zero",
+        (0, 4),
+        "error",
+        "net.2.weight",
+        id="zero-initialised-hidden-layer",
+    ),
+    pytest.param(
+        {},
+        {"majority": 0.95},
+        60,
+        "class_imbalance",
+        (0, 32),
+        "warning",
+        "labels",
+        id="95%-one-class",
+    ),
+    pytest.param(
+        {}, {"scale": 100.0}, 60, "unnormalized_input", (0, 16), "warning", None, id="inputs-x100"
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_kw", "data_kw", "steps", "detector", "window", "severity", "where"), FAULTS
+)
+def test_fault_is_caught(model_kw, data_kw, steps, detector, window, severity, where):
+    torch.manual_seed(0)
+    trainer, sink = fit(TinyMLP(**model_kw), steps=steps, data=loader(32, **data_kw))
+    found = sink.by_detector(detector)
+    assert found, f"{detector} never fired; got {[(f.detector, f.step) for f in problems(sink)]}"
+    first = found[0]
+    lo, hi = window
+    assert lo <= first.step <= hi, f"{detector} first fired at step {first.step}, not in {window}"
+    assert first.severity == severity
+    if where is not None:
+        assert first.where == where
+    assert first.message[0].isupper() and first.message.endswith(".")
+    if any(f.severity == "error" for f in sink.findings):
+        assert trainer.should_stop, "an error must stop training gracefully"
+
+
+HEALTHY = [
+    pytest.param({"frozen": "net.0"}, 300, id="requires-grad-false-layer"),
+    pytest.param({"schedule": "cosine", "max_steps": 600, "lr": 3e-2}, 600, id="cosine-to-0"),
+    pytest.param({"norm": True}, 300, id="batchnorm-and-dropout"),
+    pytest.param({"activation": "tanh"}, 300, id="tanh-default-init"),
+]
+
+
+@pytest.mark.parametrize(("model_kw", "steps"), HEALTHY)
+def test_healthy_twin_is_quiet(model_kw, steps):
+    torch.manual_seed(0)
+    trainer, sink = fit(TinyMLP(**model_kw), steps=steps)
+    assert trainer.global_step == steps, "a healthy run must not be stopped"
+    assert problems(sink) == [], [(f.detector, f.step, f.message) for f in problems(sink)]
+
+
+def _fit_with_validation(train_n: int, label_noise: float, epochs: int) -> CapturingSink:
+    torch.manual_seed(0)
+    data = dataset(train_n + 256, seed=0, label_noise=label_noise)  # one teacher for both
+    train = DataLoader(
+        Subset(data, range(train_n)),
+        batch_size=16,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    val = DataLoader(Subset(data, range(train_n, train_n + 256)), batch_size=256)
+    sink = CapturingSink()
+    trainer = L.Trainer(
+        callbacks=[LightningStethoscope(sinks=[sink])],
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyMLP(lr=1e-2), train, val)
+    return sink
+
+
+def test_overfitting_on_a_tiny_noisy_training_set():
+    sink = _fit_with_validation(train_n=64, label_noise=0.3, epochs=30)
+    (f,) = sink.by_detector("overfitting")
+    assert f.severity == "warning" and f.where == "validation"
+    assert "epoch(s) ago" in f.message and f.epoch <= 10
+    assert f.value > f.threshold
+
+
+def test_no_overfitting_on_enough_clean_data():
+    sink = _fit_with_validation(train_n=1024, label_noise=0.0, epochs=6)
+    assert problems(sink) == [], [(f.detector, f.step, f.message) for f in problems(sink)]
+
+
+@pytest.mark.parametrize("fault", ["nan_weight", "nan_input"])
+def test_nonfinite_loss_traces_the_first_bad_module_when_training_goes_on(fault):
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    cb = LightningStethoscope(sinks=[sink], stop_on=None)
+    fit(TinyMLP(fault=fault, onset=100), steps=110, callback=cb)
+    first, traced = sink.by_detector("nonfinite_loss")[:2]
+    assert first.where == "loss"
+    assert traced.step == first.step + 1
+    assert traced.where == "net.0"  # poisoned weights: the first layer's output is NaN
+    assert "first module whose output is non-finite is net.0" in traced.message
+
+
+def test_a_one_off_nan_is_traced_as_one_off():
+    """A NaN loss from the loss function alone (weights untouched): the next step is clean."""
+
+    class OneBadLoss(TinyMLP):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * torch.nan if self.global_step == 100 else loss
+
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    cb = LightningStethoscope(sinks=[sink], stop_on=None)
+    model = OneBadLoss()  # drop the bad batch's NaN gradients, as a GradScaler would
+    model.on_before_optimizer_step = lambda opt: (
+        opt.zero_grad() if model.global_step == 100 else None
+    )
+    fit(model, steps=110, callback=cb)
+    traced = [f for f in sink.by_detector("nonfinite_loss") if f.message.startswith("Traced")]
+    assert traced and traced[0].severity == "info", [f.message for f in traced]
+    assert "came from that batch" in traced[0].message
+
+
+def test_forward_hooks_never_outlive_the_fit():
+    torch.manual_seed(0)
+    model = TinyMLP(activation="tanh")
+    fit(model, steps=40)
+    for m in model.modules():
+        assert not m._forward_hooks, m

@@ -1,0 +1,154 @@
+"""Layer 1: overfitting on synthetic sequences of validation and mean training losses."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from _helpers import NAN, assert_resumes, assert_sentence, run
+
+from stethoscope.detectors import Overfitting
+from stethoscope.observation import Observation
+
+STEPS_PER_EPOCH = 100
+
+
+def val_obs(vals, trains, epochs=None) -> list[Observation]:
+    """One validation per epoch (unless ``epochs`` says otherwise), at its last step."""
+    epochs = range(len(vals)) if epochs is None else epochs
+    return [
+        Observation(
+            step=(e + 1) * STEPS_PER_EPOCH - 1 + i,
+            epoch=e,
+            val_loss=None if v is None else float(v),
+            train_loss=None if t is None else float(t),
+        )
+        for i, (v, t, e) in enumerate(zip(vals, trains, epochs, strict=True))
+    ]
+
+
+def falling(n: int, start: float = 1.0, stop: float = 0.3) -> list[float]:
+    return list(np.linspace(start, stop, n))
+
+
+# the classic U: validation bottoms out at 0.8 in epoch 2 and climbs back while training falls
+U_VAL = [1.0, 0.9, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05]
+
+
+@pytest.mark.parametrize(
+    ("vals", "trains", "expected"),
+    [
+        pytest.param(U_VAL, falling(8), [5], id="val-up-10%-twice-while-train-falls"),
+        pytest.param(
+            [*U_VAL[:5], 0.87, 0.95, 0.95], falling(8), [7], id="rise-must-be-more-than-10%"
+        ),
+        pytest.param(
+            [1.0, 0.8, 0.9, 0.85, 0.9, 0.85, 0.9], falling(7), [], id="streak-broken-each-time"
+        ),
+        pytest.param([1.0, 0.8, 0.9, NAN, 0.9], falling(5), [4], id="nan-skipped-not-a-break"),
+        pytest.param([1.0, 0.8, None, 0.9, 0.9], falling(5), [4], id="none-skipped"),
+        pytest.param(
+            [1.0, 0.8, 0.9, 0.9, 0.7, 0.8, 0.8], falling(7), [3, 6], id="new-best-then-again"
+        ),
+        pytest.param(
+            [1.0, 0.8, 0.9, 0.9, 0.95, 1.0, 1.2], falling(7), [3], id="said-once-per-best"
+        ),
+        pytest.param(U_VAL, [1.0, 0.9, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05], [], id="train-rises-too"),
+        pytest.param(
+            U_VAL, [1.0, 0.9, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8], [], id="train-flat-is-not-falling"
+        ),
+        pytest.param(U_VAL, [None] * 8, [], id="no-train-loss"),
+        pytest.param(U_VAL, [NAN] * 8, [], id="nan-train-loss"),
+        pytest.param([0.8, 0.88, 0.88, 0.88, 0.88], falling(5), [], id="rise-of-10%-exactly"),
+        pytest.param([0.5], [0.5], [], id="one-validation"),
+        pytest.param([], [], [], id="no-validation"),
+    ],
+)
+def test_overfitting_fires_at_the_expected_validation(vals, trains, expected):
+    obs = val_obs(vals, trains)
+    found = run(Overfitting(), obs)
+    assert [f.epoch for f in found] == expected
+    for f in found:
+        best = min(v for v in vals[: f.epoch] if v is not None and v == v)
+        assert (f.detector, f.severity.value, f.where) == ("overfitting", "warning", "validation")
+        assert f.step == obs[f.epoch].step
+        assert f.value == vals[f.epoch]
+        assert f.threshold == pytest.approx(best * 1.1)
+        assert f"validation loss rose to {vals[f.epoch]:.3g} from its best {best:.3g}" in (
+            f.message
+        )
+        assert_sentence(f, "stop early", "weight decay", names=("validation",))
+
+
+def test_overfitting_message_says_when_the_best_was():
+    (f,) = run(Overfitting(), val_obs(U_VAL, falling(8)))
+    assert "(3 epoch(s) ago, at epoch 2) while the training loss fell from 0.8 to 0.5;" in (
+        f.message
+    )
+
+
+def test_overfitting_several_validations_per_epoch_count_validations():
+    obs = val_obs([1.0, 0.8, 0.9, 0.9], falling(4), epochs=[0, 0, 0, 0])
+    (f,) = run(Overfitting(), obs)
+    assert f.step == obs[3].step
+    assert "(2 validation(s) ago)" in f.message
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_overfitting_quiet_on_a_noisy_plateau(seed):
+    # validation converged at 0.8 with ±2% noise from one validation to the next; training
+    # still falls, so only the size and persistence of the rise can keep it quiet
+    n = 60
+    vals = 0.8 * np.random.default_rng(seed).lognormal(0.0, 0.02, n)
+    assert run(Overfitting(), val_obs(vals, falling(n))) == []
+
+
+def test_overfitting_patience_1_and_a_larger_rise():
+    obs = val_obs([*U_VAL, 1.1], falling(9))
+    assert [f.epoch for f in run(Overfitting(patience=1), obs)] == [4]
+    assert [f.epoch for f in run(Overfitting(min_rise=0.25), obs)] == [8]  # above 1.0 twice
+
+
+def test_overfitting_suspects_a_single_rise():
+    d = Overfitting()
+    obs = val_obs([1.0, 0.8, 0.9, 0.8], falling(4))
+    d.update(obs[0])
+    d.update(obs[1])
+    d.update(obs[2])
+    assert d.suspect == "validation loss 0.9 above its best 0.8"
+    d.update(obs[3])
+    assert d.suspect is None
+
+
+def test_overfitting_a_zero_best_counts_any_rise():
+    found = run(Overfitting(), val_obs([0.0, 1e-3, 1e-3], [0.5, 0.4, 0.3]))
+    assert [f.epoch for f in found] == [2]
+
+
+def test_overfitting_quiet_on_a_small_rise_of_a_negative_loss():
+    # best -2.0; -1.99 is 0.5% of |best| above it, far below the 10% a positive loss needs
+    assert run(Overfitting(), val_obs([-1.5, -2.0, -1.99, -1.99, -1.99], falling(5))) == []
+
+
+def test_overfitting_state_round_trip_keeps_the_best():
+    vals = [1.0, 0.8, 0.85, 0.9, 0.95]
+    obs = val_obs(vals, falling(5))
+    for at in (1, 2, 3, 4):
+        assert [f.epoch for f in assert_resumes(Overfitting, obs, at)] == [4]
+    assert run(Overfitting(), obs[2:]) == []  # fresh: 0.85 becomes the best
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "shown"),
+    [
+        ({"min_rise": 0}, "min_rise=0"),
+        ({"min_rise": -0.1}, "min_rise=-0.1"),
+        ({"patience": 0}, "patience=0"),
+        ({"patience": 1.5}, "patience=1.5"),
+    ],
+)
+def test_overfitting_bad_arguments(kwargs, shown):
+    with pytest.raises(ValueError, match=re.escape(shown)) as info:
+        Overfitting(**kwargs)
+    assert "overfitting" in str(info.value)
