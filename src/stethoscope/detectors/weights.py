@@ -210,8 +210,8 @@ class FrozenWeights(Detector):
     moves, float32 rounds an update of 1e-9 to exactly zero: that is
     ``small_updates``' finding, not this one.
     Parameters with ``requires_grad=False`` are frozen on purpose and never
-    watched; a parameter whose gradient is zero as well is not frozen but
-    starved (see ``all_zero`` / ``dead_relu``).
+    watched; a parameter whose gradient is zero, or under 1e-6 of its norm, is
+    not frozen but starved (see ``all_zero``, ``dead_relu``, ``vanishing_gradients``).
 
     Sources: SageMaker Debugger ``unchanged_tensor`` (allclose over 3 steps);
     here the comparison is exact, since any optimizer step with a non-zero
@@ -264,7 +264,8 @@ class FrozenWeights(Detector):
         grads = obs.grad_norm
         frozen_now: list[str] = []
         for i, name in enumerate(obs.names):
-            starved = grads is not None and grads[i] == 0
+            # a gradient < 1e-6 of the weight (vanishing) can round to a zero update in float32
+            starved = grads is not None and not grads[i] > _MOVED * base[i]
             if moved[i] or starved or not np.isfinite(upd[i]):
                 st["streaks"].pop(name, None)
                 continue
