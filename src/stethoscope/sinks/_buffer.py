@@ -171,7 +171,7 @@ class _Buffered(Sink):
             "the epoch summary counts them",
         )
 
-    def _give_up(self) -> None:
+    def _give_up(self, why: str = "") -> None:
         """At close: what still waits is lost. Count it and say where it was going."""
         lost = sum(1 for finding, _ in self._pending if finding)
         self._pending.clear()
@@ -179,8 +179,13 @@ class _Buffered(Sink):
             self._dropped += lost
             self._warn(
                 f"{type(self).__name__} could not write {lost} finding(s) to "
-                f"{self._destination()} before closing ({self._last_error!r}); they are lost"
+                f"{self._destination()} before closing "
+                f"({why or repr(self._last_error)}){self._lost_note()}"
             )
+
+    def _lost_note(self) -> str:
+        """Where the findings given up at close can still be found, if anywhere."""
+        return "; they are lost"
 
     def _failed(self, exc: BaseException) -> None:
         self._last_error = exc
@@ -260,7 +265,9 @@ class _Background(_Buffered):
             self._generation += 1
             self._worker = None
             self._cond.notify_all()
-            self._give_up()
+            why = "" if self._paused else f"still sending after close_timeout={self.close_timeout}s"
+            self._paused = False
+            self._give_up(why)
         _OPEN.discard(self)
         return drained
 
