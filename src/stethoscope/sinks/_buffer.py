@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import threading
 import time
 import warnings
@@ -71,7 +72,10 @@ def _write_all(file: Any, data: bytes) -> None:
     view = memoryview(data)
     try:
         while view:
-            view = view[file.write(view) :]
+            n = file.write(view)
+            if n is None:  # a non-blocking file (a full pipe) that would block
+                raise BlockingIOError(errno.EAGAIN, "the destination would block")
+            view = view[n:]
     except Exception as exc:
         if len(view) < len(data):
             raise _Unsent(bytes(view)) from exc
@@ -166,7 +170,7 @@ class _Buffered(Sink):
             self._dropped_other += 1
         self._warn_once(
             "dropping",
-            f"{type(self).__name__} holds {self.max_buffer} findings it could not write to "
+            f"{type(self).__name__} holds {self.max_buffer} findings not yet written to "
             f"{self._destination()} (max_buffer={self.max_buffer}) and now drops new ones; "
             "the epoch summary counts them",
         )
