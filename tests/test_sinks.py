@@ -878,3 +878,73 @@ def test_capturing_sink_copy_keeps_what_it_captured() -> None:
     sink.epoch_end(make_summary())
     clone = pickle.loads(pickle.dumps(sink))
     assert clone.findings == sink.findings and clone.summaries == sink.summaries
+
+
+# --- LoggingSink --------------------------------------------------------------------
+
+
+@pytest.fixture
+def captured_logger(request: pytest.FixtureRequest) -> Iterator[tuple[str, list]]:
+    name = f"stethoscope.test.{request.node.name}"
+    records: list[logging.LogRecord] = []
+    handler = ListHandler(records)
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield name, records
+    logger.removeHandler(handler)
+
+
+def test_logging_levels_match_the_severity(captured_logger: tuple[str, list]) -> None:
+    name, records = captured_logger
+    sink = LoggingSink(logger=name)
+    for step, severity in enumerate(["info", "warning", "error"]):
+        sink.emit(make_finding(step, severity))
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING, logging.ERROR]
+    assert records[1].getMessage() == (
+        "step 1 exploding_gradients at layer1.weight: Gradient norm 12.5 exceeds 10; "
+        "clip gradients."
+    )
+    assert records[0].name == name
+
+
+def test_logging_puts_the_finding_in_extra(captured_logger: tuple[str, list]) -> None:
+    name, records = captured_logger
+    f = make_finding(7, "error", value=math.nan, where=None)
+    LoggingSink(logger=logging.getLogger(name)).emit(f)
+    [record] = records
+    assert record.finding == f.to_dict(json_safe=True)  # strict JSON: the NaN is None
+    assert json.loads(json.dumps(record.finding, allow_nan=False)) == record.finding
+    assert (record.step, record.epoch, record.detector, record.severity) == (
+        7,
+        0,
+        "exploding_gradients",
+        "error",
+    )
+    assert (record.value, record.threshold, record.where, record.rank) == (None, 10.0, None, 0)
+    formatted = logging.Formatter("%(levelname)s %(detector)s@%(step)d %(message)s").format(record)
+    assert formatted.startswith("ERROR exploding_gradients@7 step 7 exploding_gradients: ")
+
+
+def test_logging_summary_at_the_level_of_its_worst_row(
+    captured_logger: tuple[str, list],
+) -> None:
+    name, records = captured_logger
+    LoggingSink(logger=name).epoch_end(make_summary())  # one warning row
+    LoggingSink(logger=name, min_severity="error").epoch_end(make_summary())  # filtered
+    [record] = records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == "epoch 2 (50 steps): One warning this epoch."
+    assert record.summary["rows"][0]["detector"] == "exploding_gradients"
+
+
+def test_logging_copy_logs_through_the_same_named_logger(
+    captured_logger: tuple[str, list],
+) -> None:
+    name, records = captured_logger
+    clone = pickle.loads(pickle.dumps(LoggingSink(logger=name, min_severity="warning")))
+    assert clone.logger is logging.getLogger(name)
+    clone.emit(make_finding(1, "info"))
+    clone.emit(make_finding(2))
+    assert [r.step for r in records] == [2]
+    assert repr(clone) == f"LoggingSink(logger={name!r}, min_severity='warning')"
