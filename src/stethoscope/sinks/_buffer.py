@@ -321,7 +321,9 @@ class _Background(_Buffered):
                 with self._cond:
                     if generation == self._generation:
                         self._paused = True
-                        self._failed(exc)
+                        # Warnings turned into errors (-W error) must not kill the worker.
+                        with contextlib.suppress(Exception):
+                            self._failed(exc)
                     self._cond.notify_all()
                 continue
             with self._cond:

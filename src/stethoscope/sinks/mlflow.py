@@ -88,8 +88,9 @@ class MLflowSink(_Background):
         >>> LightningStethoscope(sinks=[ConsoleSink(), sink])  # doctest: +SKIP
 
         With ``MLFlowLogger`` in the Trainer, ``MLflowSink()`` joins the logger's run.
-        Pickling carries the options and the run; the copy logs to the same run and
-        leaves ending it to the original.
+        Pickling carries the options and the run once it is known (after the first
+        flush); the copy logs to that run and leaves ending it to the original. A copy
+        made before the sink started its run would start one of its own.
     """
 
     _batch_size = _BATCH
