@@ -97,7 +97,6 @@ class _Buffered(Sink):
         # (is_finding, item), oldest first. Only what could not be written waits here.
         self._pending: deque[tuple[bool, Any]] = deque()
         self._dropped = 0
-        self._dropped_other = 0
         self._last_error: BaseException | None = None
         self._warned: set[str] = set()
 
@@ -164,10 +163,8 @@ class _Buffered(Sink):
             return
         # Past the bound the newest is dropped, not the oldest: the first findings of a
         # failure are usually its cause, the later ones its consequences.
-        if finding:
+        if finding:  # a header or a run tag is bookkeeping, not a finding the user misses
             self._dropped += 1
-        else:
-            self._dropped_other += 1
         self._warn_once(
             "dropping",
             f"{type(self).__name__} holds {self.max_buffer} findings not yet written to "
