@@ -127,10 +127,10 @@ def test_metrics_tags_and_artifacts_land_in_the_run(
 
 
 def test_joins_the_active_run_and_leaves_it_running(
-    store: tuple[str, Any], experiment: str, monkeypatch: pytest.MonkeyPatch
+    store: tuple[str, Any], experiment: str
 ) -> None:
     uri, client = store
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)  # MLflow's global state: restored below
     mlflow.set_experiment(experiment)
     try:
         with mlflow.start_run() as active:

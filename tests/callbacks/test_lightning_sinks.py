@@ -7,6 +7,7 @@ import json
 import os
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,13 @@ from stethoscope.testing import CapturingSink
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     uri = f"sqlite:///{tmp_path_factory.getbasetemp() / 'mlflow-lightning.db'}"
     return uri, mlflow.MlflowClient(uri)
+
+
+@pytest.fixture(autouse=True)
+def _restore_mlflow_tracking_uri() -> Iterator[None]:
+    # MLFlowLogger sets MLflow's global tracking URI; later tests must not inherit it.
+    yield
+    mlflow.set_tracking_uri(None)
 
 
 def scalars(log_dir: str | Path, tag: str) -> list[tuple[int, float]]:
