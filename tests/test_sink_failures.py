@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -260,10 +261,13 @@ def test_a_sink_that_raises_on_every_call_costs_nothing_and_is_warned_about_once
 
 
 @pytest.fixture
-def quick_mlflow_http(monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_mlflow_http(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """MLflow's client retries a dead server for minutes by default; tests cannot wait."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    # A sink that could not upload keeps its local copy of the findings for the user;
+    # in a test, that copy belongs in the test's own directory.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def test_mlflow_server_down_bounds_the_buffer_and_the_summary_counts_drops(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -75,10 +76,13 @@ def experiment(store: tuple[str, Any], tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def quick_http(monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_http(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """MLflow's client retries a dead server for minutes by default; tests cannot wait."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    # A sink that could not upload keeps its local copy of the findings for the user;
+    # in a test, that copy belongs in the test's own directory.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 # --- a local store ------------------------------------------------------------------
