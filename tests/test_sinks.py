@@ -6,6 +6,7 @@ import csv
 import inspect
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,17 @@ import rich
 from rich.console import Console
 
 import stethoscope.sinks
+from _sinkkit import tb_scalars
 from stethoscope.findings import FIELDS, Finding, Severity
-from stethoscope.sinks import ConsoleSink, CSVSink, JSONLSink, Sink
+from stethoscope.sinks import (
+    ConsoleSink,
+    CSVSink,
+    JSONLSink,
+    LoggingSink,
+    MLflowSink,
+    Sink,
+    TensorBoardSink,
+)
 from stethoscope.summary import EpochSummary, SummaryRow
 from stethoscope.testing import CapturingSink
 
@@ -137,7 +148,16 @@ class Kit:
     file_based: bool
 
 
-SINK_NAMES = ["console", "csv", "jsonl", "capturing"]
+SINK_NAMES = ["console", "csv", "jsonl", "capturing", "logging", "mlflow", "tensorboard"]
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    """One real SQLite tracking store for the module (creating one takes seconds)."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path_factory.getbasetemp() / 'mlflow-contract.db'}"
+    return uri, mlflow.MlflowClient(uri)
 
 
 @pytest.fixture(params=SINK_NAMES)
@@ -152,6 +172,8 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
         return [int(s) for s in re.findall(r" step (\d+) ", output(sink.console))]
 
     name = request.param
+    records: list[logging.LogRecord] = []
+    handler: logging.Handler | None = None
     if name == "console":
         result = Kit(
             name, lambda **kw: ConsoleSink(console=plain_console(), **kw), console_steps, False
@@ -170,17 +192,70 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
             lambda sink: [d["step"] for d in read_jsonl(sink.path)],
             True,
         )
+    elif name == "logging":
+        logger_name = f"stethoscope.test.{request.node.name}"
+        handler = ListHandler(records)
+        logging.getLogger(logger_name).addHandler(handler)
+        result = Kit(
+            name,
+            lambda **kw: LoggingSink(logger=logger_name, **kw),
+            lambda sink: [r.step for r in records if hasattr(r, "finding")],
+            False,
+        )
+    elif name == "mlflow":
+        uri, client = request.getfixturevalue("mlflow_store")
+        experiment = f"contract-{uuid.uuid4().hex}"
+        client.create_experiment(experiment, artifact_location=str(tmp_path / "artifacts"))
+
+        def mlflow_steps(sink: MLflowSink) -> list[int]:
+            sink.flush()
+            if sink.run_id is None:
+                return []
+            history = client.get_metric_history(sink.run_id, "stethoscope/exploding_gradients")
+            return [m.step for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
+
+        result = Kit(
+            name,
+            lambda **kw: track(
+                MLflowSink(tracking_uri=uri, experiment=experiment, flush_timeout=30, **kw)
+            ),
+            mlflow_steps,
+            False,
+        )
+    elif name == "tensorboard":
+        result = Kit(
+            name,
+            lambda **kw: track(TensorBoardSink(tmp_path / "tb", **kw)),
+            lambda sink: [
+                step for step, _ in tb_scalars(sink.log_dir, "stethoscope/exploding_gradients")
+            ],
+            True,
+        )
     else:
         result = Kit(name, CapturingSink, lambda sink: [f.step for f in sink.findings], False)
     yield result
     for sink in made:
         sink.close()
+    if handler is not None:
+        logging.getLogger(f"stethoscope.test.{request.node.name}").removeHandler(handler)
+
+
+class ListHandler(logging.Handler):
+    """Keeps the records it is handed: logging's own way to capture, no mocks."""
+
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def test_is_a_sink_with_a_helpful_repr(kit: Kit) -> None:
     sink = kit.make()
     assert isinstance(sink, Sink)
     assert type(sink).__name__ in repr(sink)
+    assert sink.dropped == 0
 
 
 @pytest.mark.parametrize("bad", ["fatal", "WARNING", 3, None])
@@ -205,6 +280,8 @@ def test_emit_flush_epoch_end_close_and_close_again(kit: Kit) -> None:
     assert kit.steps(sink) == [1, 2, 3]
     sink.close()
     sink.close()
+    assert kit.steps(sink) == [1, 2, 3]
+    assert sink.dropped == 0
 
 
 def test_min_severity_drops_what_is_below_it(kit: Kit) -> None:
@@ -220,6 +297,7 @@ def test_pickling_carries_the_options_and_the_copy_still_emits(
 ) -> None:
     sink = kit.make(min_severity="warning")
     sink.emit(make_finding(1))
+    sink.flush()  # an MLflowSink knows its run after a flush; the copy then logs to it
     clone = pickle.loads(pickle.dumps(sink))
     try:
         assert type(clone) is type(sink)
@@ -230,8 +308,11 @@ def test_pickling_carries_the_options_and_the_copy_still_emits(
         if kit.name == "console":
             # The copy cannot take the console along; it prints to rich's global one.
             assert " step 2 " in capsys.readouterr().out
+        elif kit.name == "capturing":
+            assert kit.steps(clone) == [1, 2]  # the copy carries what it captured
         else:
-            # File sinks: the copy appends to the same file, under the same header.
+            # Files, TensorBoard, logging, MLflow: the copy writes to the same
+            # destination (the same file, log dir, logger or run).
             assert kit.steps(clone) == [1, 2]
     finally:
         clone.close()
@@ -247,16 +328,101 @@ def test_emit_after_close(kit: Kit) -> None:
     sink.close()
 
 
-@pytest.mark.parametrize("cls", [ConsoleSink, CSVSink, JSONLSink, CapturingSink])
+def test_odd_characters_never_cost_a_finding(kit: Kit) -> None:
+    # A value a destination rejects would be rejected at every retry and block the queue.
+    sink = kit.make()
+    sink.emit(make_finding(1, where="\udcff odd \u2028 name"))  # a lone surrogate, a separator
+    sink.flush()
+    assert kit.steps(sink) == [1]
+    assert sink.dropped == 0
+    sink.close()
+
+
+ALL_SINKS = [
+    ConsoleSink,
+    CSVSink,
+    JSONLSink,
+    CapturingSink,
+    LoggingSink,
+    MLflowSink,
+    TensorBoardSink,
+]
+
+
+@pytest.mark.parametrize("cls", ALL_SINKS)
 def test_options_are_keyword_only(cls: type[Sink]) -> None:
     params = inspect.signature(cls).parameters.values()
-    assert all(p.kind is p.KEYWORD_ONLY for p in params if p.name != "path")
+    # Only the destination may be positional: CSVSink("f.csv"), TensorBoardSink("runs/x").
+    assert all(p.kind is p.KEYWORD_ONLY for p in params if p.name not in ("path", "log_dir"))
 
 
 def test_package_exports() -> None:
-    assert set(stethoscope.sinks.__all__) == {"Sink", "ConsoleSink", "CSVSink", "JSONLSink"}
+    assert set(stethoscope.sinks.__all__) == {
+        "Sink",
+        "ConsoleSink",
+        "CSVSink",
+        "JSONLSink",
+        "LoggingSink",
+        "MLflowSink",
+        "TensorBoardSink",
+    }
     for name in stethoscope.sinks.__all__:
         assert getattr(stethoscope.sinks, name).__name__ == name
+
+
+def test_importing_the_sinks_imports_no_optional_dependency() -> None:
+    code = (
+        "import sys, stethoscope, stethoscope.sinks;"
+        "bad = [m for m in ('mlflow', 'tensorboard', 'torch', 'tensorflow') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _bad_argument_cases() -> Iterator[Any]:
+    """(factory, kwargs, error, text the message must hold) for each sink's own options."""
+    cases: list[tuple[str, Callable[..., Sink], dict[str, Any], type, str]] = [
+        ("csv-max_buffer", CSVSink, {"max_buffer": -1}, ValueError, "max_buffer=-1"),
+        ("csv-max_buffer-float", CSVSink, {"max_buffer": 1.5}, ValueError, "max_buffer=1.5"),
+        ("jsonl-max_buffer-bool", JSONLSink, {"max_buffer": True}, ValueError, "max_buffer=True"),
+        ("logging-logger-int", LoggingSink, {"logger": 3}, TypeError, "logger=3"),
+        ("logging-logger-empty", LoggingSink, {"logger": ""}, ValueError, "logger=''"),
+        ("tb-log_dir-int", TensorBoardSink, {"log_dir": 3}, TypeError, "log_dir=3"),
+        ("tb-max_buffer", TensorBoardSink, {"max_buffer": "10"}, ValueError, "max_buffer='10'"),
+        ("mlflow-experiment", MLflowSink, {"experiment": 7}, TypeError, "experiment=7"),
+        ("mlflow-run_name", MLflowSink, {"run_name": ""}, ValueError, "run_name=''"),
+        ("mlflow-run_id", MLflowSink, {"run_id": b"abc"}, TypeError, "run_id=b'abc'"),
+        ("mlflow-uri", MLflowSink, {"tracking_uri": " "}, ValueError, "tracking_uri=' '"),
+        (
+            "mlflow-run_id-and-experiment",
+            MLflowSink,
+            {"run_id": "abc", "experiment": "x"},
+            ValueError,
+            "run_id='abc'",
+        ),
+        ("mlflow-max_buffer", MLflowSink, {"max_buffer": -5}, ValueError, "max_buffer=-5"),
+        ("mlflow-flush", MLflowSink, {"flush_timeout": -1}, ValueError, "flush_timeout=-1"),
+        (
+            "mlflow-close",
+            MLflowSink,
+            {"close_timeout": float("nan")},
+            ValueError,
+            "close_timeout=nan",
+        ),
+    ]
+    for case_id, cls, kwargs, error, text in cases:
+        yield pytest.param(cls, kwargs, error, text, id=case_id)
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "error", "text"), list(_bad_argument_cases()))
+def test_bad_arguments_name_the_value(
+    cls: type[Sink], kwargs: dict[str, Any], error: type, text: str, tmp_path: Path
+) -> None:
+    args = [tmp_path / "f.out"] if cls in (CSVSink, JSONLSink) else []
+    with pytest.raises(error, match=re.escape(text)) as info:
+        cls(*args, **kwargs)
+    assert cls.__name__ in str(info.value)
 
 
 # --- file sinks: construction checks ------------------------------------------------
@@ -712,3 +878,73 @@ def test_capturing_sink_copy_keeps_what_it_captured() -> None:
     sink.epoch_end(make_summary())
     clone = pickle.loads(pickle.dumps(sink))
     assert clone.findings == sink.findings and clone.summaries == sink.summaries
+
+
+# --- LoggingSink --------------------------------------------------------------------
+
+
+@pytest.fixture
+def captured_logger(request: pytest.FixtureRequest) -> Iterator[tuple[str, list]]:
+    name = f"stethoscope.test.{request.node.name}"
+    records: list[logging.LogRecord] = []
+    handler = ListHandler(records)
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield name, records
+    logger.removeHandler(handler)
+
+
+def test_logging_levels_match_the_severity(captured_logger: tuple[str, list]) -> None:
+    name, records = captured_logger
+    sink = LoggingSink(logger=name)
+    for step, severity in enumerate(["info", "warning", "error"]):
+        sink.emit(make_finding(step, severity))
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING, logging.ERROR]
+    assert records[1].getMessage() == (
+        "step 1 exploding_gradients at layer1.weight: Gradient norm 12.5 exceeds 10; "
+        "clip gradients."
+    )
+    assert records[0].name == name
+
+
+def test_logging_puts_the_finding_in_extra(captured_logger: tuple[str, list]) -> None:
+    name, records = captured_logger
+    f = make_finding(7, "error", value=math.nan, where=None)
+    LoggingSink(logger=logging.getLogger(name)).emit(f)
+    [record] = records
+    assert record.finding == f.to_dict(json_safe=True)  # strict JSON: the NaN is None
+    assert json.loads(json.dumps(record.finding, allow_nan=False)) == record.finding
+    assert (record.step, record.epoch, record.detector, record.severity) == (
+        7,
+        0,
+        "exploding_gradients",
+        "error",
+    )
+    assert (record.value, record.threshold, record.where, record.rank) == (None, 10.0, None, 0)
+    formatted = logging.Formatter("%(levelname)s %(detector)s@%(step)d %(message)s").format(record)
+    assert formatted.startswith("ERROR exploding_gradients@7 step 7 exploding_gradients: ")
+
+
+def test_logging_summary_at_the_level_of_its_worst_row(
+    captured_logger: tuple[str, list],
+) -> None:
+    name, records = captured_logger
+    LoggingSink(logger=name).epoch_end(make_summary())  # one warning row
+    LoggingSink(logger=name, min_severity="error").epoch_end(make_summary())  # filtered
+    [record] = records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == "epoch 2 (50 steps): One warning this epoch."
+    assert record.summary["rows"][0]["detector"] == "exploding_gradients"
+
+
+def test_logging_copy_logs_through_the_same_named_logger(
+    captured_logger: tuple[str, list],
+) -> None:
+    name, records = captured_logger
+    clone = pickle.loads(pickle.dumps(LoggingSink(logger=name, min_severity="warning")))
+    assert clone.logger is logging.getLogger(name)
+    clone.emit(make_finding(1, "info"))
+    clone.emit(make_finding(2))
+    assert [r.step for r in records] == [2]
+    assert repr(clone) == f"LoggingSink(logger={name!r}, min_severity='warning')"

@@ -230,7 +230,23 @@ class Monitor:
             verdict=self._verdict(),
             quiet=tuple(quiet),
             stopped_by=self.stopped_by.to_dict(json_safe=True) if self.stopped_by else None,
+            dropped=self._dropped(),
         )
+
+    def _dropped(self) -> dict[str, int]:
+        """Findings each sink gave up on so far, by sink name (see ``Sink.dropped``)."""
+        if not self.emit:
+            return {}
+        names = [type(s).__name__ for s in self.sinks]
+        out: dict[str, int] = {}
+        for i, (name, sink) in enumerate(zip(names, self.sinks, strict=True)):
+            try:
+                n = sink.dropped
+            except Exception:  # a sink's property must not cost the summary either
+                continue
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[name if names.count(name) == 1 else f"{name}[{i}]"] = n
+        return out
 
     def _row(self, name: str, stats: dict[str, Any]) -> SummaryRow:
         worst: Finding = stats["worst"]

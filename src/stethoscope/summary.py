@@ -51,6 +51,9 @@ class EpochSummary:
         verdict: One line for the whole epoch.
         stopped_by: The finding that stopped training, if it did.
         quiet: Detectors that found nothing this epoch (folded into one row).
+        dropped: Findings each sink had to give up on so far in the run (its
+            destination kept failing and its buffer was full), by sink; only sinks
+            that dropped something are listed.
     """
 
     epoch: int
@@ -59,6 +62,7 @@ class EpochSummary:
     verdict: str = ""
     stopped_by: dict[str, Any] | None = None
     quiet: tuple[str, ...] = ()
+    dropped: dict[str, int] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -73,6 +77,9 @@ class EpochSummary:
         caption = self.verdict
         if self.quiet and any(r.status != "ok" for r in self.rows):
             caption += "\nQuiet: " + ", ".join(self.quiet)
+        if self.dropped:
+            lost = ", ".join(f"{name} {n}" for name, n in self.dropped.items())
+            caption += f"\nSinks dropped findings they could not write: {lost}."
         table = Table(
             title=f"stethoscope · epoch {self.epoch} · {self.steps} steps",
             caption=Text(caption),

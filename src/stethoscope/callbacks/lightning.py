@@ -17,6 +17,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "LightningStethoscope needs torch and lightning: pip install 'stethoscope[lightning]'"
     ) from exc
 
+from stethoscope.callbacks._loggers import lend_logger_destinations
 from stethoscope.callbacks._torch import (
     ForwardProbe,
     HostReader,
@@ -181,6 +182,7 @@ class LightningStethoscope(Callback):
         for sink in self.monitor.sinks:
             if isinstance(sink, ConsoleSink):
                 sink.use_printer(self._printer)
+        lend_logger_destinations(self.monitor.sinks, trainer)  # one MLflow run, one TB log dir
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(

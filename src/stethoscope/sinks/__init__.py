@@ -1,4 +1,7 @@
-"""Where findings go: the console, CSV and JSON Lines files, or your own ``Sink``.
+"""Where findings go: the console, files, MLflow, TensorBoard, logging, or your own ``Sink``.
+
+Importing this package imports neither mlflow nor tensorboard: each sink imports its
+optional dependency when it is made, and says which extra to install if it is missing.
 
 Example:
     >>> from stethoscope.sinks import ConsoleSink, JSONLSink
@@ -11,8 +14,16 @@ from stethoscope.sinks.base import Sink
 from stethoscope.sinks.console import ConsoleSink
 from stethoscope.sinks.csv import CSVSink
 from stethoscope.sinks.jsonl import JSONLSink
+from stethoscope.sinks.logging_sink import LoggingSink
+from stethoscope.sinks.mlflow import MLflowSink
+from stethoscope.sinks.tensorboard import TensorBoardSink
 
-# MLflowSink and TensorBoardSink come in a later issue (they import their optional
-# dependency inside the class, so importing this package stays light).
-
-__all__ = ["CSVSink", "ConsoleSink", "JSONLSink", "Sink"]
+__all__ = [
+    "CSVSink",
+    "ConsoleSink",
+    "JSONLSink",
+    "LoggingSink",
+    "MLflowSink",
+    "Sink",
+    "TensorBoardSink",
+]

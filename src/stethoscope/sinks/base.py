@@ -19,7 +19,20 @@ class Sink:
     Subclasses override what they need; ``close`` must be idempotent. The monitor
     isolates every call: an exception raised here is warned about once per sink
     and never stops training.
+
+    A sink that cannot always write (a full disk, a server that is down) should keep
+    what failed, bounded, retry it at the next ``flush``, and count what it had to
+    give up in :attr:`dropped`; the monitor reports that count in the epoch summary.
+    The built-in file, TensorBoard and MLflow sinks do.
     """
+
+    @property
+    def dropped(self) -> int:
+        """Findings this sink received but had to give up on, since it was made.
+
+        The default is 0: a sink that never gives up on a finding need not override it.
+        """
+        return 0
 
     def emit(self, finding: Finding) -> None:
         """Record one finding."""

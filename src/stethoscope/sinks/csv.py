@@ -8,7 +8,8 @@ import os
 from typing import TYPE_CHECKING
 
 from stethoscope.findings import FIELDS, Severity
-from stethoscope.sinks.jsonl import _FileSink
+from stethoscope.sinks._buffer import MAX_BUFFER
+from stethoscope.sinks._file import _FileSink
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -35,10 +36,13 @@ class CSVSink(_FileSink):
         append: Add rows to an existing file instead of emptying it first. The header
             is written only when the file is empty, and an existing header must
             match :data:`FIELDS`.
+        max_buffer: How many findings to keep in memory while writes fail (a full
+            disk); they are retried at the next flush, and past this bound new ones are
+            dropped and counted in :attr:`dropped` and the epoch summary.
 
     Raises:
-        ValueError: ``min_severity`` is not a severity, or ``append=True`` and the
-            file's header is not :data:`FIELDS`.
+        ValueError: ``min_severity`` is not a severity, ``max_buffer`` is not an
+            integer >= 0, or ``append=True`` and the file's header is not :data:`FIELDS`.
         TypeError: ``path`` is not a str or path, or ``append`` is not a bool.
         FileNotFoundError: The directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
@@ -61,13 +65,14 @@ class CSVSink(_FileSink):
         *,
         min_severity: Severity | str = "info",
         append: bool = False,
+        max_buffer: int = MAX_BUFFER,
     ) -> None:
-        super().__init__(path, min_severity=min_severity, append=append)
+        super().__init__(path, min_severity=min_severity, append=append, max_buffer=max_buffer)
 
-    def _start(self) -> None:
-        if os.fstat(self._file.fileno()).st_size == 0:
-            self._write(_row(FIELDS))
-            return
+    def _header(self) -> bytes:
+        return _row(FIELDS).encode("utf-8")
+
+    def _check_existing(self) -> None:
         # Appending rows under another header would misalign every column silently.
         with open(self.path, newline="", encoding="utf-8", errors="replace") as f:
             header = next(csv.reader(f), [])
