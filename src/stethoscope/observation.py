@@ -53,7 +53,8 @@ class Observation:
             matrix or kernel rather than a bias or norm scale).
         grad_norm: L2 norm of each parameter's gradient, before clipping.
         weight_norm: L2 norm of each parameter after the optimizer step.
-        update_norm: L2 norm of each parameter's change made by the step.
+        update_norm: L2 norm of each parameter's change made by the step (NaN for a
+            parameter not measured this step: large models take turns).
         prev_weight_norm: L2 norm of each parameter before the step (present with
             ``update_norm``; at step 0, the initialisation).
         fan_in: Inputs per output unit of each parameter that is the weight of a

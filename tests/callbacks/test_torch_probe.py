@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from _models import TinyMLP, fit
@@ -138,3 +139,36 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         if step >= 128 and step % 16:
             assert any(a <= step <= b for a, b in windows), (step, windows)
     assert len(planned) < 0.25 * 1000, len(planned)
+
+
+def test_snapshots_stay_within_the_budget_and_take_turns():
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    probe = ParameterProbe(list(model.named_parameters()), snapshot_budget=700)
+    everything = list(range(len(probe.params)))
+    seen: set[int] = set()
+    for _ in range(6):
+        chosen = probe.choose(everything)
+        assert chosen == sorted(chosen) and chosen
+        size = sum(int(probe.numel[i]) for i in chosen)
+        assert size <= 700 or len(chosen) == 1  # one tensor larger than the budget goes alone
+        seen |= set(chosen)
+    assert seen == set(everything)
+    assert ParameterProbe(list(model.named_parameters())).choose(everything) == everything
+
+
+def test_frozen_weights_found_when_snapshots_take_turns():
+    """With a budget smaller than the model, an LR-0 group is still found, a few samples later."""
+
+    class SmallBudget(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            cb._probe.snapshot_budget = 700
+
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    cb = LightningStethoscope(sinks=[sink])
+    fit(TinyMLP(zero_lr="net.2"), steps=120, callback=cb, callbacks=[SmallBudget()])
+    found = sink.by_detector("frozen_weights")
+    assert {f.where for f in found} == {"net.2.weight", "net.2.bias"}, [
+        (f.where, f.step) for f in found
+    ]
+    assert sink.at_least("warning") == found

@@ -69,8 +69,15 @@ class ParameterProbe:
             those that require grad are watched.
     """
 
-    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        snapshot_budget: int = 2**25,
+    ) -> None:
         pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self.snapshot_budget = snapshot_budget
+        self._rotation = 0
         self.names: tuple[str, ...] = tuple(n for n, _ in pairs)
         self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -99,14 +106,46 @@ class ParameterProbe:
         """Copies of these parameters, to measure the optimizer's update against."""
         return torch._foreach_mul([self.params[i].detach() for i in indices], 1.0)
 
+    def choose(self, indices: Sequence[int]) -> list[int]:
+        """The parameters to snapshot this sampled step: at most ``snapshot_budget`` elements.
+
+        A snapshot copies the weights, so an unbounded one would double a large model's
+        parameter memory on every sampled step. Past the budget, successive sampled steps
+        take turns through the parameters, so each is measured every few samples.
+        """
+        if not indices:
+            return []
+        n = len(indices)
+        start = self._rotation % n
+        chosen, used = [], 0
+        for k in range(n):
+            i = indices[(start + k) % n]
+            size = int(self.numel[i])
+            if chosen and used + size > self.snapshot_budget:
+                self._rotation = start + k
+                break
+            chosen.append(i)
+            used += size
+        else:
+            self._rotation = start
+        return sorted(chosen)
+
     def weight_and_update_norms(
-        self, indices: Sequence[int], before: list[torch.Tensor] | None
+        self,
+        indices: Sequence[int],
+        before: list[torch.Tensor] | None,
+        snapped: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Norms of the weights now, of their change since ``before``, and of ``before``."""
+        """Norms of the weights now, of their change since ``before``, and of ``before``.
+
+        ``before`` holds snapshots of the parameters ``snapped`` (default: ``indices``).
+        """
         now = [self.params[i].detach() for i in indices]
         weights = _stack_norms(now)
         if before is None:
             return weights, None, None
+        if snapped is not None and list(snapped) != list(indices):
+            now = [self.params[i].detach() for i in snapped]
         previous = _stack_norms(before)
         torch._foreach_sub_(before, now)  # reuse the snapshot's memory for the difference
         return weights, _stack_norms(before), previous

@@ -130,6 +130,7 @@ class LightningStethoscope(Callback):
         # filled on a sampled step by on_before_optimizer_step, consumed at batch end
         self._grad_parts: list[torch.Tensor] = []
         self._snapshots: list[torch.Tensor] = []
+        self._snapped: list[int] = []  # the parameters behind self._snapshots
         self._stepped: list[int] = []
         self._units: list[tuple[str, int]] = []  # (layer, units) behind self._unit_parts
         self._unit_parts: list[torch.Tensor] = []
@@ -227,7 +228,9 @@ class LightningStethoscope(Callback):
         if "grads" in plan:
             self._grad_parts.append(self._probe.grad_norms(indices))
         if "updates" in plan:
-            self._snapshots.extend(self._probe.snapshot(indices))
+            chosen = self._probe.choose(indices)
+            self._snapshots.extend(self._probe.snapshot(chosen))
+            self._snapped.extend(chosen)
         if "units" in plan:
             chosen = set(indices)
             layers = [(n, i) for n, i, _ in self._layers if i in chosen]
@@ -258,15 +261,18 @@ class LightningStethoscope(Callback):
                 parts.append(("grad_norm", torch.cat(self._grad_parts), None))
             if {"weights", "updates"} & self._plan:
                 weights, updates, previous = self._probe.weight_and_update_norms(
-                    idx, self._snapshots or None
+                    idx, self._snapshots or None, self._snapped
                 )
                 parts.append(("weight_norm", weights, None))
                 if updates is not None:
-                    parts.append(("update_norm", updates, None))
-                    parts.append(("prev_weight_norm", previous, None))
+                    where = {i: k for k, i in enumerate(idx)}
+                    positions = tuple(where[i] for i in self._snapped)
+                    parts.append(("update_norm", updates, (len(idx), positions)))
+                    parts.append(("prev_weight_norm", previous, (len(idx), positions)))
             if self._unit_parts:
                 parts.append(("unit_zero", torch.cat(self._unit_parts), tuple(self._units)))
             self._grad_parts, self._snapshots, self._stepped = [], [], []
+            self._snapped = []
             self._unit_parts, self._units = [], []
         if loss is not None or parts:
             lr = self._lr_group.get("lr") if self._lr_group is not None else None
@@ -427,8 +433,13 @@ class LightningStethoscope(Callback):
             at += n
             if key == "loss":
                 obs.loss = float(chunk[0])
-            elif key in ("grad_norm", "weight_norm", "update_norm", "prev_weight_norm"):
+            elif key in ("grad_norm", "weight_norm"):
                 setattr(obs, key, chunk)
+            elif key in ("update_norm", "prev_weight_norm"):
+                size, positions = extra  # measured on a subset: NaN for the others
+                full = np.full(size, np.nan)
+                full[list(positions)] = chunk
+                setattr(obs, key, full)
             elif key == "unit_zero":
                 obs.unit_names = tuple(name for name, _ in extra)
                 cuts = np.cumsum([units for _, units in extra])[:-1]

@@ -232,7 +232,8 @@ class FrozenWeights(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        return {"streaks": {}, "reported": []}
+        # moving: the median update ratio of the parameters that last moved
+        return {"streaks": {}, "reported": [], "moving": None}
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -259,14 +260,21 @@ class FrozenWeights(Detector):
         moved = np.isfinite(upd) & (upd > 0)
         base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
         usable = moved & np.isfinite(base) & (base > 0)
-        if not usable.any() or np.median(upd[usable] / base[usable]) < _MOVED:
+        if usable.any():
+            st["moving"] = float(np.median(upd[usable] / base[usable]))
+        elif np.isfinite(upd).all():
+            st["moving"] = 0.0  # every parameter was measured and none moved (LR 0 for all)
+        # judged on the last step that measured moving parameters (large models take turns)
+        if st["moving"] is None or st["moving"] < _MOVED:
             return findings  # nothing (or nothing much) changed anywhere: not one frozen part
         grads = obs.grad_norm
         frozen_now: list[str] = []
         for i, name in enumerate(obs.names):
             # a gradient < 1e-6 of the weight (vanishing) can round to a zero update in float32
             starved = grads is not None and not grads[i] > _MOVED * base[i]
-            if moved[i] or starved or not np.isfinite(upd[i]):
+            if not np.isfinite(upd[i]):
+                continue  # not measured this step (a large model's snapshots take turns)
+            if moved[i] or starved:
                 st["streaks"].pop(name, None)
                 continue
             st["streaks"][name] = st["streaks"].get(name, 0) + 1
@@ -384,7 +392,9 @@ class PoorInitialization(Detector):
         units = np.flatnonzero(np.isfinite(obs.fan_in) & (obs.numel > 0))
         if len(units) == 0:
             return []
-        norms = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
+        norms = obs.weight_norm
+        if obs.prev_weight_norm is not None:  # the initialisation, where it was measured
+            norms = np.where(np.isfinite(obs.prev_weight_norm), obs.prev_weight_norm, norms)
         var = np.square(norms[units]) / obs.numel[units]
         scale = var * obs.fan_in[units]
         bad = np.flatnonzero((scale > self.max_scale) | ((scale < self.min_scale) & (var > 0)))
