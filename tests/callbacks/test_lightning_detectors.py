@@ -206,3 +206,19 @@ def test_forward_hooks_never_outlive_the_fit():
     fit(model, steps=40)
     for m in model.modules():
         assert not m._forward_hooks, m
+
+
+@pytest.mark.parametrize("onset", [150, 305])  # both between samples of the weight detectors
+def test_a_nonfinite_loss_names_the_parameter_on_the_same_step(onset):
+    """The NaN weight makes the next loss NaN on an unsampled step: the weights are read at
+    once, so the finding that names the parameter comes with the loss, not a sample later."""
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    fit(
+        TinyMLP(fault="nan_weight", onset=onset),
+        steps=onset + 20,
+        callback=LightningStethoscope(sinks=[sink], stop_on=None),
+    )
+    loss, weights = sink.by_detector("nonfinite_loss")[0], sink.by_detector("nonfinite_weights")[0]
+    assert weights.step <= loss.step
+    assert weights.where == "net.0.weight"

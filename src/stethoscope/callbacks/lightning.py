@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -289,7 +290,10 @@ class LightningStethoscope(Callback):
             ):
                 # The CPU fast path: reading a CPU scalar is no device sync, and skipping the
                 # reader saves several tensor ops on the step that every step is.
-                self._judge(trainer, meta, (loss.item(),))
+                value = loss.item()
+                self._judge(trainer, meta, (value,))
+                if not math.isfinite(value):
+                    self._look_now(trainer, meta)
             else:
                 tensors = [t.reshape(-1).float() for _, t, _ in parts]
                 self._reader.push(meta, tensors[0] if len(tensors) == 1 else torch.cat(tensors))
@@ -417,6 +421,22 @@ class LightningStethoscope(Callback):
         if self.log_stats and obs.grad_norm is not None:
             self._log_headline(trainer, obs)
         self._act(trainer, decision)
+
+    def _look_now(self, trainer: pl.Trainer, meta: tuple) -> None:
+        """After a non-finite loss on an unsampled CPU step, read this step's gradients and
+        weights at once (they are still there), so the detectors that name the parameter
+        report on this step rather than at the next sample. Off the healthy path."""
+        if self._probe is None:
+            return
+        idx = [i for i, p in enumerate(self._probe.params) if p.grad is not None]
+        if not idx:
+            return
+        grads = self._probe.grad_norms(idx)
+        weights, _, _ = self._probe.weight_and_update_norms(idx, None)
+        layout = [("grad_norm", len(idx), None), ("weight_norm", len(idx), None)]
+        step, epoch, _, _, lr = meta
+        values = torch.cat([grads, weights]).numpy()
+        self._judge(trainer, (step, epoch, idx, layout, lr), values)
 
     def _act(self, trainer: pl.Trainer, decision: Any) -> None:
         if decision.raise_:
