@@ -1,0 +1,233 @@
+"""Command line of the fault-injection suite: ``python -m benchmarks.faults --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.faults.runner import FRAMEWORKS, run_all
+from benchmarks.faults.scenarios import SCENARIOS, SETTINGS, Scenario, select
+
+DEFAULT_SEEDS = 3
+OVERHEAD_CONTROLS = ("healthy_standardized", "healthy_cnn_bn_dropout")
+OVERHEAD_ROUNDS = 30
+QUICK_OVERHEAD_ROUNDS = 3
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.faults",
+        description="Inject known faults into small training runs and report how well "
+        "stethoscope's detectors, and the checks users write today, find them.",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help=f"seeds per scenario (default {DEFAULT_SEEDS}, 1 with --quick)",
+    )
+    p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    p.add_argument(
+        "--setting",
+        choices=(*SETTINGS, "all"),
+        default="adaptive",
+        help="sampling setting(s): 'all' runs the three in the same fits and measures their "
+        "per-step overhead on healthy controls",
+    )
+    p.add_argument("--quick", action="store_true", help="1 seed and a short overhead measurement")
+    p.add_argument("--json", metavar="PATH", help="write every run, verdict and number")
+    p.add_argument("--markdown", action="store_true", help="print GitHub-markdown tables")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    p.add_argument("--no-overhead", action="store_true", help="with --setting all: skip timing")
+    p.add_argument(
+        "--overhead-rounds",
+        type=int,
+        default=None,
+        help=f"interleaved rounds per control (default {OVERHEAD_ROUNDS}, "
+        f"{QUICK_OVERHEAD_ROUNDS} with --quick)",
+    )
+    p.add_argument(
+        "--separate-fits",
+        action="store_true",
+        help="one fit per setting instead of all settings watching one fit (to check that "
+        "they do not influence each other; slower)",
+    )
+    p.add_argument("--framework", choices=FRAMEWORKS, default="lightning")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument(
+        "--report-from",
+        metavar="PATH",
+        help="print the report of a --json file again (e.g. --markdown for the README), "
+        "judged with the current scenario specs, without training",
+    )
+    args = p.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    return args
+
+
+def _list(scenarios: Sequence[Scenario]) -> None:
+    for sc in scenarios:
+        what = "control" if sc.healthy else f"{sc.expect_label} in [{sc.onset}, +{sc.window}]"
+        print(f"{sc.name:28s} {sc.family:10s} {what:55s} {sc.description}")
+
+
+def environment() -> dict[str, Any]:
+    from benchmarks.overhead import environment as env
+
+    return env()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report_from:
+        with open(args.report_from) as f:
+            payload = json.load(f)
+    else:
+        names = [n for n in args.only.split(",") if n]
+        try:
+            scenarios = select(names)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        if args.list:
+            _list(scenarios)
+            return 0
+        shown = sys.argv[1:] if argv is None else list(argv)
+        payload = collect(args, scenarios, " ".join(["python -m benchmarks.faults", *shown]))
+    render(payload, markdown=args.markdown)
+    if args.json and not args.report_from:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0
+
+
+def collect(
+    args: argparse.Namespace, scenarios: Sequence[Scenario], command: str
+) -> dict[str, Any]:
+    """Run the suite as ``args`` say; everything the report needs, as JSON-ready data."""
+    import torch
+
+    from benchmarks.faults.lightning_suite import SPIKE_DETECTION, quiet
+    from stethoscope.detectors import DETECTORS
+
+    quiet()
+    torch.set_num_threads(args.threads)
+    n_seeds = args.seeds or (1 if args.quick else DEFAULT_SEEDS)
+    seeds = list(range(n_seeds))
+    settings = tuple(SETTINGS) if args.setting == "all" else (args.setting,)
+    if "adaptive" in settings:
+        settings = ("adaptive", *(s for s in settings if s != "adaptive"))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    runs = run_all(
+        scenarios,
+        seeds,
+        settings,
+        baselines=not args.no_baselines,
+        separate=args.separate_fits,
+        framework=args.framework,
+        log=log,
+    )
+    suite_wall = time.perf_counter() - t0
+    overhead: list[dict[str, Any]] = []
+    if len(settings) > 1 and not args.no_overhead:
+        from benchmarks.faults.lightning_overhead import measure_overhead
+
+        rounds = args.overhead_rounds or (QUICK_OVERHEAD_ROUNDS if args.quick else OVERHEAD_ROUNDS)
+        controls = OVERHEAD_CONTROLS[:1] if args.quick else OVERHEAD_CONTROLS
+        by_name = {s.name: s for s in SCENARIOS}
+        for name in controls:
+            overhead.append(
+                measure_overhead(by_name[name], rounds=rounds, warmup=not args.quick, log=log)
+            )
+    env = environment()
+    env["command"] = command
+    env["torch_threads"] = args.threads
+    return {
+        "environment": env,
+        "config": {
+            "framework": args.framework,
+            "seeds": seeds,
+            "settings": list(settings),
+            "scenarios": [s.name for s in scenarios],
+            "separate_fits": args.separate_fits,
+        },
+        "wall_s": time.perf_counter() - t0,
+        "suite_wall_s": suite_wall,
+        "available_detectors": sorted(DETECTORS),
+        "spike_detection_note": SPIKE_DETECTION,
+        "overhead": overhead,
+        "runs": [r.to_dict() for r in runs],
+    }
+
+
+def render(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
+    """Print the report of ``payload`` (from :func:`collect` or its JSON); return its numbers.
+
+    Runs are judged with the scenario specs of this checkout.
+    """
+    from benchmarks.faults.report import build_tables, render_markdown, render_rich
+    from benchmarks.faults.results import RunResult
+
+    env, cfg = payload["environment"], payload["config"]
+    scenarios = select(cfg["scenarios"])
+    runs = [RunResult.from_dict(r) for r in payload["runs"]]
+    settings = cfg["settings"]
+    available = set(payload["available_detectors"])
+    overhead = payload["overhead"]
+    wanted = sorted({d for sc in scenarios for d in sc.expect})
+    missing = [d for d in wanted if d not in available]
+    n_fault = sum(not s.healthy for s in scenarios)
+    suite_wall, wall = payload["suite_wall_s"], payload["wall_s"]
+    header = [
+        f"{env['date']}; torch {env['torch']}, lightning {env['lightning']}, Python "
+        f"{env['python']}; {env['torch_threads']} torch thread(s) on {env['cpu']} "
+        f"({env['cpu_count']} CPUs). `{env['command']}`: {n_fault} fault scenarios and "
+        f"{len(scenarios) - n_fault} healthy controls x {len(cfg['seeds'])} seed(s) = "
+        f"{len(runs)} fits in {suite_wall / 60:.1f} min"
+        + (f", overhead timing {(wall - suite_wall) / 60:.1f} min" if overhead else "")
+        + (
+            " (all settings watching the same fits)"
+            if len(settings) > 1 and not cfg["separate_fits"]
+            else ""
+        )
+        + ".",
+    ]
+    if missing:
+        header.append(
+            "Expected detectors not available in stethoscope.detectors.DETECTORS (their "
+            f"scenarios show recall 0): {', '.join(missing)}."
+        )
+    errors = [r for r in runs if r.error]
+    if errors:
+        header.append(
+            f"{len(errors)} fit(s) raised: "
+            + "; ".join(f"{r.scenario}/seed {r.seed}: {r.error}" for r in errors[:5])
+        )
+    spike_note = (
+        payload["spike_detection_note"]
+        or "SpikeDetection is Lightning's own callback (lightning.pytorch.callbacks), used as "
+        "shipped with its defaults."
+    )
+    tables, numbers = build_tables(
+        scenarios, runs, settings, available=available, overhead=overhead, spike_note=spike_note
+    )
+    if markdown:
+        print(render_markdown(tables, header))
+    else:
+        render_rich(tables, header)
+    payload["numbers"] = numbers
+    return numbers
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The suite's data sets, as numpy arrays: no framework, no download.
+
+Every scenario trains on one of three small classification tasks, drawn from a
+seed so that each (scenario, seed) pair sees the same data in every framework:
+
+* ``gaussian``: standardised Gaussian features (20 of them, values past ±1
+  everywhere, as standardised data always has) labelled by a random linear
+  teacher into 4 classes. Learnable to a loss near 0 by a small MLP.
+* ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images, 10
+  classes; no download), split 80/20 into train and validation with the seed,
+  standardised per pixel with the training split's statistics (pixels that are
+  always 0 stay 0) unless ``raw`` keeps the pixel values 0..16.
+* ``sequences``: 4 classes of sequences (20 steps x 4 channels): each class has
+  a random template; a sample is its class's template times 0.7 plus unit
+  Gaussian noise. A GRU learns it in a few hundred steps.
+
+Label faults are applied here, because they are properties of the data rather
+than of the framework: ``label_noise`` (a fraction of labels redrawn uniformly),
+``random_labels`` (every label redrawn: no signal left) and ``majority`` (the
+training set resampled so that one class makes up that fraction of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Arrays", "DataSpec", "make_data"]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which data a scenario trains on, and what is wrong with it.
+
+    Args:
+        source: ``"gaussian"``, ``"digits"`` or ``"sequences"``.
+        n_train: Training samples (``digits``: at most the 80% split, 1437).
+        n_val: Validation samples; 0 for none (no validation loop).
+        label_noise: Fraction of training labels redrawn uniformly at random.
+        random_labels: Redraw every training label: the inputs carry no signal.
+        majority: If set, resample the training set so that class 0 is this
+            fraction of it (the other classes share the rest equally).
+        scale: Multiply every input feature by this (1.0: standardised).
+        raw: ``digits`` only: keep pixel values 0..16 instead of standardising.
+        images: ``digits`` only: shape inputs as 1x8x8 images (for a CNN).
+    """
+
+    source: str = "gaussian"
+    n_train: int = 1024
+    n_val: int = 0
+    label_noise: float = 0.0
+    random_labels: bool = False
+    majority: float | None = None
+    scale: float = 1.0
+    raw: bool = False
+    images: bool = False
+
+
+@dataclass(frozen=True)
+class Arrays:
+    """Training (and optional validation) arrays: float32 inputs, int64 labels."""
+
+    x: np.ndarray
+    y: np.ndarray
+    x_val: np.ndarray | None
+    y_val: np.ndarray | None
+    classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+GAUSSIAN_FEATURES, GAUSSIAN_CLASSES = 20, 4
+SEQ_LEN, SEQ_FEATURES, SEQ_CLASSES = 20, 4, 4
+
+
+def make_data(spec: DataSpec, seed: int) -> Arrays:
+    """The arrays of ``spec`` for ``seed``."""
+    rng = np.random.default_rng(10_000 + seed)
+    n_total = spec.n_train + spec.n_val
+    if spec.source == "gaussian":
+        x = rng.standard_normal((n_total, GAUSSIAN_FEATURES))
+        teacher = rng.standard_normal((GAUSSIAN_FEATURES, GAUSSIAN_CLASSES))
+        y = (x @ teacher).argmax(1)
+        classes = GAUSSIAN_CLASSES
+        x_tr, y_tr, x_va, y_va = (
+            x[: spec.n_train],
+            y[: spec.n_train],
+            x[spec.n_train :],
+            y[spec.n_train :],
+        )
+    elif spec.source == "sequences":
+        templates = rng.standard_normal((SEQ_CLASSES, SEQ_LEN, SEQ_FEATURES))
+        y = rng.integers(0, SEQ_CLASSES, n_total)
+        x = 0.7 * templates[y] + rng.standard_normal((n_total, SEQ_LEN, SEQ_FEATURES))
+        classes = SEQ_CLASSES
+        x_tr, y_tr, x_va, y_va = (
+            x[: spec.n_train],
+            y[: spec.n_train],
+            x[spec.n_train :],
+            y[spec.n_train :],
+        )
+    elif spec.source == "digits":
+        from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+
+        x, y = load_digits(return_X_y=True)
+        order = rng.permutation(len(x))
+        split = int(0.8 * len(x))
+        tr, va = order[:split], order[split:]
+        if spec.n_train > len(tr) or spec.n_val > len(va):
+            raise ValueError(f"digits has {len(tr)} training and {len(va)} validation samples")
+        tr, va = tr[: spec.n_train], va[: spec.n_val]
+        x_tr, y_tr, x_va, y_va = x[tr], y[tr], x[va], y[va]
+        if not spec.raw:
+            mean, std = x_tr.mean(0), x_tr.std(0)
+            std[std == 0] = 1.0  # pixels that are always 0 stay 0
+            x_tr, x_va = (x_tr - mean) / std, (x_va - mean) / std
+        classes = 10
+    else:
+        raise ValueError(f"source={spec.source!r}; use 'gaussian', 'digits' or 'sequences'")
+
+    y_tr = y_tr.copy()
+    if spec.random_labels:
+        y_tr = rng.integers(0, classes, len(y_tr))
+    elif spec.label_noise:
+        flip = rng.random(len(y_tr)) < spec.label_noise
+        y_tr[flip] = rng.integers(0, classes, int(flip.sum()))
+    if spec.majority is not None:
+        x_tr, y_tr = _resample_majority(x_tr, y_tr, spec.majority, classes, rng)
+    x_tr = x_tr * spec.scale
+    x_va = x_va * spec.scale
+    if spec.images:
+        x_tr, x_va = x_tr.reshape(-1, 1, 8, 8), x_va.reshape(-1, 1, 8, 8)
+    val = spec.n_val > 0
+    return Arrays(
+        x=x_tr.astype(np.float32),
+        y=y_tr.astype(np.int64),
+        x_val=x_va.astype(np.float32) if val else None,
+        y_val=y_va.astype(np.int64) if val else None,
+        classes=classes,
+    )
+
+
+def _resample_majority(
+    x: np.ndarray, y: np.ndarray, fraction: float, classes: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draw ``len(y)`` samples with replacement: class 0 ``fraction`` of them, others equal."""
+    n = len(y)
+    n_major = round(fraction * n)
+    per_minor = (n - n_major) // (classes - 1)
+    parts = [rng.choice(np.flatnonzero(y == 0), n_major)]
+    parts += [rng.choice(np.flatnonzero(y == c), per_minor) for c in range(1, classes)]
+    idx = rng.permutation(np.concatenate(parts))
+    return x[idx], y[idx]

@@ -1,0 +1,543 @@
+"""The Lightning implementation of the scenarios: one ``Trainer.fit`` per scenario and seed.
+
+How a run works. The scenario's data (``data.py``) becomes an in-memory loader that
+reshuffles every epoch from the seed; its model spec becomes a small ``nn.Module``
+(MLP, CNN or GRU) inside :class:`SuiteModule`, a ``LightningModule`` that trains with
+cross-entropy, logs ``train_loss`` every step (and ``val_loss`` per validation epoch)
+and injects the fault at its onset through ordinary Lightning hooks: the batch in
+``training_step``, the learning rate and biases in ``on_train_batch_start``, a weight
+right after the update in ``optimizer_step``, a gradient through a tensor hook
+registered in ``on_fit_start``, the initialisation and parameter groups when the
+model and optimizer are built.
+
+Every watcher rides in the same fit, as an observer that never changes training:
+
+* one ``LightningStethoscope(sinks=[CapturingSink()], stop_on=None)`` per sampling
+  setting asked for (``adaptive``: the defaults; ``every``: an interval of 1 for
+  every detector and no escalation; ``sparse``: the default base intervals and no
+  escalation). ``stop_on=None`` lets the run go on after the first error, so the
+  suite sees every collateral finding a longer run would show; the latency is the
+  step of the first finding, which ``stop_on`` does not change (stopping happens
+  after the finding). Several stethoscopes in one Trainer need distinct
+  ``state_key``\\ s, which the small subclass here gives them; it changes nothing
+  else. The findings of one setting do not depend on the others being present:
+  they only read tensors, and training is deterministic for a seed (``--separate-fits``
+  runs one fit per setting instead; on seven scenarios, from NaN to overfitting, it
+  gave the same findings, values included).
+* the baselines (``results.BASELINES``), each wrapped so that it records the step
+  at which it would have stopped training and then lets the run continue:
+  Lightning's ``EarlyStopping`` (its ``should_stop`` is recorded and undone) and
+  ``SpikeDetection`` (its ``TrainingSpikeException`` is caught and recorded), and a
+  hand-written NaN check. Their step is that of the last batch they saw: for
+  ``EarlyStopping``, which checks at the end of a training epoch, the epoch's last
+  step. The runs are deterministic, so the first stop a watcher records is the
+  step at which it would have stopped a run of its own.
+
+Lightning's ``SpikeDetection`` (``lightning.pytorch.callbacks.SpikeDetection``, a
+Lightning callback wrapping the Fabric utility) is used as it ships; it writes its
+``skip_batches.json`` into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+from benchmarks.faults.data import Arrays, make_data
+from benchmarks.faults.results import RunResult
+from benchmarks.faults.scenarios import ModelSpec, Scenario
+from stethoscope import LightningStethoscope
+from stethoscope.detectors import DETECTORS
+from stethoscope.testing import CapturingSink
+
+__all__ = [
+    "FRAMEWORK",
+    "SuiteModule",
+    "WatchedStethoscope",
+    "baseline_callbacks",
+    "build_net",
+    "make_loader",
+    "quiet",
+    "run_scenario",
+    "setting_kwargs",
+]
+
+FRAMEWORK = "lightning"
+
+try:  # SpikeDetection ships with Lightning >= 2.2 and needs torchmetrics >= 1.0
+    from lightning.fabric.utilities.spike import TrainingSpikeException
+    from lightning.pytorch.callbacks import SpikeDetection
+
+    SPIKE_DETECTION: str | None = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Lightning
+    SpikeDetection = None  # type: ignore[assignment,misc]
+    SPIKE_DETECTION = f"SpikeDetection is not available: {exc}"
+
+
+def quiet() -> None:
+    """Silence Lightning's banners and the warnings a tiny in-memory run triggers."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    warnings.filterwarnings("ignore", message=".*litlogger.*")
+    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+    warnings.filterwarnings("ignore", module="lightning_utilities.*")
+    warnings.filterwarnings("ignore", module="torchmetrics.*")
+    warnings.filterwarnings("ignore", message=".*validation_step.*but have no.*val_dataloader.*")
+
+
+# -- models ----------------------------------------------------------------------------
+
+
+class _GRUNet(nn.Module):
+    """One GRU layer; a linear classifier on its last output."""
+
+    def __init__(self, features: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+_ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
+
+
+def build_net(
+    spec: ModelSpec, input_shape: tuple[int, ...], classes: int
+) -> tuple[nn.Module, list[nn.Module]]:
+    """The network of ``spec`` and its layers with weights, from the input."""
+    if spec.arch == "mlp":
+        act = _ACTIVATIONS[spec.activation]
+        mods: list[nn.Module] = [nn.Flatten()]
+        layers: list[nn.Module] = []
+        width = int(np.prod(input_shape))
+        for _ in range(spec.depth):
+            lin = nn.Linear(width, spec.width, bias=spec.hidden_bias)
+            layers.append(lin)
+            mods.append(lin)
+            if spec.batchnorm:
+                mods.append(nn.BatchNorm1d(spec.width))
+            mods.append(act())
+            width = spec.width
+        if spec.dropout:
+            mods.append(nn.Dropout(spec.dropout))
+        head = nn.Linear(width, classes)
+        layers.append(head)
+        return nn.Sequential(*mods, head), layers
+    if spec.arch == "cnn":
+        c1, c2 = nn.Conv2d(input_shape[0], 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1)
+        side = input_shape[1] // 2
+        head = nn.Linear(32 * side * side, classes)
+        mods = [c1]
+        if spec.batchnorm:
+            mods.append(nn.BatchNorm2d(16))
+        mods += [nn.ReLU(), c2]
+        if spec.batchnorm:
+            mods.append(nn.BatchNorm2d(32))
+        mods += [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+        if spec.dropout:
+            mods.append(nn.Dropout(spec.dropout))
+        return nn.Sequential(*mods, head), [c1, c2, head]
+    if spec.arch == "gru":
+        net = _GRUNet(input_shape[-1], spec.width, classes)
+        return net, [net.gru, net.head]
+    raise ValueError(f"arch={spec.arch!r}; use 'mlp', 'cnn' or 'gru'")
+
+
+def _weight(layer: nn.Module) -> nn.Parameter:
+    """A layer's first weight tensor (``weight_ih_l0`` for a GRU)."""
+    return next(p for name, p in layer.named_parameters() if name.startswith("weight"))
+
+
+class SuiteModule(L.LightningModule):
+    """A scenario's model, data faults and training recipe as a LightningModule."""
+
+    def __init__(self, scenario: Scenario, arrays: Arrays) -> None:
+        super().__init__()
+        self.sc = scenario
+        self.classes = arrays.classes
+        self.net, layers = build_net(scenario.model, arrays.input_shape, arrays.classes)
+        self._layers = layers  # a plain list: the modules are registered once, under net
+        self.val_losses: list[list[float]] = []
+        self._val_sum, self._val_n = 0.0, 0
+        f = scenario.fault
+        onset = scenario.onset if isinstance(scenario.onset, int) else -1
+        self._onset = onset
+        # the step-time faults, resolved once: no per-step dictionary lookups
+        self._batch_fault = f.kind if f and f.kind in _BATCH_FAULTS else None
+        self._lr_fault = f.kind if f and f.kind in ("lr_scale", "lr_growth") else None
+        self._init_faults()
+        for i in scenario.model.frozen:
+            for p in layers[i].parameters():
+                p.requires_grad_(False)
+
+    def _init_faults(self) -> None:
+        f = self.sc.fault
+        if f is None:
+            return
+        with torch.no_grad():
+            if f.kind == "init_scale":
+                for layer in self._layers[:-1]:
+                    _weight(layer).mul_(f["factor"])
+            elif f.kind == "init_std":
+                for layer in self._layers:
+                    for name, p in layer.named_parameters():
+                        if name.startswith("weight"):
+                            p.normal_(0.0, f["std"])
+                        else:
+                            p.zero_()
+            elif f.kind == "zero_init":
+                for i in f["layers"]:
+                    _weight(self._layers[i]).zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    # -- faults at a step ---------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        f = self.sc.fault
+        if f is not None and f.kind == "inf_gradient":
+            onset = self._onset
+
+            def poison(grad: torch.Tensor) -> torch.Tensor:
+                if self.global_step != onset:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[0] = math.inf
+                return grad
+
+            self._hook = _weight(self._layers[f["layer"]]).register_hook(poison)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        step = self.global_step
+        kind = self._lr_fault
+        if kind is not None and (
+            step == self._onset or (kind == "lr_growth" and step > self._onset)
+        ):
+            for opt in self.trainer.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] *= self.sc.fault["factor"]
+        f = self.sc.fault
+        if f is not None and f.kind == "kill_units" and step == self._onset:
+            bias = self._layers[f["layer"]].bias
+            with torch.no_grad():
+                bias[: round(f["fraction"] * bias.numel())] = f["bias"]
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        step = self.global_step
+        super().optimizer_step(*args, **kwargs)
+        f = self.sc.fault
+        if f is not None and f.kind == "nan_weight" and step == self._onset:
+            with torch.no_grad():  # an optimizer that writes a NaN into a weight
+                _weight(self._layers[f["layer"]]).view(-1)[0] = math.nan
+
+    # -- steps --------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self._batch_fault is not None and self.global_step == self._onset:
+            x, y = _corrupt(self._batch_fault, self.sc.fault.params, x, y, self.classes)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, batch_size=len(y))  # EarlyStopping monitors it
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("val_loss", loss, batch_size=len(y), on_epoch=True)
+        self._val_sum += float(loss) * len(y)
+        self._val_n += len(y)
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking and self._val_n:
+            self.val_losses.append([self.global_step, self._val_sum / self._val_n])
+        self._val_sum, self._val_n = 0.0, 0
+
+    def configure_optimizers(self) -> Any:
+        t, f = self.sc.train, self.sc.fault
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups: list[dict[str, Any]] = [{"params": params}]
+        if f is not None and f.kind in ("exclude_layer", "zero_lr_group"):
+            odd = {id(p) for p in self._layers[f["layer"]].parameters()}
+            groups = [{"params": [p for p in params if id(p) not in odd]}]
+            if f.kind == "zero_lr_group":
+                groups.append({"params": [p for p in params if id(p) in odd], "lr": 0.0})
+        if t.optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(groups, lr=t.lr)
+        elif t.optimizer == "sgd":
+            opt = torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
+        else:
+            raise ValueError(f"optimizer={t.optimizer!r}; use 'adam' or 'sgd'")
+        if t.schedule is None:
+            return opt
+        if t.schedule == "warmup":
+            n = t.warmup_steps
+
+            def factor(s: int) -> float:
+                return min(1.0, s / n)  # exactly 0 at the first step
+
+        elif t.schedule == "cosine":
+            last = t.max_steps - 1
+
+            def factor(s: int) -> float:
+                return 0.5 * (1.0 + math.cos(math.pi * min(s, last) / last))  # 0 at the last step
+
+        else:
+            raise ValueError(f"schedule={t.schedule!r}; use None, 'warmup' or 'cosine'")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+_BATCH_FAULTS = ("nan_input", "scale_inputs", "corrupt_labels")
+
+
+def _corrupt(
+    kind: str, params: Mapping[str, Any], x: torch.Tensor, y: torch.Tensor, classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "nan_input":
+        x = x.clone()
+        x.view(-1)[0] = math.nan
+    elif kind == "scale_inputs":
+        x = x * params["factor"]
+    elif kind == "corrupt_labels":
+        y = (y + 1) % classes
+    return x, y
+
+
+def make_loader(
+    x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, *, shuffle: bool
+) -> DataLoader:
+    """Whole batches by one fancy index: no per-sample collation."""
+    ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    order = (
+        RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
+        if shuffle
+        else range(len(ds))
+    )
+    return DataLoader(ds, batch_size=None, sampler=BatchSampler(order, batch_size, drop_last=False))
+
+
+# -- watchers ---------------------------------------------------------------------------
+
+
+def setting_kwargs(setting: str) -> dict[str, Any]:
+    """The LightningStethoscope arguments of a sampling setting (see ``SETTINGS``)."""
+    if setting == "adaptive":
+        return {}
+    if setting == "every":
+        return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
+    if setting == "sparse":
+        return {"escalate": False}
+    raise ValueError(f"setting={setting!r}; use 'adaptive', 'every' or 'sparse'")
+
+
+class WatchedStethoscope(LightningStethoscope):
+    """``LightningStethoscope(sinks=[CapturingSink()], stop_on=None, **kwargs)`` for one setting.
+
+    It differs from the public class only in its ``state_key`` (several can share a
+    Trainer) and in counting, per probe, the steps on which its sampler asked for it
+    (through the public ``Monitor.plan``, a pure function of the step).
+    """
+
+    def __init__(self, setting: str, **kwargs: Any) -> None:
+        self.sink = CapturingSink()
+        super().__init__(sinks=[self.sink], stop_on=None, **kwargs)
+        self.setting = setting
+        self.probe_counts: dict[str, int] = {}
+
+    @property
+    def state_key(self) -> str:
+        return f"LightningStethoscope[{self.setting}]"
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        counts = self.probe_counts
+        for probe in self.monitor.plan(trainer.global_step):
+            counts[probe] = counts.get(probe, 0) + 1
+
+
+class _Stops:
+    """Records the first step at which a baseline stops (or would stop) training."""
+
+    key = ""
+
+    def _init_stops(self) -> None:
+        self.first: dict[str, Any] | None = None
+        self.step = -1
+
+    def _mark(self, trainer: L.Trainer) -> None:
+        self.step = trainer.global_step
+
+    def _stopped(self, reason: str) -> None:
+        if self.first is None:
+            self.first = {"step": self.step, "reason": reason}
+
+
+class EarlyStoppingWatch(_Stops, EarlyStopping):
+    """``EarlyStopping(monitor="train_loss", check_finite=True)``, stopping recorded and undone."""
+
+    key = "early_stopping"
+
+    def __init__(self) -> None:
+        super().__init__(monitor="train_loss", check_finite=True)
+        self._init_stops()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark(trainer)
+
+    def _watch(self, trainer: L.Trainer, check: Any) -> None:
+        before = trainer.should_stop
+        check()
+        if trainer.should_stop and not before:
+            value = trainer.callback_metrics.get(self.monitor)
+            finite = value is None or bool(torch.isfinite(torch.as_tensor(value)))
+            self._stopped("no improvement" if finite else "non-finite")
+            trainer.should_stop = False  # observe only: the run goes on
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._watch(
+            trainer, lambda: super(EarlyStoppingWatch, self).on_train_epoch_end(trainer, pl_module)
+        )
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._watch(
+            trainer, lambda: super(EarlyStoppingWatch, self).on_validation_end(trainer, pl_module)
+        )
+
+
+if SpikeDetection is not None:
+
+    class SpikeDetectionWatch(_Stops, SpikeDetection):  # type: ignore[misc,valid-type]
+        """Lightning's ``SpikeDetection()`` with defaults; its exception recorded, not raised."""
+
+        key = "spike_detection"
+
+        def __init__(self, exclude_batches_path: str) -> None:
+            super().__init__(exclude_batches_path=exclude_batches_path)
+            self._init_stops()
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            self._mark(trainer)
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+            try:
+                super().on_train_batch_end(trainer, *args, **kwargs)
+            except TrainingSpikeException:
+                self._stopped("spike")
+
+
+class NanCheck(_Stops, Callback):
+    """The check people write: ``if not torch.isfinite(loss): trainer.should_stop = True``."""
+
+    key = "nan_check"
+
+    def __init__(self) -> None:
+        self._init_stops()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._mark(trainer)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+        if not torch.isfinite(loss):
+            self._stopped("non-finite")  # a real one would set trainer.should_stop = True
+
+
+def baseline_callbacks(tmpdir: str) -> list[Any]:
+    """Fresh baseline watchers; SpikeDetection writes its skip list into ``tmpdir``."""
+    cbs: list[Any] = [EarlyStoppingWatch()]
+    if SpikeDetection is not None:
+        cbs.append(SpikeDetectionWatch(f"{tmpdir}/skip_batches.json"))
+    cbs.append(NanCheck())
+    return cbs
+
+
+# -- one run --------------------------------------------------------------------------------
+
+
+def _resolve_onset(sc: Scenario, val_losses: list[list[float]]) -> int | None:
+    if sc.onset == "best_val":
+        if not val_losses:
+            return None
+        best = min(range(len(val_losses)), key=lambda i: val_losses[i][1])
+        return int(val_losses[best][0])  # the first step after the best validation
+    return sc.onset if isinstance(sc.onset, int) else None
+
+
+def run_scenario(
+    sc: Scenario,
+    seed: int,
+    *,
+    settings: Sequence[str] = ("adaptive",),
+    baselines: bool = True,
+) -> RunResult:
+    """Train ``sc`` once with ``seed``; every watcher observes the same fit."""
+    torch.manual_seed(seed)
+    arrays = make_data(sc.data, seed)
+    model = SuiteModule(sc, arrays)
+    t = sc.train
+    train = make_loader(arrays.x, arrays.y, t.batch_size, seed, shuffle=True)
+    val = None
+    if t.validate:
+        if arrays.x_val is None:
+            raise ValueError(f"{sc.name}: validate=True needs DataSpec.n_val > 0")
+        val = make_loader(arrays.x_val, arrays.y_val, 256, seed, shuffle=False)
+    watchers = [WatchedStethoscope(s, **setting_kwargs(s)) for s in settings]
+    result = RunResult(scenario=sc.name, seed=seed, framework=FRAMEWORK, steps_per_epoch=len(train))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    with tempfile.TemporaryDirectory(prefix="stethoscope-faults-") as tmp:
+        others = baseline_callbacks(tmp) if baselines else []
+        trainer = L.Trainer(
+            max_steps=t.max_steps,
+            max_epochs=t.max_epochs if t.max_epochs is not None else -1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            gradient_clip_val=t.clip,
+            deterministic=True,
+            default_root_dir=tmp,
+            callbacks=[*watchers, *others],
+        )
+        t0 = time.perf_counter()
+        try:
+            trainer.fit(model, train, val)
+        except Exception as exc:  # a crash is a result too: it counts as a miss, with its cause
+            result.error = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        finally:
+            # Trainer(deterministic=True) switches a process-wide flag: leave it as found
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        result.wall_s = time.perf_counter() - t0
+    result.steps = trainer.global_step
+    result.val_losses = model.val_losses
+    result.onset = _resolve_onset(sc, model.val_losses)
+    result.findings = {
+        w.setting: [f.to_dict(json_safe=True) for f in w.sink.findings] for w in watchers
+    }
+    result.probe_counts = {w.setting: dict(sorted(w.probe_counts.items())) for w in watchers}
+    result.baselines = {cb.key: cb.first for cb in others}
+    return result

@@ -1,0 +1,722 @@
+"""The fault scenarios and healthy controls, declared as data, with no framework in them.
+
+A :class:`Scenario` says what to train (:class:`ModelSpec`, :class:`~.data.DataSpec`,
+:class:`TrainSpec`), what goes wrong and when (:class:`FaultSpec`, ``onset``), which
+detector must name it (``expect``), within how many steps (``window``), and which
+other detectors may fire without it counting as a misdiagnosis (``collateral``).
+A framework implementation (``lightning_suite.py`` today, a Keras one later) turns
+the spec into a model and a training run; the scoring in ``metrics.py`` is shared.
+
+Conventions every implementation follows:
+
+* Steps are global optimizer steps, 0-based: "step 150" is the 151st batch. A fault
+  with ``onset=150`` is present in the forward pass, backward pass or optimizer
+  update of step 150, as its kind says, and a detection at step 150 has latency 0.
+* "Layer ``i``" is the ``i``-th layer with weights, counted from the input and
+  0-based: an MLP of depth 2 has layers 0 and 1 (hidden) and 2 (output); the CNN
+  has 0 and 1 (convolutions) and 2 (the classifier); the GRU has 0 (the GRU) and 1
+  (the classifier). Its "weight" is its first weight tensor (``weight_ih`` for a GRU).
+* ``expect`` holds the detectors that name the cause; any of them counts. Where
+  two detectors are equally right (an LR that grows until training diverges shows
+  both as unstable loss and as exploding gradients) both are listed.
+* ``collateral`` holds the detectors that report true consequences of the fault
+  (a NaN loss makes the next gradients NaN; killed units make the loss jump). A
+  warning or error from any detector outside ``expect`` and ``collateral`` is a
+  misdiagnosis. Collateral follows from what the fault does to the numbers a
+  detector reads, never from what a detector happened to report.
+
+Fault kinds (``FaultSpec.kind``) and their parameters:
+
+``nan_input``        one input value of the batch at ``onset`` is NaN.
+``inf_gradient``     one element of layer ``layer``'s weight gradient is +Inf at
+                     ``onset`` (a tensor hook on the backward pass).
+``nan_weight``       right after the optimizer update of ``onset``, one element of
+                     layer ``layer``'s weight is NaN (a buggy custom optimizer).
+``lr_scale``         from ``onset`` on, every learning rate is multiplied by ``factor``.
+``lr_growth``        from ``onset`` on, every learning rate is multiplied by
+                     ``factor`` at every step (a schedule bug: exponential growth).
+``corrupt_labels``   the batch at ``onset`` has every label shifted by one class.
+``scale_inputs``     the batch at ``onset`` has its inputs multiplied by ``factor``.
+``kill_units``       at ``onset``, before its forward pass, the biases of a
+                     ``fraction`` of layer ``layer``'s units are set to ``bias``
+                     (-100: those ReLU units never activate again).
+``init_scale``       at initialisation, every hidden layer's weight is multiplied
+                     by ``factor`` (biases untouched).
+``init_std``         at initialisation, every weight is drawn from N(0, ``std``²)
+                     with no fan-in scaling, and every bias is 0.
+``zero_init``        at initialisation, the weights of ``layers`` are all zero.
+``exclude_layer``    layer ``layer``'s parameters are left out of the optimizer
+                     (they still require grad and still receive gradients).
+``zero_lr_group``    layer ``layer``'s parameters are in their own parameter group
+                     with learning rate 0.
+
+Data faults (random labels, label imbalance, unnormalized inputs) live in
+:class:`~.data.DataSpec`; configuration faults (an LR far too high or too low) in
+:class:`TrainSpec`. Both have ``onset=0``: the fault is there from the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.faults.data import DataSpec
+
+__all__ = [
+    "DETECTOR_NAMES",
+    "FAULT_KINDS",
+    "SCENARIOS",
+    "SETTINGS",
+    "FaultSpec",
+    "ModelSpec",
+    "Scenario",
+    "TrainSpec",
+    "select",
+]
+
+FAULT_KINDS = (
+    "nan_input",
+    "inf_gradient",
+    "nan_weight",
+    "lr_scale",
+    "lr_growth",
+    "corrupt_labels",
+    "scale_inputs",
+    "kill_units",
+    "init_scale",
+    "init_std",
+    "zero_init",
+    "exclude_layer",
+    "zero_lr_group",
+)
+
+#: The stable detector names of DESIGN.md: ``expect`` and ``collateral`` must use them.
+DETECTOR_NAMES = frozenset(
+    {
+        "nonfinite_loss",
+        "nonfinite_gradients",
+        "nonfinite_weights",
+        "exploding_gradients",
+        "vanishing_gradients",
+        "loss_spike",
+        "loss_not_decreasing",
+        "unstable_loss",
+        "overfitting",
+        "dead_relu",
+        "saturated_activation",
+        "small_updates",
+        "large_updates",
+        "frozen_weights",
+        "poor_initialization",
+        "class_imbalance",
+        "unnormalized_input",
+        "all_zero",
+        "replica_divergence",
+        "straggler",
+    }
+)
+
+#: The three sampling settings of "Adaptive sampling, shown", in words; each
+#: implementation maps them to its callback's arguments.
+SETTINGS: dict[str, str] = {
+    "adaptive": "the default: loss every step, costlier detectors at their base intervals, "
+    "every step for a while at the start and after any suspicion",
+    "every": "every detector every step (intervals of 1, escalation off)",
+    "sparse": "every detector at its default base interval, escalation off",
+}
+
+#: Families, for the baselines' table and the latency targets of issue 3.
+FAMILIES: dict[str, str] = {
+    "nonfinite": "a NaN or Inf appears (input, gradient, weight)",
+    "spike": "a single bad batch",
+    "divergence": "the learning rate drives training to diverge",
+    "silent": "training goes on with finite, unspiky losses, but learns badly",
+}
+
+#: Median latency targets of issue 3, in steps, by family.
+TARGET_LATENCY: dict[str, int] = {"nonfinite": 1, "spike": 1, "divergence": 20, "silent": 20}
+TARGET_RECALL = 0.95
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The network.
+
+    Args:
+        arch: ``"mlp"``, ``"cnn"`` (two 3x3 convolutions on 1x8x8 images, a 2x2
+            max-pool, a linear classifier) or ``"gru"`` (one GRU layer, a linear
+            classifier on its last output).
+        depth: Hidden layers of the MLP.
+        width: Units per hidden layer (MLP), hidden size (GRU); the CNN has 16 and
+            32 channels.
+        activation: ``"relu"``, ``"tanh"`` or ``"sigmoid"`` (MLP; the CNN uses ReLU).
+        batchnorm: A batch norm after each hidden layer, before its activation.
+        dropout: Dropout probability before the classifier (0: none).
+        hidden_bias: Whether hidden layers have biases.
+        frozen: Layers whose parameters do not require grad (a frozen backbone).
+    """
+
+    arch: str = "mlp"
+    depth: int = 2
+    width: int = 64
+    activation: str = "relu"
+    batchnorm: bool = False
+    dropout: float = 0.0
+    hidden_bias: bool = True
+    frozen: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How it trains: cross-entropy, one optimizer.
+
+    Args:
+        optimizer: ``"adam"`` or ``"sgd"`` (SGD with ``momentum``).
+        lr: Base learning rate.
+        momentum: SGD momentum.
+        batch_size: Samples per step (the training set is reshuffled every epoch;
+            the last, smaller batch of an epoch is kept).
+        max_steps: Steps to train; the run ends at the first of ``max_steps`` and
+            ``max_epochs``.
+        max_epochs: Epochs to train, or None for no limit.
+        schedule: None, ``"warmup"`` (linear from exactly 0 to ``lr`` over
+            ``warmup_steps``, then constant) or ``"cosine"`` (from ``lr`` down to
+            exactly 0 at ``max_steps``), stepped every step.
+        warmup_steps: Length of the warm-up.
+        clip: Clip the global gradient norm to this (None: no clipping).
+        validate: Run a validation epoch after every training epoch (needs
+            ``DataSpec.n_val``); its mean loss is logged as ``val_loss``.
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-2
+    momentum: float = 0.9
+    batch_size: int = 32
+    max_steps: int = 300
+    max_epochs: int | None = None
+    schedule: str | None = None
+    warmup_steps: int = 0
+    clip: float | None = None
+    validate: bool = False
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """What is injected; ``params`` as the module docstring lists per kind."""
+
+    kind: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"kind={self.kind!r}; use one of {FAULT_KINDS!r}")
+
+    def __getitem__(self, key: str) -> Any:
+        return self.params[key]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One fault scenario or healthy control.
+
+    Args:
+        name: Stable snake_case name (``--only`` uses it).
+        family: One of :data:`FAMILIES`, or ``"healthy"`` for a control.
+        description: One line: what is wrong (or which trap a control sets).
+        model, data, train: What is trained, on what, how.
+        fault: What is injected, or None (a pure data/config fault, or a control).
+        onset: The step at which the fault begins; ``"best_val"`` for overfitting:
+            the first step after the validation epoch with the lowest validation
+            loss of the run (known only afterwards). None for a control.
+        expect: The detectors that name the cause; the first of them, warning or
+            error, at a step in ``[onset, onset + window]`` is a detection.
+        window: Steps after the onset within which a detection counts.
+        collateral: Detectors whose warnings and errors are true consequences.
+    """
+
+    name: str
+    family: str
+    description: str
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    fault: FaultSpec | None = None
+    onset: int | str | None = None
+    expect: tuple[str, ...] = ()
+    window: int = 0
+    collateral: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in (*FAMILIES, "healthy"):
+            raise ValueError(f"{self.name}: family={self.family!r}; use one of {[*FAMILIES]!r}")
+        unknown = sorted((set(self.expect) | set(self.collateral)) - DETECTOR_NAMES)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown detector name(s) {unknown!r}")
+        if self.healthy != (not self.expect):
+            raise ValueError(f"{self.name}: a fault scenario needs expect, a control has none")
+        if not self.healthy and self.onset is None:
+            raise ValueError(f"{self.name}: a fault scenario needs an onset")
+
+    @property
+    def healthy(self) -> bool:
+        return self.family == "healthy"
+
+    @property
+    def expect_label(self) -> str:
+        return " | ".join(self.expect) if self.expect else "—"
+
+    @property
+    def accepted(self) -> frozenset[str]:
+        return frozenset(self.expect) | frozenset(self.collateral)
+
+    @property
+    def target_latency(self) -> int | None:
+        return TARGET_LATENCY.get(self.family)
+
+    def fault_at(self, kind: str) -> FaultSpec | None:
+        """The fault if it is of ``kind``."""
+        return self.fault if self.fault is not None and self.fault.kind == kind else None
+
+
+# -- shared parts ------------------------------------------------------------------
+
+NONFINITE = ("nonfinite_loss", "nonfinite_gradients", "nonfinite_weights")
+# A network that a fault has killed (ReLUs dead, gates saturated) shows it everywhere:
+# its gradients are exactly zero or vanish, so its weights stop changing and its
+# updates shrink to nothing. Measured here: after gru_lr_jump the GRU's weight gradients
+# are exactly 0 from about 40 steps after the jump on, while the classifier's are not.
+DEAD_NET = (
+    "dead_relu",
+    "saturated_activation",
+    "all_zero",
+    "vanishing_gradients",
+    "small_updates",
+    "frozen_weights",
+)
+# What a diverging run legitimately shows besides exploding gradients: a high LR
+# overflows (NaN), jumps and wanders, makes updates large, and kills the network
+# (CS231n: "as much as 40% of your network can be dead" with a learning rate too high).
+DIVERGENCE = (
+    *NONFINITE,
+    "exploding_gradients",
+    "unstable_loss",
+    "loss_spike",
+    "loss_not_decreasing",
+    "large_updates",
+    *DEAD_NET,
+)
+ONSET = 150  # past the sampler's 128-step start-up window: the fault meets sparse sampling
+MLP = ModelSpec()
+GAUSS = DataSpec()
+ADAM = TrainSpec(optimizer="adam", lr=1e-2, max_steps=250)
+DIGITS = DataSpec(source="digits", n_train=1437)
+DIGIT_IMAGES = DataSpec(source="digits", n_train=1437, images=True)
+CNN = ModelSpec(arch="cnn")
+GRU = ModelSpec(arch="gru", width=32)
+SEQ = DataSpec(source="sequences", n_train=1024)
+
+
+def _fault(kind: str, **params: Any) -> FaultSpec:
+    return FaultSpec(kind, dict(params))
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    # -- non-finite values -----------------------------------------------------------
+    Scenario(
+        "nan_input",
+        "nonfinite",
+        "one NaN in the input batch of step 150 (MLP, Adam)",
+        train=ADAM,
+        fault=_fault("nan_input"),
+        onset=ONSET,
+        expect=("nonfinite_loss",),
+        window=1,
+        collateral=NONFINITE,
+    ),
+    Scenario(
+        "inf_gradient",
+        "nonfinite",
+        "one +Inf in layer 1's weight gradient at step 150, via a tensor hook",
+        train=ADAM,
+        fault=_fault("inf_gradient", layer=1),
+        onset=ONSET,
+        expect=("nonfinite_gradients",),
+        window=16,
+        collateral=NONFINITE,
+    ),
+    Scenario(
+        "nan_weight",
+        "nonfinite",
+        "a NaN written into layer 0's weight right after the update of step 150",
+        train=ADAM,
+        fault=_fault("nan_weight", layer=0),
+        onset=ONSET,
+        expect=("nonfinite_weights",),  # it names the cause; the NaN loss follows
+        window=16,
+        collateral=NONFINITE,
+    ),
+    Scenario(
+        "gru_nan_input",
+        "nonfinite",
+        "one NaN in the input sequence batch of step 150 (GRU, Adam)",
+        model=GRU,
+        data=SEQ,
+        train=ADAM,
+        fault=_fault("nan_input"),
+        onset=ONSET,
+        expect=("nonfinite_loss",),
+        window=1,
+        collateral=NONFINITE,
+    ),
+    # -- single bad batches ----------------------------------------------------------------
+    Scenario(
+        "corrupt_labels_batch",
+        "spike",
+        "every label of the batch at step 150 shifted by one class (MLP, trained)",
+        train=ADAM,
+        fault=_fault("corrupt_labels"),
+        onset=ONSET,
+        expect=("loss_spike",),
+        window=1,
+        collateral=("exploding_gradients", "unstable_loss"),
+    ),
+    Scenario(
+        "scaled_inputs_batch",
+        "spike",
+        "the inputs of the batch at step 150 multiplied by 30 (MLP, trained)",
+        train=ADAM,
+        fault=_fault("scale_inputs", factor=30.0),
+        onset=ONSET,
+        expect=("loss_spike",),
+        window=1,
+        # a batch x10 is also, truly, unnormalized input
+        collateral=("exploding_gradients", "unstable_loss", "unnormalized_input"),
+    ),
+    # -- divergence ----------------------------------------------------------------------
+    Scenario(
+        "lr_jump_sgd",
+        "divergence",
+        "SGD (lr 0.05, momentum 0.9): the learning rate x1000 from step 150",
+        train=TrainSpec(optimizer="sgd", lr=0.05, max_steps=250),
+        fault=_fault("lr_scale", factor=1000.0),
+        onset=ONSET,
+        expect=("exploding_gradients",),
+        window=20,
+        collateral=DIVERGENCE,
+    ),
+    Scenario(
+        "lr_growth",
+        "divergence",
+        "Adam lr 1e-3 multiplied by 1.1 every step from step 150 (a schedule bug)",
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=300),
+        fault=_fault("lr_growth", factor=1.1),
+        onset=ONSET,
+        expect=("unstable_loss", "exploding_gradients"),
+        window=100,
+        collateral=DIVERGENCE,
+    ),
+    Scenario(
+        "cnn_lr_too_high",
+        "divergence",
+        "CNN on digits with SGD lr 1.0 (momentum 0.9) from the first step",
+        model=CNN,
+        data=DIGIT_IMAGES,
+        train=TrainSpec(optimizer="sgd", lr=1.0, max_steps=150),
+        onset=0,
+        expect=("exploding_gradients",),
+        window=20,
+        collateral=DIVERGENCE,
+    ),
+    Scenario(
+        "adam_lr_1",
+        "divergence",
+        "Adam with lr 1.0 (MLP): every update is far too large",
+        train=TrainSpec(optimizer="adam", lr=1.0, max_steps=200),
+        onset=0,
+        expect=("large_updates",),
+        window=20,
+        collateral=DIVERGENCE,
+    ),
+    Scenario(
+        "gru_lr_jump",
+        "divergence",
+        "GRU with SGD (lr 0.1, momentum 0.9): the learning rate x1000 from step 150",
+        model=GRU,
+        data=SEQ,
+        train=TrainSpec(optimizer="sgd", lr=0.1, max_steps=250),
+        fault=_fault("lr_scale", factor=1000.0),
+        onset=ONSET,
+        expect=("exploding_gradients",),
+        window=20,
+        collateral=DIVERGENCE,
+    ),
+    # -- silent: finite, unspiky, wrong ---------------------------------------------------
+    Scenario(
+        "deep_sigmoid",
+        "silent",
+        "a 10-layer sigmoid MLP (default init, SGD lr 0.1): gradients vanish at the input",
+        model=ModelSpec(depth=10, width=32, activation="sigmoid"),
+        train=TrainSpec(optimizer="sgd", lr=0.1, max_steps=200),
+        onset=0,
+        expect=("vanishing_gradients",),
+        window=50,
+        # the input-side layers' updates (lr x ~1e-8) fall below any tolerance: they are
+        # frozen in effect, and the updates small
+        collateral=(
+            "loss_not_decreasing",
+            "poor_initialization",
+            "small_updates",
+            "frozen_weights",
+            "saturated_activation",
+        ),
+    ),
+    Scenario(
+        "random_labels",
+        "silent",
+        "labels drawn at random (no signal), 4096 samples, MLP with Adam lr 1e-3",
+        data=DataSpec(n_train=4096, random_labels=True),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+        onset=0,
+        expect=("loss_not_decreasing",),
+        window=300,
+    ),
+    Scenario(
+        "dead_units",
+        "silent",
+        "at step 150, the biases of 75% of layer 0's ReLU units set to -100 (they die)",
+        train=ADAM,
+        fault=_fault("kill_units", layer=0, fraction=0.75, bias=-100.0),
+        onset=ONSET,
+        expect=("dead_relu",),
+        window=32,
+        collateral=("loss_spike", "unstable_loss"),
+    ),
+    Scenario(
+        "saturated_tanh",
+        "silent",
+        "a tanh MLP whose hidden weights are initialised x20: pre-activations saturate",
+        model=ModelSpec(activation="tanh"),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=200),
+        fault=_fault("init_scale", factor=20.0),
+        onset=0,
+        expect=("saturated_activation",),
+        window=50,
+        collateral=(
+            "vanishing_gradients",
+            "poor_initialization",
+            "loss_not_decreasing",
+            "unstable_loss",
+        ),
+    ),
+    Scenario(
+        "adam_lr_1e-9",
+        "silent",
+        "Adam with lr 1e-9 (MLP): the weights barely move",
+        train=TrainSpec(optimizer="adam", lr=1e-9, max_steps=250),
+        onset=0,
+        expect=("small_updates",),
+        window=100,
+        collateral=("loss_not_decreasing", "frozen_weights"),
+    ),
+    Scenario(
+        "layer_not_in_optimizer",
+        "silent",
+        "layer 1 left out of the optimizer: it requires grad but never changes",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250),
+        fault=_fault("exclude_layer", layer=1),
+        onset=0,
+        expect=("frozen_weights",),
+        window=100,
+    ),
+    Scenario(
+        "zero_lr_group",
+        "silent",
+        "layer 1 in a parameter group with learning rate 0",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250),
+        fault=_fault("zero_lr_group", layer=1),
+        onset=0,
+        expect=("frozen_weights",),
+        window=100,
+    ),
+    Scenario(
+        "init_std_1",
+        "silent",
+        "MLP 20-128-128-128-4, every weight drawn from N(0, 1) with no fan-in scaling",
+        model=ModelSpec(depth=3, width=128),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=200),
+        fault=_fault("init_std", std=1.0),
+        onset=0,
+        expect=("poor_initialization",),
+        window=10,
+        collateral=(
+            "exploding_gradients",
+            "loss_spike",
+            "unstable_loss",
+            "large_updates",
+            "dead_relu",
+        ),
+    ),
+    Scenario(
+        "zero_init",
+        "silent",
+        "layers 1 (no bias) and 2 zero-initialised: their gradients stay exactly zero",
+        model=ModelSpec(hidden_bias=False),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=200),
+        fault=_fault("zero_init", layers=(1, 2)),
+        onset=0,
+        expect=("all_zero",),
+        window=10,
+        collateral=(
+            "frozen_weights",
+            "vanishing_gradients",
+            "poor_initialization",
+            "dead_relu",
+            "loss_not_decreasing",
+            "small_updates",
+        ),
+    ),
+    Scenario(
+        "class_imbalance_95",
+        "silent",
+        "95% of the training labels are class 0 (MLP)",
+        data=DataSpec(majority=0.95),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=200),
+        onset=0,
+        expect=("class_imbalance",),
+        window=50,
+        # measured: with 95% of one class, 44-50% of layer 1's units never activate on
+        # any training sample after 30-200 steps (about 10% on the balanced data)
+        collateral=("dead_relu",),
+    ),
+    Scenario(
+        "raw_digits",
+        "silent",
+        "digits pixels left raw, 0..16, into an MLP",
+        data=DataSpec(source="digits", n_train=1437, raw=True),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=200),
+        onset=0,
+        expect=("unnormalized_input",),
+        window=20,
+        collateral=("poor_initialization", "loss_spike", "unstable_loss"),
+    ),
+    Scenario(
+        "features_x100",
+        "silent",
+        "standardised features multiplied by 100 (MLP)",
+        data=DataSpec(scale=100.0),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=200),
+        onset=0,
+        expect=("unnormalized_input",),
+        window=20,
+        collateral=(
+            "poor_initialization",
+            "exploding_gradients",
+            "loss_spike",
+            "unstable_loss",
+        ),
+    ),
+    Scenario(
+        "overfitting",
+        "silent",
+        "100 digits, 20% of their labels wrong, MLP 64-256-256-10 memorises them; "
+        "validated on 360 held-out digits each of 120 epochs",
+        model=ModelSpec(width=256),
+        data=DataSpec(source="digits", n_train=100, n_val=360, label_noise=0.2),
+        train=TrainSpec(
+            optimizer="adam", lr=1e-3, batch_size=50, max_steps=240, max_epochs=120, validate=True
+        ),
+        onset="best_val",
+        expect=("overfitting",),
+        window=100,
+    ),
+    # -- healthy controls: each sets a trap ----------------------------------------------
+    Scenario(
+        "healthy_standardized",
+        "healthy",
+        "standardised Gaussian inputs: values past ±1 everywhere (Adam 1e-3)",
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+    ),
+    Scenario(
+        "healthy_converges",
+        "healthy",
+        "Adam 3e-3 for 1200 steps: the loss falls through 0.005 to ~0.001 and wanders there",
+        # not 3e-2: at that rate Adam is unstable on some seeds (seed 2: the loss jumps from
+        # 0.003 back to 1.2 at step 532 and 36-41% of layer 1's units die), not a control
+        train=TrainSpec(optimizer="adam", lr=3e-3, max_steps=1200),
+    ),
+    Scenario(
+        "healthy_warmup_clip",
+        "healthy",
+        "SGD lr 0.1 warmed up from exactly 0 over 150 steps, gradients clipped to 0.5",
+        train=TrainSpec(
+            optimizer="sgd", lr=0.1, max_steps=600, schedule="warmup", warmup_steps=150, clip=0.5
+        ),
+    ),
+    Scenario(
+        "healthy_noisy_sgd",
+        "healthy",
+        "SGD lr 0.05 with batches of 8 and 20% of labels redrawn at random",
+        data=DataSpec(label_noise=0.2),
+        train=TrainSpec(optimizer="sgd", lr=0.05, batch_size=8, max_steps=1500),
+    ),
+    Scenario(
+        "healthy_frozen_layer",
+        "healthy",
+        "layer 0 frozen with requires_grad=False (a frozen backbone), Adam 1e-3",
+        model=ModelSpec(frozen=(0,)),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+    ),
+    Scenario(
+        "healthy_cosine",
+        "healthy",
+        "Adam 1e-2 on a cosine schedule that decays to exactly 0 at the last step",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=600, schedule="cosine"),
+    ),
+    Scenario(
+        "healthy_cnn_bn_dropout",
+        "healthy",
+        "CNN on digits with batch norm and dropout 0.3 (Adam 1e-3)",
+        model=ModelSpec(arch="cnn", batchnorm=True, dropout=0.3),
+        data=DIGIT_IMAGES,
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+    ),
+    Scenario(
+        "healthy_gru",
+        "healthy",
+        "GRU on noisy sequences (Adam 1e-2)",
+        model=GRU,
+        data=SEQ,
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=400),
+    ),
+    Scenario(
+        "healthy_tanh",
+        "healthy",
+        "a tanh MLP with the default initialisation (Adam 1e-3)",
+        model=ModelSpec(activation="tanh"),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+    ),
+    Scenario(
+        "healthy_digits_validated",
+        "healthy",
+        "standardised digits (some pixels rare: z-scores past 10), validated every epoch",
+        data=DataSpec(source="digits", n_train=1437, n_val=360),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
+    ),
+)
+
+
+def select(names: Sequence[str] | None = None) -> list[Scenario]:
+    """The scenarios named (all when None), in declaration order.
+
+    Raises:
+        ValueError: A name is unknown; the message lists the valid ones.
+    """
+    if not names:
+        return list(SCENARIOS)
+    known = {s.name: s for s in SCENARIOS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown!r}; choose among {sorted(known)!r}")
+    wanted = set(names)
+    return [s for s in SCENARIOS if s.name in wanted]

@@ -1,0 +1,119 @@
+"""Smoke test of the fault-injection suite (benchmarks/faults): its runner, scoring and report.
+
+Two scenarios, one seed, cut short to keep CI fast: the NaN-input fault (onset at
+step 150, run to step 160; three sampling settings and the baselines watching one
+fit) and a healthy control (150 steps, the adaptive default). It checks the
+structure of what the suite reports and that the NaN is caught at its onset step;
+the suite's numbers themselves are for ``python -m benchmarks.faults``, not for CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("sklearn")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not installed: import it from the checkout
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.faults import SCENARIOS, judge, judge_baseline, select  # noqa: E402
+from benchmarks.faults.lightning_suite import quiet  # noqa: E402
+from benchmarks.faults.report import build_tables, render_markdown, render_rich  # noqa: E402
+from benchmarks.faults.runner import run_all  # noqa: E402
+from benchmarks.faults.scenarios import DETECTOR_NAMES  # noqa: E402
+
+SETTINGS = ("adaptive", "every", "sparse")
+
+
+@pytest.fixture(scope="module")
+def suite():
+    quiet()
+    fault, control = select(["nan_input", "healthy_standardized"])
+    fault, control = _short(fault, 160), _short(control, 150)
+    runs = run_all([fault], [0], SETTINGS) + run_all([control], [0], ("adaptive",))
+    return [fault, control], runs
+
+
+def _short(sc, steps):
+    return dataclasses.replace(sc, train=dataclasses.replace(sc.train, max_steps=steps))
+
+
+def test_the_suite_declares_enough_scenarios():
+    faults = [s for s in SCENARIOS if not s.healthy]
+    controls = [s for s in SCENARIOS if s.healthy]
+    assert len(faults) >= 16 and len(controls) >= 6
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
+    for s in faults:
+        assert set(s.expect) <= DETECTOR_NAMES and s.window >= 0
+    with pytest.raises(ValueError, match="no_such_scenario"):
+        select(["no_such_scenario"])
+
+
+def test_nan_input_is_caught_at_its_onset(suite):
+    scenarios, runs = suite
+    sc, run = scenarios[0], runs[0]
+    assert (run.scenario, run.seed, run.error) == ("nan_input", 0, None)
+    assert run.steps == sc.train.max_steps  # stop_on=None: the run goes on after the error
+    assert set(run.findings) == set(SETTINGS)
+    for setting in SETTINGS:
+        first = next(f for f in run.findings[setting] if f["detector"] == "nonfinite_loss")
+        assert first["step"] == sc.onset == 150
+        assert first["severity"] == "error"
+        v = judge(sc, run, setting)
+        assert v.detected and v.latency == 0 and not v.early
+        assert run.probe_counts[setting]["loss"] == run.steps
+    # every step reads gradients in the "every" setting, not in the sparse one
+    assert run.probe_counts["every"]["grads"] == run.steps
+    assert run.probe_counts["sparse"]["grads"] < run.steps // 4
+
+
+def test_baselines_record_the_step_they_would_stop_at(suite):
+    scenarios, runs = suite
+    sc, run = scenarios[0], runs[0]
+    assert run.baselines["nan_check"] == {"step": 150, "reason": "non-finite"}
+    # EarlyStopping checks at epoch end: 32 steps per epoch, so the epoch holding step 150
+    # ends at step 159
+    assert run.steps_per_epoch == 32
+    assert run.baselines["early_stopping"] == {"step": 159, "reason": "non-finite"}
+    v = judge_baseline(sc, run, "early_stopping")
+    assert v.latency == 9 and not v.detected  # outside the 1-step window
+    assert "spike_detection" in run.baselines
+
+
+def test_healthy_control_is_judged_as_a_control(suite):
+    scenarios, runs = suite
+    sc, run = scenarios[1], runs[1]
+    assert sc.healthy and run.error is None and run.onset is None
+    assert run.steps == sc.train.max_steps
+    v = judge(sc, run, "adaptive")
+    assert v.healthy and not v.detected and v.latency is None
+
+
+def test_report_has_every_table(suite):
+    scenarios, runs = suite
+    tables, numbers = build_tables(scenarios, runs, SETTINGS, available={"nonfinite_loss"})
+    titles = [t.title for t in tables]
+    assert any(t.startswith("Fault scenarios") for t in titles)
+    assert any(t.startswith("Healthy controls") for t in titles)
+    assert any(t.startswith("Adaptive sampling, shown") for t in titles)
+    assert any(t.startswith("What users use today") for t in titles)
+    for t in tables:
+        assert all(len(row) == len(t.columns) for row in t.rows), t.title
+    assert numbers["overall"]["runs"] == 1 and numbers["overall"]["detected"] == 1
+    assert numbers["overall"]["healthy_runs"] == 1
+    assert set(numbers["settings"]) == set(SETTINGS)
+    assert numbers["settings"]["every"]["overall"]["detected"] == 1
+    md = render_markdown(tables, ["header"])
+    assert "| nan_input |" in md and "healthy_standardized" in md
+    from rich.console import Console
+
+    out = io.StringIO()
+    render_rich(tables, ["header"], Console(file=out, width=200, color_system=None))
+    assert "nan_input" in out.getvalue()
