@@ -122,7 +122,22 @@ def feed(monitor: Monitor, steps, loss=2.3, **kw):
 def test_plan_loss_only_on_unsampled_steps():
     m = Monitor(detectors=[*default_detectors(), UpdateSpy()], escalate=False)
     assert m.plan(1) == m.plan(15) == m.plan(17) == {"loss"}
-    assert m.plan(0) == m.plan(16) == m.plan(32) == SAMPLED
+    assert m.plan(0) == SAMPLED
+    # poor_initialization is finished after step 10: the layer-output hooks go with it
+    # (UpdateSpy asks for updates every 16 steps; the default update detectors, every 32)
+    assert m.plan(16) == m.plan(32) == SAMPLED - {"outputs"}
+
+
+def test_finished_detectors_are_neither_run_nor_planned():
+    m = Monitor(detectors=default_detectors(), escalate=False)
+    imbalance = next(d for d in m.detectors if d.name == "class_imbalance")
+    assert "labels" in m.plan(16)
+    imbalance.state["judged"] = True  # judged once, after its first 500 labels
+    m._due_key = None
+    assert "labels" not in m.plan(32)
+    before = imbalance.state_dict()
+    m.observe(make_obs(32, probes=SAMPLED, labels=np.zeros(600, int)))
+    assert imbalance.state_dict() == before
 
 
 def test_plan_follows_the_sampler_through_calibration():
@@ -130,7 +145,7 @@ def test_plan_follows_the_sampler_through_calibration():
     assert m.plan(1) == SAMPLED  # calibrating: every step
     feed(m, range(40))
     assert m.plan(41) == {"loss"}
-    assert m.plan(48) == SAMPLED
+    assert m.plan(48) == SAMPLED - {"outputs", "updates"}  # the update detectors: every 32
 
 
 def test_observe_runs_only_due_detectors_with_their_probes():
@@ -170,12 +185,13 @@ def test_a_warning_escalates_and_the_sampler_reports_it():
             assert m.interval("exploding_gradients", 101) == 1
             assert "grads" in m.plan(101)
     found = [(f.step, f.detector, f.severity.value) for f in sink.findings]
-    assert found == [(100, "loss_spike", "warning"), (100, SAMPLER, "info"), (116, SAMPLER, "info")]
+    # hot for 4 steps, then every 2, 4, 8, 16 steps for 4 steps each: back at base (32) at 120
+    assert found == [(100, "loss_spike", "warning"), (100, SAMPLER, "info"), (120, SAMPLER, "info")]
     up, back = sink.by_detector(SAMPLER)
     assert up.message == (
         "loss_spike warning: running all detectors every step for 4 steps, then back off"
     )
-    assert back.message == "no new suspicion for 16 steps: detectors back to their base intervals"
+    assert back.message == "no new suspicion for 20 steps: detectors back to their base intervals"
     (row,) = [r for r in m.summary(0).rows if r.detector == SAMPLER]
     assert row.verdict == "escalated 1x this epoch; back at base intervals"
 
@@ -318,7 +334,7 @@ def test_end_epoch_rows_errors_first_and_quiet_folded():
     assert summary.quiet == tuple(DETECTORS)
     assert summary.rows[0].where == "blocks[0].w"
     assert summary.rows[0].verdict == "do what the script says"
-    assert summary.rows[-1].verdict == "nothing found (every 1-16 steps)"
+    assert summary.rows[-1].verdict == "nothing found (every 1-32 steps)"
     assert summary.status == "error"
     assert summary.steps == 10
     assert summary.verdict == (

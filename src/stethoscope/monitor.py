@@ -109,8 +109,8 @@ class Monitor:
         due = self._due(step)
         probes: set[str] = set(self._deep)
         for d in self.detectors:
-            if d.name in due:
-                probes |= d.needs
+            if d.name in due and not d.finished(step):
+                probes |= d.needs | d.wants
         return frozenset(probes - EVENT_PROBES)
 
     def _due(self, step: int) -> frozenset[str]:
@@ -134,7 +134,7 @@ class Monitor:
         suspects: list[str] = []
         due = self._due(obs.step)
         for d in self.detectors:
-            if d.name not in due:
+            if d.name not in due or d.finished(obs.step):
                 continue
             if not all(obs.has(p) for p in d.needs):
                 continue

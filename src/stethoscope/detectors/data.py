@@ -45,6 +45,9 @@ class ClassImbalance(Detector):
     def _initial_state(self) -> dict:
         return {"counts": [], "judged": False}
 
+    def finished(self, step: int) -> bool:
+        return self.state["judged"]
+
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         labels = np.asarray(obs.labels)
@@ -123,6 +126,9 @@ class UnnormalizedInput(Detector):
     def _initial_state(self) -> dict:
         # sums over samples of each feature's x^2, and the sample count
         return {"sq": [], "count": 0, "judged": False}
+
+    def finished(self, step: int) -> bool:
+        return self.state["judged"]
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state

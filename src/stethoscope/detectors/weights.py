@@ -50,7 +50,7 @@ class LargeUpdates(Detector):
 
     name = "large_updates"
     needs = frozenset({"weights", "updates"})
-    base_interval = 16
+    base_interval = 32  # slow faults; the snapshot they need is the costliest probe
     advice = "lower the LR or add warm-up"
 
     def __init__(
@@ -126,7 +126,7 @@ class SmallUpdates(Detector):
 
     name = "small_updates"
     needs = frozenset({"weights", "updates"})
-    base_interval = 16
+    base_interval = 32  # slow faults; the snapshot they need is the costliest probe
     advice = "raise the LR; check the scheduler and frozen params"
 
     def __init__(
@@ -223,7 +223,7 @@ class FrozenWeights(Detector):
 
     name = "frozen_weights"
     needs = frozenset({"weights", "updates"})
-    base_interval = 16
+    base_interval = 32  # slow faults; the snapshot they need is the costliest probe
     advice = "check the optimizer's param groups and their LR"
 
     def __init__(self, *, patience: int = 3) -> None:
@@ -336,6 +336,7 @@ class PoorInitialization(Detector):
 
     name = "poor_initialization"
     needs = frozenset({"weights"})
+    wants = frozenset({"outputs"})
     base_interval = 16
     advice = "use fan-in scaled init (He / Glorot)"
 
@@ -369,6 +370,9 @@ class PoorInitialization(Detector):
 
     def _initial_state(self) -> dict:
         return {"losses": [], "done": []}  # done: the checks already judged
+
+    def finished(self, step: int) -> bool:
+        return step >= self.steps
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
