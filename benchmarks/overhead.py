@@ -290,7 +290,9 @@ class Gate(Callback):
         step = trainer.global_step
         key = self.owner[step] if step < len(self.owner) else PLAIN  # the untimed last step
         if key == CALIBRATION and step in self.starts:
-            fresh = LightningStethoscope(sinks=[])
+            # stop_on=None: a fresh instance calibrating on an already trained model may find
+            # what a real start would not (the report lists it); it must not end the benchmark
+            fresh = LightningStethoscope(sinks=[], stop_on=None)
             fresh.setup(trainer, pl_module, "fit")
             fresh.on_train_start(trainer, pl_module)
             fresh.monitor.sampler.load_state_dict({"hot_since": step})  # its run starts now
@@ -385,7 +387,7 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
     torch.manual_seed(cfg.seed)
     task = Task(spec.build())
     pool = synthetic_batches(spec, POOL_BATCHES, cfg.seed + 1)
-    steady = LightningStethoscope(sinks=[])
+    steady = LightningStethoscope(sinks=[], stop_on=None)  # its findings are reported, not acted on
     calib_n = calibration_steps(steady)
     every = gradient_interval(steady)
     # The pre-roll takes the steady instance past calibration (it leaves its hot state
