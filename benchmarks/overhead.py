@@ -13,16 +13,16 @@ Four ways to train the same model are compared, step for step:
 
 plus ``stethoscope (calibration)``: a fresh ``LightningStethoscope(sinks=[])``
 over its first 128 steps, where the sampler reads gradients on every step at
-first and backs off to every 16th step.
+first and backs off to its base intervals (16 and 32 steps).
 
 How. Shared machines are noisy: the same plain run varies by a quarter between
 runs, and on a small VM the speed of whole stretches of a second or less jumps
 by as much. Ratios from separate runs, or from separate short ``Trainer`` runs
 (two plain 37-step blocks a second apart differ by ±9% at the interquartile
 range), cannot resolve a few percent. So each model trains in ONE
-``trainer.fit`` and the variants take turns in segments of 16 steps: ``plain,
-A, plain, B, plain, ...``, the others in a shuffled order each round, for many
-rounds. A gating callback hands each step's hooks to the callbacks of the
+``trainer.fit`` and the variants take turns in segments of 32 steps (the longest
+base interval): ``plain, A, plain, B, plain, ...``, the others in a shuffled order
+each round, for many rounds. A gating callback hands each step's hooks to the callbacks of the
 variant that owns the step (none, for ``plain``) and turns autograd anomaly
 mode on for the ``detect_anomaly`` steps, with the same call that
 ``Trainer(detect_anomaly=True)`` makes around its loop
@@ -37,7 +37,7 @@ The steady-state ``stethoscope`` is one instance for the whole run. It runs
 alone through an untimed pre-roll past its 128-step calibration window, then
 sees only its own segments; its state (detector baselines, sampler schedule)
 lives in its ``Monitor``, and ``setup`` runs once. Its schedule follows the
-global step, and segments start half-way between its samples, so each 16-step
+global step, and segments start half-way between its samples, so each
 segment holds exactly one gradient sample, in its middle. Each calibration
 segment gets a fresh instance, set up at the segment's first step (about 0.1 ms,
 which a real run pays at fit start instead), with the sampler's calibration
@@ -87,7 +87,6 @@ CALIBRATION_EVERY = 3  # rounds
 POOL_BATCHES = 64  # distinct synthetic batches per model, cycled
 DEFAULT_ROUNDS = {"mlp": 100, "cnn": 14}  # about 4 and 2.5 minutes on 2 cores
 QUICK_ROUNDS = 2
-DEFAULT_SEGMENT = 16
 
 PLAIN = "plain"
 STETHOSCOPE = "stethoscope"
@@ -240,18 +239,32 @@ class Segment:
 
 
 def schedule(
-    rounds: int, segment: int, calib_n: int, preroll: int, rng: random.Random, warmup: bool
+    rounds: int,
+    segment: int,
+    calib_n: int,
+    preroll: int,
+    rng: random.Random,
+    warmup: bool,
+    *,
+    variants: Sequence[str] = (STETHOSCOPE, ANOMALY, NAIVE),
+    occasional: str = CALIBRATION,
+    every: int = CALIBRATION_EVERY,
+    preroll_owner: str = STETHOSCOPE,
 ) -> list[Segment]:
-    """The pre-roll, then per round ``plain, A, plain, B, ..., plain`` (A, B, ... shuffled)."""
-    segments = [Segment(STETHOSCOPE, -1, 0, preroll)]
+    """The pre-roll, then per round ``plain, A, plain, B, ..., plain`` (A, B, ... shuffled).
+
+    ``variants`` run every round in ``segment`` steps; ``occasional`` joins them every
+    ``every`` rounds, in ``calib_n`` steps (a start-up window).
+    """
+    segments = [Segment(preroll_owner, -1, 0, preroll)]
     step = preroll
     for rnd in range(0 if warmup else 1, rounds + 1):
-        others = [STETHOSCOPE, ANOMALY, NAIVE]
-        if rnd % CALIBRATION_EVERY == 1:
-            others.append(CALIBRATION)
+        others = list(variants)
+        if rnd % every == 1:
+            others.append(occasional)
         rng.shuffle(others)
         for key in [PLAIN, *(k for other in others for k in (other, PLAIN))]:
-            n = calib_n if key == CALIBRATION else segment
+            n = calib_n if key == occasional else segment
             segments.append(Segment(key, rnd, step, n))
             step += n
     return segments
@@ -600,7 +613,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
         "optimizer, every hook, the next in-memory batch). Each "
         "segment's ratio is taken against the mean of the two plain segments around it; "
         "the table gives the median and interquartile range of those ratios. Segment means "
-        "count every step, including the 1-in-16 steps on which the stethoscope reads "
+        "count every step, including the sampled steps on which the stethoscope reads "
         "gradient norms; medians hide those steps.",
         "",
     ]
@@ -653,9 +666,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--block-steps",
         type=int,
-        default=DEFAULT_SEGMENT,
-        help=f"steps per segment (default {DEFAULT_SEGMENT}); a multiple of 16, the "
-        "stethoscope's gradient interval, so every segment holds as many gradient samples",
+        default=None,
+        help="steps per segment (default: the stethoscope's longest base interval, 32); a "
+        "multiple of it, so every segment holds as many samples of every detector",
     )
     p.add_argument("--json", metavar="PATH", help="also write every step time and summary")
     p.add_argument(
@@ -665,6 +678,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds is not None and args.rounds < 1:
         p.error("--rounds must be >= 1")
     every = gradient_interval(LightningStethoscope(sinks=[]))
+    if args.block_steps is None:
+        args.block_steps = every
     if args.block_steps < every or args.block_steps % every:
         p.error(f"--block-steps must be a multiple of {every}")
     return args

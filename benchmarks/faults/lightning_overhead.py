@@ -35,7 +35,6 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -45,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 from benchmarks.faults.data import make_data
 from benchmarks.faults.lightning_suite import SuiteModule, make_loader, setting_kwargs
 from benchmarks.faults.scenarios import Scenario
-from benchmarks.overhead import StepClock
+from benchmarks.overhead import Segment, StepClock, schedule
 from stethoscope import LightningStethoscope
 
 __all__ = ["measure_overhead"]
@@ -58,34 +57,10 @@ START_EVERY = 3  # rounds
 RUN_STEPS = 1000  # the healthy run whose whole-run overhead is estimated
 
 
-@dataclass(frozen=True)
-class Segment:
-    variant: str
-    round: int  # -1: pre-roll, 0: warm-up
-    start: int
-    length: int
-
-
 def _start_window(cb: LightningStethoscope) -> int:
     """Steps until an adaptive sampler, hot at the start of a run, reaches its base intervals."""
     sampler = cb.monitor.sampler
     return sampler.hot_steps * (max(sampler.base.values()) - 1).bit_length()
-
-
-def _schedule(rounds: int, start_n: int, preroll: int, warmup: bool, seed: int) -> list[Segment]:
-    rng = random.Random(seed)
-    segments = [Segment("preroll", -1, 0, preroll)]
-    step = preroll
-    for rnd in range(0 if warmup else 1, rounds + 1):
-        others = list(STEADY)
-        if rnd % START_EVERY == 1:
-            others.append(START)
-        rng.shuffle(others)
-        for key in [PLAIN, *(k for other in others for k in (other, PLAIN))]:
-            n = start_n if key == START else SEGMENT
-            segments.append(Segment(key, rnd, step, n))
-            step += n
-    return segments
 
 
 def _overridden(cls: type) -> tuple[list[str], list[str]]:
@@ -209,7 +184,18 @@ def measure_overhead(
     steady = {s: LightningStethoscope(sinks=[], stop_on=None, **setting_kwargs(s)) for s in STEADY}
     start_n = _start_window(steady["adaptive"])
     preroll = start_n + SEGMENT
-    segments = _schedule(rounds, start_n, preroll, warmup, seed)
+    segments = schedule(
+        rounds,
+        SEGMENT,
+        start_n,
+        preroll,
+        random.Random(seed),
+        warmup,
+        variants=STEADY,
+        occasional=START,
+        every=START_EVERY,
+        preroll_owner="preroll",
+    )
     total = segments[-1].start + segments[-1].length
     gate, clock = _Gate(segments, steady), StepClock()
     trainer = L.Trainer(
