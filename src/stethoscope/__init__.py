@@ -13,10 +13,12 @@ from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
 
 if TYPE_CHECKING:
+    from stethoscope.callbacks.keras import KerasStethoscope
     from stethoscope.callbacks.lightning import LightningStethoscope
 
 __all__ = [
     "Finding",
+    "KerasStethoscope",
     "LightningStethoscope",
     "Monitor",
     "Observation",
@@ -33,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from stethoscope.callbacks.lightning import LightningStethoscope
 
         return LightningStethoscope
+    if name == "KerasStethoscope":
+        from stethoscope.callbacks.keras import KerasStethoscope
+
+        return KerasStethoscope
     raise AttributeError(f"module 'stethoscope' has no attribute {name!r}")

@@ -1,0 +1,481 @@
+"""The in-graph half of the Keras adapter: wrappers that reduce tensors inside the train step.
+
+Keras hands callbacks neither gradients nor batches. :class:`GraphProbe` wraps the
+model's public ``compute_loss``, its optimizer's ``apply`` and the ``call`` of its
+leaf layers (instance attributes, removed after ``fit``), so that the reductions
+run inside the traced train step, written with ``keras.ops``. Results land in
+non-trainable ``keras.Variable`` objects that belong to the probe, never to the
+model (so ``model.save()`` holds nothing of stethoscope), and the callback reads
+them only on the steps the sampler selects. The loss goes into a small ring
+buffer every step, one slot per step of an execution (``steps_per_execution``).
+
+Which step is sampled is decided on the host: the callback writes the step number
+and the probes it wants into two variables before the execution, and the graph
+compares them with the optimizer's iteration counter, so the traced function never
+changes. A non-finite loss also turns on the gradient and weight reductions of its
+own step, in the graph, so the parameter that went bad is named at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from stethoscope.observation import SATURATION_BOUNDS
+
+__all__ = ["GROUPS", "MAX_CLASSES", "MAX_FEATURES", "GraphProbe", "leaf_layers"]
+
+#: Probe groups the host can switch on for a sampled step (indices into the flags).
+GROUPS: tuple[str, ...] = (
+    "grads",
+    "weights",
+    "updates",
+    "units",
+    "inputs",
+    "labels",
+    "forward",  # activations and layer outputs
+    "trace",
+)
+_G = {name: i for i, name in enumerate(GROUPS)}
+
+#: Per-feature input statistics beyond this many features collapse to one number.
+MAX_FEATURES = 4096
+#: Class labels are counted in a histogram of this many classes (larger: not judged).
+MAX_CLASSES = 1024
+
+#: Output magnitudes that correspond to the saturation bounds on the pre-activation.
+_SATURATED_OUTPUT = {
+    "tanh": math.tanh(SATURATION_BOUNDS["tanh"]),
+    "sigmoid": 1.0 / (1.0 + math.exp(-SATURATION_BOUNDS["sigmoid"])),
+}
+
+# forward rows: saturated fraction, rms, max |x|, finite
+_ROW = 4
+
+
+def _is_symbolic(x: Any) -> bool:
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(x))
+
+
+def _norm(t: Any) -> Any:
+    return ops.sqrt(ops.sum(ops.square(ops.cast(t, "float32"))))
+
+
+def _activation_kind(layer: Any) -> str | None:
+    """``"tanh"``/``"sigmoid"`` when the layer ends in that activation."""
+    fn = getattr(layer, "activation", None)
+    name = getattr(fn, "__name__", None)
+    if name in ("tanh", "sigmoid"):
+        return name
+    return None
+
+
+def _unit_layer(layer: Any) -> bool:
+    """Dense and convolution layers: a kernel whose last axis is the output units."""
+    from keras import layers as kl
+
+    convs = (kl.Conv1D, kl.Conv2D, kl.Conv3D)
+    return isinstance(layer, (kl.Dense, *convs)) and not isinstance(
+        layer, (kl.Conv1DTranspose, kl.Conv2DTranspose, kl.Conv3DTranspose)
+    )
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """The model's layers that contain no other layer, in the order they were added."""
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(layer: Any) -> None:
+        children = getattr(layer, "layers", None)
+        if children is None:
+            children = getattr(layer, "_layers", None) or []
+        children = [c for c in children if isinstance(c, keras.layers.Layer)]
+        if not children and layer is not model:
+            if id(layer) not in seen and not isinstance(layer, keras.layers.InputLayer):
+                seen.add(id(layer))
+                out.append(layer)
+            return
+        for child in children:
+            walk(child)
+
+    walk(model)
+    return out
+
+
+class GraphProbe:
+    """Installs the in-graph reductions on a compiled Keras model, and removes them.
+
+    Args:
+        model: A compiled, built Keras model.
+        steps_per_execution: Train steps per call of the train function (loss slots).
+        forward: Whether to wrap the leaf layers (activation, output and trace probes).
+    """
+
+    def __init__(self, model: Any, *, steps_per_execution: int, forward: bool) -> None:
+        self.model = model
+        self.optimizer = model.optimizer
+        self.k = max(int(steps_per_execution), 1)
+        self.eager = _eager_backend()
+        self.variables = list(model.trainable_variables)
+        self.names = tuple(v.path for v in self.variables)
+        self._position = {id(v): i for i, v in enumerate(self.variables)}
+        self.numel = np.array([int(np.prod(v.shape)) for v in self.variables], dtype=np.float64)
+        self.is_matrix = np.array([len(v.shape) >= 2 for v in self.variables])
+        # dense / convolution kernels: their last axis holds the units
+        self.unit_layers: list[tuple[str, int, int]] = []  # (layer name, var position, units)
+        layers = leaf_layers(model)
+        for layer in layers:
+            if not _unit_layer(layer):
+                continue
+            kernel = getattr(layer, "kernel", None)
+            pos = self._position.get(id(kernel))
+            if pos is not None and len(kernel.shape) >= 2:
+                self.unit_layers.append((layer.name, pos, int(kernel.shape[-1])))
+        self.fan_in = np.full(len(self.variables), np.nan)
+        for _, pos, units in self.unit_layers:
+            self.fan_in[pos] = self.numel[pos] / max(units, 1)
+        self.forward_layers = layers if forward else []
+        self.saw_loss = False
+
+        p, u = len(self.variables), sum(n for _, _, n in self.unit_layers)
+        f32 = "float32"
+
+        def var(shape: Any, value: float, dtype: str = f32, name: str = "") -> Any:
+            return keras.Variable(
+                np.full(shape, value, dtype=dtype), trainable=False, name=f"stethoscope_{name}"
+            )
+
+        # host -> graph: which step to sample, and which probe groups
+        self.sample_at = var((), -1, "int64", "sample_at")
+        self.flags = var((len(GROUPS),), 0, "int32", "flags")
+        # graph -> host
+        self.losses = var((self.k,), np.nan, name="losses")
+        self.sampled_at = var((), -1, "int64", "sampled_at")
+        self.grad_norm = var((p,), np.nan, name="grad_norm")
+        self.weight_norm = var((p,), np.nan, name="weight_norm")
+        self.update_norm = var((p,), np.nan, name="update_norm")
+        self.prev_weight_norm = var((p,), np.nan, name="prev_weight_norm")
+        self.unit_zero = var((max(u, 1),), 0, name="unit_zero")
+        self.input_sq = var((MAX_FEATURES,), np.nan, name="input_sq")
+        self.input_shape = var((2,), 0, "int64", "input_shape")  # features, samples
+        self.label_hist = var((MAX_CLASSES + 3,), 0, name="label_hist")
+        self.forward_rows = var((max(len(self.forward_layers), 1), _ROW), np.nan, name="fwd")
+        # host-side mirrors for eager backends, where a Python bool costs nothing
+        self._py_flags = np.zeros(len(GROUPS), dtype=bool)
+        self._py_sample_at = -1
+        self._py_step = 0
+        self._bad: Any = None  # this trace's non-finite-loss flag, from compute_loss to apply
+        self._installed: list[tuple[Any, str]] = []
+
+    # -- host side -----------------------------------------------------------------
+    def schedule(self, step: int, groups: set[str], current: tuple) -> tuple:
+        """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change."""
+        flags = tuple(1 if g in groups else 0 for g in GROUPS)
+        want = (step, flags)
+        if want != current:
+            if step != current[0]:
+                self.sample_at.assign(step)
+            if flags != current[1]:
+                self.flags.assign(np.array(flags, dtype="int32"))
+            self._py_sample_at = step
+            self._py_flags = np.array(flags, dtype=bool)
+        return want
+
+    def start(self, step: int) -> None:
+        """The optimizer's iteration count at the start of a fit (eager backends count it)."""
+        self._py_step = step
+
+    def install(self) -> None:
+        """Wrap compute_loss, optimizer.apply and the leaf layers' call; retrace."""
+        if self._installed:
+            return
+        model, opt = self.model, self.optimizer
+        self._wrap(model, "compute_loss", self._compute_loss_wrapper(model.compute_loss))
+        self._wrap(opt, "apply", self._apply_wrapper(opt.apply))
+        for i, layer in enumerate(self.forward_layers):
+            self._wrap(layer, "call", self._call_wrapper(layer, i, layer.call))
+        self._retrace()
+
+    def remove(self) -> None:
+        """Take every wrapper off and drop the traced functions that contain them."""
+        if not self._installed:
+            return
+        for owner, attr in reversed(self._installed):
+            if attr in vars(owner):
+                delattr(owner, attr)
+        self._installed = []
+        self._retrace(build=False)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._installed)
+
+    def _wrap(self, owner: Any, attr: str, fn: Any) -> None:
+        if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
+            raise RuntimeError(
+                f"stethoscope: {type(owner).__name__}.{attr} is already replaced on this "
+                "instance (another KerasStethoscope in the same fit?); use one per model"
+            )
+        setattr(owner, attr, fn)
+        self._installed.append((owner, attr))
+
+    def _retrace(self, *, build: bool = True) -> None:
+        model = self.model
+        for attr in ("train_function", "test_function", "predict_function"):
+            if hasattr(model, attr):
+                setattr(model, attr, None)
+        if build:
+            model.make_train_function(force=True)
+
+    # -- in the graph --------------------------------------------------------------------
+    def _want(self, group: str) -> Any:
+        """Whether ``group`` is computed at this step (a tensor, or a bool when eager)."""
+        if self.eager:
+            return bool(self._py_step == self._py_sample_at and self._py_flags[_G[group]])
+        due = ops.equal(ops.cast(self.optimizer.iterations, "int64"), self.sample_at)
+        return ops.logical_and(due, ops.greater(self.flags[_G[group]], 0))
+
+    def _cond(self, pred: Any, fn: Any) -> None:
+        if isinstance(pred, bool):
+            if pred:
+                fn()
+            return
+        ops.cond(pred, fn, lambda: None)
+
+    def _or_bad(self, pred: Any) -> Any:
+        if self._bad is None or isinstance(pred, bool):
+            return pred
+        return ops.logical_or(pred, self._bad)
+
+    def _compute_loss_wrapper(self, original: Any) -> Any:
+        takes_training = "training" in inspect.signature(original).parameters
+
+        @functools.wraps(original)
+        def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            if takes_training:
+                loss = original(x, y, y_pred, sample_weight, training=training)
+            else:
+                loss = original(x, y, y_pred, sample_weight)
+            if not training or _is_symbolic(loss):
+                return loss
+            self.saw_loss = True
+            value = ops.cast(ops.reshape(ops.stop_gradient(loss), ()), "float32")
+            if self.k == 1:
+                self.losses.assign(ops.reshape(value, (1,)))
+            else:
+                step = ops.cast(self.optimizer.iterations, "int32")
+                slot = ops.mod(step, self.k)
+                self.losses.assign(
+                    ops.slice_update(self.losses, ops.reshape(slot, (1,)), ops.reshape(value, (1,)))
+                )
+            if not self.eager:
+                self._bad = ops.logical_not(ops.isfinite(value))
+            self._cond(self._want("inputs"), lambda: self._input_stats(x))
+            self._cond(self._want("labels"), lambda: self._label_stats(y))
+            return loss
+
+        return compute_loss
+
+    def _apply_wrapper(self, original: Any) -> Any:
+        @functools.wraps(original)
+        def apply(grads, trainable_variables=None):
+            if trainable_variables is None or _is_symbolic(grads):
+                return original(grads, trainable_variables)
+            grads, tvars = list(grads), list(trainable_variables)
+            grads_on = self._or_bad(self._want("grads"))
+            units_on = self._want("units")
+            weights_on = self._or_bad(self._want("weights"))
+            updates_on = self._want("updates")
+            self._bad = None
+
+            def stats() -> None:
+                self._grad_stats(grads, tvars)
+
+            self._cond(grads_on, stats)
+            if self.unit_layers:
+                self._cond(units_on, lambda: self._unit_stats(grads, tvars))
+
+            def plain() -> None:
+                original(grads, tvars)
+
+            def measured(updates: bool) -> Any:
+                def run() -> None:
+                    before = [ops.copy(v) for v in tvars] if updates else None
+                    original(grads, tvars)
+                    self._weight_stats(tvars, before)
+
+                return run
+
+            if isinstance(weights_on, bool):
+                if weights_on:
+                    measured(bool(updates_on))()
+                else:
+                    plain()
+            else:
+                ops.cond(
+                    weights_on,
+                    lambda: ops.cond(updates_on, measured(True), measured(False)),
+                    plain,
+                )
+            if self.eager:
+                self._py_step += 1
+
+        return apply
+
+    def _call_wrapper(self, layer: Any, row: int, original: Any) -> Any:
+        kind = _activation_kind(layer)
+        bound = _SATURATED_OUTPUT.get(kind) if kind else None
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if out is None or _is_symbolic(out):
+                return out
+            first = next((t for t in keras.tree.flatten(out) if t is not None), None)
+            if first is None or not _is_float(first):
+                return out
+            pred = self._want("forward")
+            trace = self._want("trace")
+            pred = pred or trace if isinstance(pred, bool) else ops.logical_or(pred, trace)
+            self._cond(pred, lambda: self._forward_stats(row, first, kind, bound))
+            return out
+
+        return call
+
+    # -- reductions (inside the cond branches) ------------------------------------------
+    def _full(self, values: dict[int, Any]) -> Any:
+        """A vector over every watched variable: the values given, NaN for the others."""
+        nan = ops.convert_to_tensor(np.float32(np.nan))
+        return ops.stack([values.get(i, nan) for i in range(len(self.variables))])
+
+    def _grad_stats(self, grads: list, tvars: list) -> None:
+        scale = getattr(self.optimizer, "loss_scale_factor", None)
+        norms: dict[int, Any] = {}
+        for g, v in zip(grads, tvars, strict=True):
+            pos = self._position.get(id(v))
+            if pos is None or g is None:
+                continue
+            n = _norm(g)
+            norms[pos] = n / scale if scale else n
+        self.grad_norm.assign(self._full(norms))
+        self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
+
+    def _unit_stats(self, grads: list, tvars: list) -> None:
+        by_pos = {self._position.get(id(v)): g for g, v in zip(grads, tvars, strict=True)}
+        parts = []
+        for _, pos, units in self.unit_layers:
+            g = by_pos.get(pos)
+            if g is None:
+                parts.append(ops.zeros((units,), "float32"))
+                continue
+            axes = tuple(range(len(g.shape) - 1))
+            rows = ops.sum(ops.square(ops.cast(g, "float32")), axis=axes)
+            parts.append(ops.cast(ops.equal(rows, 0.0), "float32"))
+        self.unit_zero.assign(ops.concatenate(parts))
+
+    def _weight_stats(self, tvars: list, before: list | None) -> None:
+        weights: dict[int, Any] = {}
+        updates: dict[int, Any] = {}
+        prev: dict[int, Any] = {}
+        for k, v in enumerate(tvars):
+            pos = self._position.get(id(v))
+            if pos is None:
+                continue
+            now = ops.convert_to_tensor(v)
+            weights[pos] = _norm(now)
+            if before is not None:
+                step = ops.subtract(ops.cast(now, "float32"), ops.cast(before[k], "float32"))
+                updates[pos] = _norm(step)
+                prev[pos] = _norm(before[k])
+        self.weight_norm.assign(self._full(weights))
+        if before is not None:
+            self.update_norm.assign(self._full(updates))
+            self.prev_weight_norm.assign(self._full(prev))
+        step = ops.cast(self.optimizer.iterations, "int64") - 1  # apply has counted it
+        self.sampled_at.assign(step)
+
+    def _input_stats(self, x: Any) -> None:
+        t = next(
+            (t for t in keras.tree.flatten(x) if t is not None and _is_float(t)),
+            None,
+        )
+        if t is None or len(t.shape) < 1:
+            return
+        t = ops.cast(ops.stop_gradient(t), "float32")
+        features = t.shape[-1] if len(t.shape) >= 2 else 1
+        if features is None or features > MAX_FEATURES:
+            flat = ops.reshape(t, (-1, 1))
+            features = 1
+        else:
+            flat = ops.reshape(t, (-1, features))
+        mean_sq = ops.mean(ops.square(flat), axis=0)
+        padded = ops.pad(mean_sq, [(0, MAX_FEATURES - features)], constant_values=np.nan)
+        self.input_sq.assign(padded)
+        samples = ops.cast(ops.shape(t)[0], "int64")
+        self.input_shape.assign(ops.stack([ops.convert_to_tensor(features, "int64"), samples]))
+
+    def _label_stats(self, y: Any) -> None:
+        t = next((t for t in keras.tree.flatten(y) if t is not None), None)
+        if t is None:
+            return
+        if len(t.shape) == 2 and t.shape[-1] == 1:
+            t = ops.reshape(t, (-1,))
+        dtype = keras.backend.standardize_dtype(t.dtype)
+        valid = ops.convert_to_tensor(1.0, "float32")
+        if len(t.shape) == 1 and "int" in dtype:
+            labels = ops.cast(t, "int32")
+        elif len(t.shape) == 2 and _is_float(t) and t.shape[-1] is not None and t.shape[-1] >= 2:
+            rows_ok = ops.logical_and(
+                ops.all(ops.less(ops.abs(ops.sum(t, axis=1) - 1.0), 1e-3)),
+                ops.all(ops.greater_equal(t, 0)),
+            )
+            valid = ops.cast(rows_ok, "float32")
+            labels = ops.cast(ops.argmax(t, axis=1), "int32")
+        else:
+            return
+        c = MAX_CLASSES
+        # bins: 0..c-1 the classes, c: negative (ignored targets), c+1: too many classes
+        index = ops.where(ops.greater_equal(labels, c), c + 1, labels)
+        index = ops.where(ops.less(labels, 0), c, index)
+        counts = ops.sum(ops.one_hot(index, c + 2, dtype="float32"), axis=0)
+        self.label_hist.assign(ops.concatenate([counts, ops.reshape(valid, (1,))]))
+
+    def _forward_stats(self, row: int, t: Any, kind: str | None, bound: float | None) -> None:
+        t = ops.cast(ops.stop_gradient(t), "float32")
+        a = ops.abs(t)
+        if bound is None:
+            sat = ops.convert_to_tensor(np.float32(np.nan))
+        elif kind == "tanh":
+            sat = ops.mean(ops.cast(ops.greater_equal(a, bound), "float32"))
+        else:  # sigmoid: near 1 or near 0
+            near = ops.logical_or(ops.greater_equal(t, bound), ops.less_equal(t, 1.0 - bound))
+            sat = ops.mean(ops.cast(near, "float32"))
+        finite = ops.cast(ops.all(ops.isfinite(t)), "float32")
+        values = ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite])
+        self.forward_rows.assign(
+            ops.slice_update(self.forward_rows, (row, 0), ops.reshape(values, (1, _ROW)))
+        )
+
+    def forward_kinds(self) -> list[tuple[str, str | None, bool]]:
+        """Per forward row: (layer name, tanh/sigmoid or None, whether it has units)."""
+        return [
+            (layer.name, _activation_kind(layer), _unit_layer(layer))
+            for layer in self.forward_layers
+        ]
+
+
+def _is_float(t: Any) -> bool:
+    return "float" in keras.backend.standardize_dtype(t.dtype)
+
+
+def _eager_backend() -> bool:
+    """Whether the train step runs eagerly in Python (torch): then the host's own booleans
+    choose the branches, since a tensor predicate would cost a device sync each step.
+    TensorFlow's ``run_eagerly=True`` needs no special case: its conds resolve eagerly."""
+    return keras.backend.backend() == "torch"

@@ -1,0 +1,318 @@
+"""Keras 3 adapter: in-graph reductions in, observations out, decisions back."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+try:
+    import keras
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        "KerasStethoscope needs Keras 3 and a backend: pip install 'stethoscope[keras]' "
+        "tensorflow-cpu"
+    ) from exc
+
+from stethoscope.callbacks._keras import GROUPS, MAX_CLASSES, MAX_FEATURES, GraphProbe
+from stethoscope.detectors import Detector
+from stethoscope.findings import Finding, TrainingProblem
+from stethoscope.monitor import Monitor
+from stethoscope.observation import Observation
+from stethoscope.policy import Decision, StopOn
+from stethoscope.sinks import ConsoleSink, Sink
+from stethoscope.summary import EpochSummary
+
+__all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
+
+#: Keras backends whose train step can carry the in-graph probes.
+SUPPORTED_BACKENDS = ("tensorflow", "torch")
+
+# which probe groups of the graph serve each probe the monitor plans
+_GROUPS_OF = {
+    "grads": {"grads"},
+    "weights": {"weights"},
+    "updates": {"weights", "updates"},
+    "units": {"units"},
+    "inputs": {"inputs"},
+    "labels": {"labels"},
+    "activations": {"forward"},
+    "outputs": {"forward"},
+    "trace": {"trace"},
+}
+_IDLE = (-1, (0,) * len(GROUPS))
+
+
+class KerasStethoscope(keras.callbacks.Callback):
+    """Watches a Keras 3 ``model.fit`` and stops it when something is wrong.
+
+    At the start of ``fit`` it wraps the model's ``compute_loss``, its optimizer's
+    ``apply`` and the ``call`` of its leaf layers, so that the train step itself
+    reduces the loss, gradients, weights, updates, inputs, labels and layer outputs
+    to a few numbers per layer, inside the traced graph, into variables of its own.
+    Every step the callback reads the loss; on the steps the adaptive sampler
+    selects it reads the rest. After ``fit`` (or when it raises) the wrappers are
+    removed and the traced functions dropped: the model is as it was, and
+    ``model.save()`` holds nothing of stethoscope.
+
+    Args:
+        detectors: Detector instances (default: every detector, default thresholds).
+        sinks: Where findings go (default: a :class:`ConsoleSink`).
+        stop_on: ``"error"`` (default), ``"warning"``, ``None`` (never), or a set of
+            detector names whose warnings and errors stop training
+            (``model.stop_training``).
+        raise_on: Same choices, default ``None``; a match raises
+            :class:`stethoscope.TrainingProblem` carrying the finding.
+        intervals: Base sampling interval in steps per detector name.
+        escalate: Whether suspicion switches the costlier detectors to every step.
+        hot_steps: Length of that every-step window, in steps.
+
+    With ``steps_per_execution=k`` the train function runs k steps before any
+    callback sees them: every step's loss is still judged, but at most one step
+    per execution is sampled, and a stop takes effect at the end of the execution
+    (detection latency grows by up to k - 1 steps).
+
+    Raises:
+        ValueError: On bad arguments, naming the value and the valid choices, or
+            when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[KerasStethoscope()])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        detectors: Sequence[Detector] | None = None,
+        sinks: Sequence[Sink] | None = None,
+        stop_on: StopOn = "error",
+        raise_on: StopOn = None,
+        intervals: Mapping[str, int] | None = None,
+        escalate: bool = True,
+        hot_steps: int = 32,
+    ) -> None:
+        super().__init__()
+        backend = keras.backend.backend()
+        if backend not in SUPPORTED_BACKENDS:
+            raise ValueError(
+                f"KerasStethoscope supports the Keras backends {list(SUPPORTED_BACKENDS)!r}, "
+                f"not KERAS_BACKEND={backend!r}: its train step is a pure function, so the "
+                "in-graph probes have no state to write to. Use tensorflow or torch."
+            )
+        self.monitor = Monitor(
+            detectors=detectors,
+            sinks=[ConsoleSink()] if sinks is None else list(sinks),
+            stop_on=stop_on,
+            raise_on=raise_on,
+            intervals=intervals,
+            escalate=escalate,
+            hot_steps=hot_steps,
+        )
+        self.summaries: list[EpochSummary] = []
+        self._probe: GraphProbe | None = None
+        self._epoch = 0
+        self._next = 0  # the global step of the next train step
+        self._current = _IDLE  # what the graph variables ask for now
+        self._planned: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._warned_no_loss = False
+
+    @property
+    def stopped_by(self) -> Finding | None:
+        """The finding that stopped (or raised in) the run, if any."""
+        return self.monitor.stopped_by
+
+    # -- set-up / tear-down -----------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        model = self.model
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
+        forward = any(
+            (d.needs | d.wants) & {"activations", "outputs"} or d.name == "nonfinite_loss"
+            for d in self.monitor.detectors
+        )
+        probe = GraphProbe(model, steps_per_execution=model.steps_per_execution, forward=forward)
+        step0 = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        # A fit that continues a trained model keeps the baselines of the previous fit.
+        self.monitor.begin(fresh=step0 == 0 or self._probe is None)
+        self._next = step0
+        self._current = _IDLE
+        self._planned = (-1, frozenset())
+        probe.start(step0)
+        probe.install()
+        self._probe = probe
+        verbose = self.params.get("verbose", 1) if isinstance(self.params, dict) else 1
+        printer = _after_progress_line if verbose in (1, "auto") else None
+        for sink in self.monitor.sinks:
+            if isinstance(sink, ConsoleSink):
+                sink.use_printer(printer)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._detach()
+        self.monitor.flush()
+        stopped = self.monitor.stopped_by
+        if stopped is not None:
+            _after_progress_line(
+                f"stethoscope stopped training at step {stopped.step}: {stopped.detector} "
+                f"({stopped.severity}) — {stopped.message}"
+            )
+        self.monitor.close()
+        for sink in self.monitor.sinks:
+            if isinstance(sink, ConsoleSink):
+                sink.use_printer(None)
+
+    def remove(self) -> None:
+        """Take the wrappers off the model now (``fit`` does this itself when it ends;
+        call it after a ``fit`` that an exception of your own interrupted)."""
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+
+    # -- per step ------------------------------------------------------------------------
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        probe = self._probe
+        if probe is None:
+            return
+        chosen, plan = -1, frozenset()
+        for step in range(self._next, self._next + probe.k):
+            planned = self.monitor.plan(step)
+            if len(planned) > 1 or (planned and "loss" not in planned):
+                chosen, plan = step, planned
+                break
+        groups: set[str] = set()
+        for p in plan:
+            groups |= _GROUPS_OF.get(p, set())
+        self._current = probe.schedule(chosen if groups else -1, groups, self._current)
+        self._planned = (chosen, plan)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        probe = self._probe
+        if probe is None:
+            return
+        first = self._next
+        if probe.k == 1:
+            count = 1
+        else:  # the last execution of an epoch may run fewer steps
+            count = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) - first
+        self._next = first + count
+        if not probe.saw_loss and not self._warned_no_loss:
+            self._warned_no_loss = True
+            import warnings
+
+            warnings.warn(
+                "stethoscope: the train step never called model.compute_loss, so the loss "
+                "detectors are skipped; a custom train_step should compute its loss with "
+                "self.compute_loss(x, y, y_pred, sample_weight)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        losses = keras.ops.convert_to_numpy(probe.losses) if probe.saw_loss else None
+        planned, plan = self._planned
+        last = first + count - 1
+        bad = losses is not None and not np.all(np.isfinite(losses[:count]))
+        measured = -1
+        if first <= planned <= last or bad:
+            measured = int(keras.ops.convert_to_numpy(probe.sampled_at))
+        for step in range(first, first + count):
+            obs = Observation(step=step, epoch=self._epoch, rank=0)
+            if losses is not None:
+                obs.loss = float(losses[step % probe.k])
+            if step == planned:
+                self._read(obs, plan, fresh=measured == step)
+            elif step == measured:  # a non-finite loss switched the reductions on
+                self._read(obs, frozenset({"grads", "weights"}), fresh=True)
+            self._act(self.monitor.observe(obs))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        val = (logs or {}).get("val_loss")
+        if isinstance(val, (int, float, np.floating)) and self._probe is not None:
+            self._act(self.monitor.observe_validation(max(self._next - 1, 0), epoch, float(val)))
+        summary = self.monitor.end_epoch(epoch)
+        self.summaries.append(summary)
+
+    # -- reading the graph's variables -------------------------------------------------
+    def _read(self, obs: Observation, plan: frozenset[str], *, fresh: bool) -> None:
+        """Fill ``obs`` with the probes of ``plan`` that the step computed."""
+        probe = self._probe
+        assert probe is not None
+        read = keras.ops.convert_to_numpy
+        if fresh and plan & {"grads", "weights", "updates", "units"}:
+            obs.names = probe.names
+            obs.numel = probe.numel
+            obs.is_matrix = probe.is_matrix
+            obs.fan_in = probe.fan_in
+            obs.lr = _learning_rate(self.model.optimizer)
+            if "grads" in plan:
+                obs.grad_norm = read(probe.grad_norm).astype(np.float64)
+            if plan & {"weights", "updates"}:
+                obs.weight_norm = read(probe.weight_norm).astype(np.float64)
+            if "updates" in plan:
+                obs.update_norm = read(probe.update_norm).astype(np.float64)
+                obs.prev_weight_norm = read(probe.prev_weight_norm).astype(np.float64)
+            if "units" in plan and probe.unit_layers:
+                zero = read(probe.unit_zero)
+                cuts = np.cumsum([n for _, _, n in probe.unit_layers])[:-1]
+                obs.unit_names = tuple(name for name, _, _ in probe.unit_layers)
+                obs.unit_zero = tuple(p.astype(bool) for p in np.split(zero, cuts))
+        if "inputs" in plan:
+            features, samples = (int(v) for v in read(probe.input_shape))
+            if samples > 0 and 0 < features <= MAX_FEATURES:
+                obs.input_sq = read(probe.input_sq)[:features].astype(np.float64)
+                obs.input_count = samples
+        if "labels" in plan:
+            hist = read(probe.label_hist)
+            counts, negative, too_many, valid = hist[:MAX_CLASSES], hist[-3], hist[-2], hist[-1]
+            if valid == 1.0 and too_many == 0 and counts.sum() > 0:
+                obs.labels = np.repeat(np.arange(MAX_CLASSES), counts.astype(np.int64))
+            del negative  # ignored targets (-100 and friends), as in Lightning
+        if plan & {"activations", "outputs", "trace"} and probe.forward_layers:
+            self._forward(obs, plan, read(probe.forward_rows).astype(np.float64))
+
+    def _forward(self, obs: Observation, plan: frozenset[str], rows: np.ndarray) -> None:
+        names, kinds, stats = [], [], []
+        layout = self._probe.forward_kinds() if self._probe is not None else []
+        for (name, kind, units), row in zip(layout, rows, strict=True):
+            if units and "outputs" in plan:
+                names.append(name)
+                kinds.append("layer")
+                stats.append((np.nan, row[1], row[2]))
+            if kind is not None and "activations" in plan:
+                names.append(f"{name}/{kind}" if units else name)
+                kinds.append(kind)
+                stats.append((row[0], row[1], row[2]))
+        if names:
+            arr = np.array(stats, dtype=np.float64)
+            obs.act_names, obs.act_kinds = tuple(names), tuple(kinds)
+            obs.act_saturated, obs.act_rms, obs.act_max = arr[:, 0], arr[:, 1], arr[:, 2]
+        if "trace" in plan:
+            obs.trace_names = tuple(name for name, _, _ in layout)
+            obs.trace_finite = rows[:, 3] != 0.0  # NaN: a layer this step did not call
+
+    # -- decisions ------------------------------------------------------------------------
+    def _act(self, decision: Decision) -> None:
+        if decision.raise_:
+            self._detach()  # Keras calls no callback when fit raises: leave the model clean
+            self.monitor.close()
+            raise TrainingProblem(decision.reason)
+        if decision.stop:
+            self.model.stop_training = True
+
+
+def _learning_rate(optimizer: Any) -> float | None:
+    try:
+        lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    except Exception:  # a schedule or wrapper that does not expose one number
+        return None
+    return lr if np.isfinite(lr) else None
+
+
+def _after_progress_line(text: str) -> None:
+    """Print below Keras' progress bar, which holds its line open with a carriage return."""
+    sys.stdout.write("\n" + text + "\n")
+    sys.stdout.flush()
