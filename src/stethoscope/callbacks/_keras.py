@@ -161,6 +161,10 @@ class GraphProbe:
         self.weight_norm = var((p,), np.nan, name="weight_norm")
         self.update_norm = var((p,), np.nan, name="update_norm")
         self.prev_weight_norm = var((p,), np.nan, name="prev_weight_norm")
+        # the first step with a non-finite loss since the host last looked, and its norms
+        self.bad_at = var((), -1, "int64", "bad_at")
+        self.bad_grad_norm = var((p,), np.nan, name="bad_grad_norm")
+        self.bad_weight_norm = var((p,), np.nan, name="bad_weight_norm")
         self.unit_zero = var((max(u, 1),), 0, name="unit_zero")
         self.input_sq = var((MAX_FEATURES,), np.nan, name="input_sq")
         self.input_shape = var((2,), 0, "int64", "input_shape")  # features, samples
@@ -248,11 +252,6 @@ class GraphProbe:
             return
         ops.cond(pred, fn, lambda: None)
 
-    def _or_bad(self, pred: Any) -> Any:
-        if self._bad is None or isinstance(pred, bool):
-            return pred
-        return ops.logical_or(pred, self._bad)
-
     def _compute_loss_wrapper(self, original: Any) -> Any:
         takes_training = "training" in inspect.signature(original).parameters
 
@@ -288,39 +287,37 @@ class GraphProbe:
             if trainable_variables is None or _is_symbolic(grads):
                 return original(grads, trainable_variables)
             grads, tvars = list(grads), list(trainable_variables)
-            grads_on = self._or_bad(self._want("grads"))
-            units_on = self._want("units")
-            weights_on = self._or_bad(self._want("weights"))
-            updates_on = self._want("updates")
+            want = {g: self._want(g) for g in ("grads", "units", "weights", "updates")}
+            # a non-finite loss, the first since the host last looked: measure its step
+            forced = (
+                False if self._bad is None else ops.logical_and(self._bad, ops.less(self.bad_at, 0))
+            )
             self._bad = None
-
-            def stats() -> None:
-                self._grad_stats(grads, tvars)
-
-            self._cond(grads_on, stats)
+            self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, self.grad_norm))
+            self._cond(forced, lambda: self._grad_stats(grads, tvars, self.bad_grad_norm))
             if self.unit_layers:
-                self._cond(units_on, lambda: self._unit_stats(grads, tvars))
-
-            def plain() -> None:
-                original(grads, tvars)
+                self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
 
             def measured(updates: bool) -> Any:
                 def run() -> None:
                     before = [ops.copy(v) for v in tvars] if updates else None
                     original(grads, tvars)
-                    self._weight_stats(tvars, before)
+                    self._weight_stats(tvars, before, want["weights"], forced)
 
                 return run
 
-            if isinstance(weights_on, bool):
-                if weights_on:
-                    measured(bool(updates_on))()
+            def plain() -> None:
+                original(grads, tvars)
+
+            if self.eager:
+                if want["weights"]:
+                    measured(bool(want["updates"]))()
                 else:
                     plain()
             else:
                 ops.cond(
-                    weights_on,
-                    lambda: ops.cond(updates_on, measured(True), measured(False)),
+                    ops.logical_or(want["weights"], forced),
+                    lambda: ops.cond(want["updates"], measured(True), measured(False)),
                     plain,
                 )
             if self.eager:
@@ -354,7 +351,7 @@ class GraphProbe:
         nan = ops.convert_to_tensor(np.float32(np.nan))
         return ops.stack([values.get(i, nan) for i in range(len(self.variables))])
 
-    def _grad_stats(self, grads: list, tvars: list) -> None:
+    def _grad_stats(self, grads: list, tvars: list, into: Any) -> None:
         scale = getattr(self.optimizer, "loss_scale_factor", None)
         norms: dict[int, Any] = {}
         for g, v in zip(grads, tvars, strict=True):
@@ -363,8 +360,9 @@ class GraphProbe:
                 continue
             n = _norm(g)
             norms[pos] = n / scale if scale else n
-        self.grad_norm.assign(self._full(norms))
-        self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
+        into.assign(self._full(norms))
+        if into is self.grad_norm:
+            self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
 
     def _unit_stats(self, grads: list, tvars: list) -> None:
         by_pos = {self._position.get(id(v)): g for g, v in zip(grads, tvars, strict=True)}
@@ -378,8 +376,11 @@ class GraphProbe:
             rows = ops.sum(ops.square(ops.cast(g, "float32")), axis=axes)
             parts.append(ops.cast(ops.equal(rows, 0.0), "float32"))
         self.unit_zero.assign(ops.concatenate(parts))
+        self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
 
-    def _weight_stats(self, tvars: list, before: list | None) -> None:
+    def _weight_stats(self, tvars: list, before: list | None, planned: Any, forced: Any) -> None:
+        """After the update: weight norms (and update norms from ``before``) into the
+        planned record when ``planned``, and into the non-finite record when ``forced``."""
         weights: dict[int, Any] = {}
         updates: dict[int, Any] = {}
         prev: dict[int, Any] = {}
@@ -393,12 +394,22 @@ class GraphProbe:
                 step = ops.subtract(ops.cast(now, "float32"), ops.cast(before[k], "float32"))
                 updates[pos] = _norm(step)
                 prev[pos] = _norm(before[k])
-        self.weight_norm.assign(self._full(weights))
-        if before is not None:
-            self.update_norm.assign(self._full(updates))
-            self.prev_weight_norm.assign(self._full(prev))
+        full = self._full(weights)
         step = ops.cast(self.optimizer.iterations, "int64") - 1  # apply has counted it
-        self.sampled_at.assign(step)
+
+        def record() -> None:
+            self.weight_norm.assign(full)
+            if before is not None:
+                self.update_norm.assign(self._full(updates))
+                self.prev_weight_norm.assign(self._full(prev))
+            self.sampled_at.assign(step)
+
+        def record_forced() -> None:
+            self.bad_weight_norm.assign(full)
+            self.bad_at.assign(step)
+
+        self._cond(planned, record)
+        self._cond(forced, record_forced)
 
     def _input_stats(self, x: Any) -> None:
         t = next(

@@ -212,21 +212,24 @@ class KerasStethoscope(keras.callbacks.Callback):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        losses = keras.ops.convert_to_numpy(probe.losses) if probe.saw_loss else None
+        read = keras.ops.convert_to_numpy
+        losses = read(probe.losses) if probe.saw_loss else None
         planned, plan = self._planned
         last = first + count - 1
-        bad = losses is not None and not np.all(np.isfinite(losses[:count]))
-        measured = -1
-        if first <= planned <= last or bad:
-            measured = int(keras.ops.convert_to_numpy(probe.sampled_at))
+        measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
+        bad_at = -1
+        if losses is not None and not probe.eager and not np.all(np.isfinite(losses[:count])):
+            bad_at = int(read(probe.bad_at))  # the graph measured the first non-finite step
+            if bad_at >= 0:
+                probe.bad_at.assign(-1)  # ready for the next one (off the healthy path)
         for step in range(first, first + count):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
                 obs.loss = float(losses[step % probe.k])
             if step == planned:
                 self._read(obs, plan, fresh=measured == step)
-            elif step == measured:  # a non-finite loss switched the reductions on
-                self._read(obs, frozenset({"grads", "weights"}), fresh=True)
+            if step == bad_at and obs.grad_norm is None:
+                self._read_forced(obs)
             self._act(self.monitor.observe(obs))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -243,11 +246,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         assert probe is not None
         read = keras.ops.convert_to_numpy
         if fresh and plan & {"grads", "weights", "updates", "units"}:
-            obs.names = probe.names
-            obs.numel = probe.numel
-            obs.is_matrix = probe.is_matrix
-            obs.fan_in = probe.fan_in
-            obs.lr = _learning_rate(self.model.optimizer)
+            self._describe(obs)
             if "grads" in plan:
                 obs.grad_norm = read(probe.grad_norm).astype(np.float64)
             if plan & {"weights", "updates"}:
@@ -273,6 +272,24 @@ class KerasStethoscope(keras.callbacks.Callback):
             del negative  # ignored targets (-100 and friends), as in Lightning
         if plan & {"activations", "outputs", "trace"} and probe.forward_layers:
             self._forward(obs, plan, read(probe.forward_rows).astype(np.float64))
+
+    def _read_forced(self, obs: Observation) -> None:
+        """The gradient and weight norms the graph took at a step whose loss was not finite."""
+        probe = self._probe
+        assert probe is not None
+        read = keras.ops.convert_to_numpy
+        self._describe(obs)
+        obs.grad_norm = read(probe.bad_grad_norm).astype(np.float64)
+        obs.weight_norm = read(probe.bad_weight_norm).astype(np.float64)
+
+    def _describe(self, obs: Observation) -> None:
+        probe = self._probe
+        assert probe is not None
+        obs.names = probe.names
+        obs.numel = probe.numel
+        obs.is_matrix = probe.is_matrix
+        obs.fan_in = probe.fan_in
+        obs.lr = _learning_rate(self.model.optimizer)
 
     def _forward(self, obs: Observation, plan: frozenset[str], rows: np.ndarray) -> None:
         names, kinds, stats = [], [], []

@@ -1,0 +1,400 @@
+"""KerasStethoscope on real Keras 3 fits (TensorFlow backend): what the graph measures,
+what it leaves behind, and how it behaves across fits, executions and model styles."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+keras = pytest.importorskip("keras")
+
+from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
+from stethoscope.detectors import Detector  # noqa: E402
+from stethoscope.testing import CapturingSink  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="these tests drive the TensorFlow backend"
+)
+
+N, FEATURES, CLASSES, BATCH = 256, 12, 3, 32
+
+
+class Spy(Detector):
+    """Keeps every observation it is shown; finds nothing."""
+
+    name = "spy"
+
+    def __init__(self, needs: set[str]) -> None:
+        self.needs = frozenset(needs)  # type: ignore[misc]
+        super().__init__()
+        self.seen: list = []
+
+    def _update(self, obs):
+        self.seen.append(obs)
+        return []
+
+
+def data(seed: int = 0, n: int = N):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = (np.argmax(x[:, :CLASSES], axis=1)).astype("int64")
+    return x, y
+
+
+def mlp(seed: int = 0, *, lr: float = 0.05, spe: int = 1, activation: str = "relu"):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,), name="x"),
+            keras.layers.Dense(16, activation=activation, name="hidden"),
+            keras.layers.Dense(CLASSES, name="head"),
+        ],
+        name="mlp",
+    )
+    model.compile(
+        keras.optimizers.SGD(lr, name="sgd"),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=spe,
+    )
+    return model
+
+
+def watch(*detectors, sink=None, **kw) -> KerasStethoscope:
+    return KerasStethoscope(
+        detectors=list(detectors) or None, sinks=[sink or CapturingSink()], **kw
+    )
+
+
+def fit(model, cb, x=None, y=None, **kw):
+    if x is None:
+        x, y = data()
+    kw.setdefault("epochs", 1)
+    kw.setdefault("batch_size", BATCH)
+    kw.setdefault("shuffle", False)
+    return model.fit(x, y, callbacks=[cb], verbose=0, **kw)
+
+
+def assert_clean(model) -> None:
+    assert "compute_loss" not in vars(model)
+    assert "apply" not in vars(model.optimizer)
+    for layer in model.layers:
+        assert "call" not in vars(layer)
+    assert model.train_function is None
+
+
+# -- construction -----------------------------------------------------------------------
+def test_bad_arguments_fail_at_construction():
+    with pytest.raises(ValueError, match="stop_on"):
+        KerasStethoscope(stop_on="sometimes")
+    with pytest.raises(ValueError, match="intervals"):
+        KerasStethoscope(intervals={"no_such_detector": 3})
+
+
+def test_an_unsupported_backend_fails_at_construction_naming_it(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ValueError, match=r"KERAS_BACKEND='jax'.*tensorflow.*torch"):
+        KerasStethoscope()
+
+
+def test_an_uncompiled_model_is_refused_with_advice():
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    cb = watch()
+    cb.set_model(model)
+    with pytest.raises(ValueError, match="compile"):
+        cb.on_train_begin()
+
+
+# -- what the graph measures ----------------------------------------------------------------
+def test_sampled_steps_carry_the_true_gradients_updates_inputs_and_labels():
+    x, y = data()
+    model = mlp(lr=0.05)
+    spy = Spy({"loss", "grads", "updates", "units", "inputs", "labels", "outputs"})
+    cb = watch(spy, intervals={"spy": 3}, escalate=False)
+    fit(model, cb, x, y)
+    steps = [o.step for o in spy.seen]
+    assert steps == list(range(0, N // BATCH, 3))
+    for obs in spy.seen:
+        # plain SGD: the update is exactly lr x the gradient, layer by layer
+        np.testing.assert_allclose(obs.update_norm, 0.05 * obs.grad_norm, rtol=1e-4)
+        assert obs.names == (
+            "mlp/hidden/kernel",
+            "mlp/hidden/bias",
+            "mlp/head/kernel",
+            "mlp/head/bias",
+        )
+        batch = slice(obs.step * BATCH, (obs.step + 1) * BATCH)
+        np.testing.assert_allclose(obs.input_sq, np.mean(x[batch] ** 2, axis=0), rtol=1e-5)
+        assert obs.input_count == BATCH
+        assert np.array_equal(np.bincount(obs.labels), np.bincount(y[batch]))
+        assert obs.unit_names == ("hidden", "head")
+        assert [len(u) for u in obs.unit_zero] == [16, CLASSES]
+        assert obs.act_kinds == ("layer", "layer")
+    first = spy.seen[0]
+    assert first.prev_weight_norm[1] == 0.0  # the bias starts at zero
+    np.testing.assert_allclose(first.fan_in[[0, 2]], [FEATURES, 16])
+
+
+def test_the_loss_is_judged_on_every_step_and_matches_the_batch_loss():
+    x, y = data()
+    model = mlp()
+    spy = Spy({"loss"})
+    fit(model, watch(spy), x, y)
+    assert [o.step for o in spy.seen] == list(range(N // BATCH))
+    losses = [o.loss for o in spy.seen]
+    assert all(np.isfinite(losses)) and losses[0] > losses[-1] * 0.5
+
+
+def test_a_nan_batch_is_caught_on_its_own_step_and_stops_training():
+    x, y = data()
+    x[5 * BATCH + 3, 2] = np.nan  # the batch of step 5
+    model = mlp(activation="tanh")
+    sink = CapturingSink()
+    cb = watch(sink=sink)
+    history = fit(model, cb, x, y, epochs=3)
+    assert cb.stopped_by is not None and cb.stopped_by.step == 5
+    assert len(history.history["loss"]) == 1  # stopped in the first epoch
+    at5 = {f.detector for f in sink.findings if f.step == 5}
+    # the NaN step's own gradients and weights were reduced, in the graph, at once
+    assert {"nonfinite_loss", "nonfinite_gradients", "nonfinite_weights"} <= at5
+    assert_clean(model)
+
+
+def test_a_nan_that_relu_hides_from_the_loss_is_caught_in_the_gradients():
+    # TensorFlow's relu maps NaN to 0: the loss stays finite (TerminateOnNaN sees nothing)
+    # while the NaN input's weight row turns NaN through the gradient.
+    x, y = data()
+    x[5 * BATCH + 3, 2] = np.nan
+    plain = mlp()
+    history = fit(plain, keras.callbacks.TerminateOnNaN(), x, y, epochs=2)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert np.isnan(plain.layers[0].kernel.numpy()).any()
+    model = mlp()
+    cb = watch()
+    fit(model, cb, x, y, epochs=2)
+    assert cb.stopped_by is not None and cb.stopped_by.step == 5
+    assert cb.stopped_by.detector == "nonfinite_gradients"
+    assert cb.stopped_by.where == "mlp/hidden/kernel"
+
+
+def test_tanh_saturation_is_seen_through_the_layer_outputs():
+    x, y = data()
+    model = mlp(activation="tanh")
+    dense = model.layers[0]
+    dense.kernel.assign(dense.kernel.numpy() * 40.0)
+    spy = Spy({"activations"})
+    fit(model, watch(spy, intervals={"spy": 2}, escalate=False), x, y)
+    obs = spy.seen[0]
+    assert obs.act_names == ("hidden/tanh",) and obs.act_kinds == ("tanh",)
+    h = np.tanh(x[:BATCH] @ dense.kernel.numpy() + dense.bias.numpy())
+    assert obs.act_saturated[0] > 0.5
+    assert abs(obs.act_saturated[0] - np.mean(np.abs(h) >= np.tanh(5.0))) < 0.1
+
+
+# -- what it leaves behind ------------------------------------------------------------------
+def _config_of(path: Path) -> dict:
+    with zipfile.ZipFile(path) as z:
+        return json.loads(z.read("config.json"))
+
+
+def test_save_and_load_round_trip_holds_nothing_of_stethoscope(tmp_path):
+    x, y = data()
+    watched, plain = mlp(seed=1), mlp(seed=1)
+    fit(watched, watch(), x, y)
+    fit(plain, keras.callbacks.TerminateOnNaN(), x, y)
+    watched.save(tmp_path / "watched.keras")
+    plain.save(tmp_path / "plain.keras")
+    assert _config_of(tmp_path / "watched.keras") == _config_of(tmp_path / "plain.keras")
+    with zipfile.ZipFile(tmp_path / "watched.keras") as z:
+        assert not any(b"stethoscope" in z.read(n) for n in z.namelist())
+    loaded = keras.models.load_model(tmp_path / "watched.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), watched.predict(x, verbose=0))
+    assert len(loaded.weights) == len(plain.weights)
+
+
+def test_a_checkpoint_saved_during_fit_holds_nothing_of_stethoscope(tmp_path):
+    x, y = data()
+    model = mlp()
+    ckpt = keras.callbacks.ModelCheckpoint(tmp_path / "mid.keras")
+    model.fit(x, y, epochs=2, batch_size=BATCH, verbose=0, callbacks=[watch(), ckpt])
+    loaded = keras.models.load_model(tmp_path / "mid.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    with zipfile.ZipFile(tmp_path / "mid.keras") as z:
+        assert not any(b"stethoscope" in z.read(n) for n in z.namelist())
+
+
+def test_after_fit_the_model_trains_without_the_probe():
+    x, y = data()
+    model = mlp()
+    cb = watch()
+    fit(model, cb, x, y)
+    assert_clean(model)
+    probe = cb._probe
+    before = probe.losses.numpy().copy()
+    fit(model, keras.callbacks.TerminateOnNaN(), x, y)  # retraced with no wrapper in it
+    np.testing.assert_array_equal(probe.losses.numpy(), before)
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+
+
+# -- fits, executions, model styles ---------------------------------------------------------
+def test_fits_in_a_row_continue_the_step_count():
+    x, y = data()
+    model = mlp()
+    spy = Spy({"loss"})
+    cb = watch(spy)
+    fit(model, cb, x, y)
+    fit(model, cb, x, y, epochs=2)
+    steps = [o.step for o in spy.seen]
+    assert steps == list(range(3 * N // BATCH))
+    assert len(cb.summaries) == 3
+    assert_clean(model)
+
+
+def test_steps_per_execution_judges_every_step_and_samples_at_most_one_per_execution():
+    x, y = data(n=10 * BATCH)
+    x[6 * BATCH, 0] = np.inf  # step 6: inside the second execution of 4 steps
+    model = mlp(spe=4)
+    spy = Spy({"loss"})
+    grads = Spy({"grads"})
+    grads.name = "grads_spy"  # type: ignore[misc]
+    sink = CapturingSink()
+    cb = KerasStethoscope(
+        detectors=[spy, grads, *_defaults("nonfinite_loss")],
+        sinks=[sink],
+        intervals={"grads_spy": 1},
+        stop_on=None,
+    )
+    fit(model, cb, x, y, epochs=1)
+    assert [o.step for o in spy.seen] == list(range(10))  # 4 + 4 + 2 steps
+    sampled = [o.step for o in grads.seen]
+    assert sampled == [0, 4, 6, 8]  # one per execution, and the non-finite step itself
+    nan = [f for f in sink.findings if f.detector == "nonfinite_loss"]
+    assert nan[0].step == 6
+
+
+def test_validation_losses_reach_the_monitor():
+    x, y = data()
+    model = mlp()
+    spy = Spy({"val"})
+    history = fit(model, watch(spy), x, y, epochs=2, validation_data=data(seed=3, n=64))
+    assert [o.val_loss for o in spy.seen] == pytest.approx(history.history["val_loss"])
+    assert all(o.train_loss is not None for o in spy.seen)
+
+
+def test_functional_and_subclassed_models_are_probed_alike():
+    x, y = data()
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(8, activation="sigmoid", name="hidden")(inputs)
+    functional = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="sigmoid", name="hidden")
+            self.head = keras.layers.Dense(CLASSES, name="head")
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+    for model in (functional, Sub()):
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model(x[:1])
+        spy = Spy({"units", "activations", "outputs"})
+        fit(model, watch(spy, intervals={"spy": 4}, escalate=False), x, y)
+        obs = spy.seen[0]
+        assert obs.unit_names == ("hidden", "head")
+        assert obs.act_names == ("hidden", "hidden/sigmoid", "head")
+        assert obs.act_kinds == ("layer", "sigmoid", "layer")
+        assert_clean(model)
+
+
+def test_raise_on_raises_and_leaves_the_model_clean():
+    x, y = data()
+    x[2 * BATCH, 0] = np.nan
+    model = mlp()
+    cb = watch(raise_on="error", stop_on=None)
+    with pytest.raises(TrainingProblem, match="at step 2"):
+        fit(model, cb, x, y)
+    assert_clean(model)
+
+
+def test_a_custom_train_step_without_compute_loss_warns_once():
+    import tensorflow as tf
+
+    class Custom(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(CLASSES)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                logits = self(x, training=True)
+                loss = tf.reduce_mean(
+                    tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+                )
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    x, y = data()
+    model = Custom()
+    model.compile("sgd")
+    spy = Spy({"grads"})
+    with pytest.warns(RuntimeWarning, match="compute_loss"):
+        fit(model, watch(spy, intervals={"spy": 2}, escalate=False), x, y)
+    assert spy.seen and all(np.all(np.isfinite(o.grad_norm)) for o in spy.seen)
+
+
+def _defaults(*names: str) -> list[Detector]:
+    from stethoscope.detectors import default_detectors
+
+    return [d for d in default_detectors() if d.name in names]
+
+
+# -- the torch backend ----------------------------------------------------------------------
+TORCH_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, keras
+    from stethoscope import KerasStethoscope
+    from stethoscope.testing import CapturingSink
+    assert keras.backend.backend() == "torch"
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 12)).astype("float32")
+    y = np.argmax(x[:, :3], axis=1).astype("int64")
+    x[5 * 32, 0] = np.nan
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.05),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    sink = CapturingSink()
+    cb = KerasStethoscope(sinks=[sink])
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.stopped_by.detector == "nonfinite_loss" and cb.stopped_by.step == 5, cb.stopped_by
+    assert "compute_loss" not in vars(model) and "apply" not in vars(model.optimizer)
+    print("OK", sorted({f.detector for f in sink.findings}))
+    """
+)
+
+
+def test_the_torch_backend_works_in_its_own_process():
+    pytest.importorskip("torch")
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout and "nonfinite_loss" in out.stdout
