@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_digits.py"
 
 
@@ -23,3 +25,34 @@ def test_make_demo_catches_the_learning_rate_and_stops_early():
     assert step < 14, "the loss of this run becomes NaN at step 14: stop before it"
     assert "stethoscope · epoch 0" in out  # the summary table
     assert "lower the LR" in out  # a message that says what to do
+
+
+KERAS_EXAMPLE = EXAMPLE.with_name("keras_digits.py")
+
+
+def _run_keras_example(*args: str) -> str:
+    pytest.importorskip("keras")
+    return subprocess.run(
+        [sys.executable, str(KERAS_EXAMPLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=True,
+    ).stdout
+
+
+def test_the_keras_twin_stops_the_learning_rate_in_its_first_epoch():
+    out = _run_keras_example("--fault", "lr")
+    step = int(out.split("stethoscope stopped training at step ")[1].split(":")[0])
+    assert step < 57, "stopped inside the first epoch"
+    assert "stethoscope · epoch 0" in out
+    assert "lower the LR" in out
+
+
+def test_the_keras_twin_finds_the_nan_batch_that_relu_hides_from_the_loss():
+    out = _run_keras_example("--fault", "nan", "--epochs", "3")
+    assert "stethoscope stopped training at step" in out
+    step = int(out.split("stethoscope stopped training at step ")[1].split(":")[0])
+    assert 150 <= step <= 153
+    assert "NaN" in out
