@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,10 +70,13 @@ class KerasStethoscope(keras.callbacks.Callback):
         escalate: Whether suspicion switches the costlier detectors to every step.
         hot_steps: Length of that every-step window, in steps.
 
-    With ``steps_per_execution=k`` the train function runs k steps before any
-    callback sees them: every step's loss is still judged, but at most one step
-    per execution is sampled, and a stop takes effect at the end of the execution
-    (detection latency grows by up to k - 1 steps).
+    The callback judges a step at the start of the next one (or at the epoch's end),
+    never in ``on_train_batch_end``: overriding that hook makes Keras wait for every
+    callback after every batch instead of running them on a thread. So a stop
+    (``model.stop_training``) takes effect after one more step; ``raise_on`` raises
+    before it. With ``steps_per_execution=k`` the train function runs k steps before
+    any callback sees them: every step's loss is still judged, but at most one step
+    per execution is sampled, and a stop takes effect after the next execution.
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices, or
@@ -115,7 +119,8 @@ class KerasStethoscope(keras.callbacks.Callback):
         self._epoch = 0
         self._next = 0  # the global step of the next train step
         self._current = _IDLE  # what the graph variables ask for now
-        self._planned: tuple[int, frozenset[str]] = (-1, frozenset())
+        # the execution launched last and not yet judged: (first step, sampled step, plan)
+        self._pending: tuple[int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
 
     @property
@@ -138,7 +143,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
         self._next = step0
         self._current = _IDLE
-        self._planned = (-1, frozenset())
+        self._pending = None
         probe.start(step0)
         probe.install()
         self._probe = probe
@@ -149,6 +154,7 @@ class KerasStethoscope(keras.callbacks.Callback):
                 sink.use_printer(printer)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._collect()
         self._detach()
         self.monitor.flush()
         stopped = self.monitor.stopped_by
@@ -176,6 +182,9 @@ class KerasStethoscope(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        # The previous execution has returned: judge it here rather than in a batch-end
+        # hook, which would make Keras wait for every callback after every batch.
+        self._collect()
         probe = self._probe
         if probe is None:
             return
@@ -189,32 +198,29 @@ class KerasStethoscope(keras.callbacks.Callback):
         for p in plan:
             groups |= _GROUPS_OF.get(p, set())
         self._current = probe.schedule(chosen if groups else -1, groups, self._current)
-        self._planned = (chosen, plan)
+        self._pending = (self._next, chosen, plan)
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        probe = self._probe
-        if probe is None:
+    def _collect(self) -> None:
+        """Judge the steps of the last execution: every loss, and the sampled step's probes."""
+        probe, pending = self._probe, self._pending
+        if probe is None or pending is None:
             return
-        first = self._next
-        if probe.k == 1:
-            count = 1
-        else:  # the last execution of an epoch may run fewer steps
-            count = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) - first
+        self._pending = None
+        first, planned, plan = pending
+        read = keras.ops.convert_to_numpy
+        # with several steps per execution, the last one of an epoch may run fewer
+        count = 1 if probe.k == 1 else int(read(self.model.optimizer.iterations)) - first
         self._next = first + count
         if not probe.saw_loss and not self._warned_no_loss:
             self._warned_no_loss = True
-            import warnings
-
             warnings.warn(
                 "stethoscope: the train step never called model.compute_loss, so the loss "
                 "detectors are skipped; a custom train_step should compute its loss with "
                 "self.compute_loss(x, y, y_pred, sample_weight)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        read = keras.ops.convert_to_numpy
         losses = read(probe.losses) if probe.saw_loss else None
-        planned, plan = self._planned
         last = first + count - 1
         measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
         bad_at = -1
@@ -233,6 +239,7 @@ class KerasStethoscope(keras.callbacks.Callback):
             self._act(self.monitor.observe(obs))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._collect()
         val = (logs or {}).get("val_loss")
         if isinstance(val, (int, float, np.floating)) and self._probe is not None:
             self._act(self.monitor.observe_validation(max(self._next - 1, 0), epoch, float(val)))
