@@ -398,3 +398,30 @@ def test_the_torch_backend_works_in_its_own_process():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout and "nonfinite_loss" in out.stdout
+
+
+@pytest.mark.parametrize("mode", ["run_eagerly", "jit_compile"])
+def test_eager_and_xla_train_steps_are_probed_alike(mode):
+    x, y = data()
+    model = mlp(activation="tanh")
+    model.compile(
+        keras.optimizers.SGD(0.05),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **{mode: True},
+    )
+    spy = Spy({"loss", "grads", "updates", "outputs"})
+    x[4 * BATCH, 0] = np.nan
+    sink = CapturingSink()
+    cb = KerasStethoscope(
+        detectors=[spy, *_defaults("nonfinite_loss", "nonfinite_gradients")],
+        sinks=[sink],
+        stop_on=None,
+    )
+    fit(model, cb, x, y)
+    assert spy.seen[0].step == 0
+    np.testing.assert_allclose(spy.seen[0].update_norm, 0.05 * spy.seen[0].grad_norm, rtol=1e-4)
+    assert spy.seen[0].act_kinds == ("layer", "layer")
+    assert any(f.detector == "nonfinite_gradients" and f.step == 4 for f in sink.findings), [
+        (f.step, f.detector) for f in sink.findings
+    ]
+    assert_clean(model)

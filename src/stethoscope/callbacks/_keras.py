@@ -175,6 +175,7 @@ class GraphProbe:
         self._py_sample_at = -1
         self._py_step = 0
         self._bad: Any = None  # this trace's non-finite-loss flag, from compute_loss to apply
+        self._wanted: Any = None  # (graph, per-group predicates, combined predicates)
         self._installed: list[tuple[Any, str]] = []
 
     # -- host side -----------------------------------------------------------------
@@ -238,12 +239,28 @@ class GraphProbe:
             model.make_train_function(force=True)
 
     # -- in the graph --------------------------------------------------------------------
-    def _want(self, group: str) -> Any:
-        """Whether ``group`` is computed at this step (a tensor, or a bool when eager)."""
+    def _want(self, *groups: str) -> Any:
+        """Whether any of ``groups`` is computed at this step (a bool tensor, or a Python
+        bool when eager). The comparison with the host's request is built once per graph
+        and step, whichever wrapper runs first, and shared by the others."""
         if self.eager:
-            return bool(self._py_step == self._py_sample_at and self._py_flags[_G[group]])
-        due = ops.equal(ops.cast(self.optimizer.iterations, "int64"), self.sample_at)
-        return ops.logical_and(due, ops.greater(self.flags[_G[group]], 0))
+            due = self._py_step == self._py_sample_at
+            return bool(due and any(self._py_flags[_G[g]] for g in groups))
+        import tensorflow as tf  # the only graph backend
+
+        # in a traced function, once per graph; run eagerly (run_eagerly=True), every call
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        if graph is None or self._wanted is None or self._wanted[0] is not graph:
+            due = ops.equal(ops.cast(self.optimizer.iterations, "int64"), self.sample_at)
+            on = ops.logical_and(due, ops.greater(self.flags, 0))
+            self._wanted = (graph, ops.unstack(on, len(GROUPS)), {})
+        _, on, combined = self._wanted
+        if groups not in combined:
+            pred = on[_G[groups[0]]]
+            for g in groups[1:]:
+                pred = ops.logical_or(pred, on[_G[g]])
+            combined[groups] = pred
+        return combined[groups]
 
     def _cond(self, pred: Any, fn: Any) -> None:
         if isinstance(pred, bool):
@@ -275,8 +292,12 @@ class GraphProbe:
                 )
             if not self.eager:
                 self._bad = ops.logical_not(ops.isfinite(value))
-            self._cond(self._want("inputs"), lambda: self._input_stats(x))
-            self._cond(self._want("labels"), lambda: self._label_stats(y))
+
+            def data() -> None:
+                self._cond(self._want("inputs"), lambda: self._input_stats(x))
+                self._cond(self._want("labels"), lambda: self._label_stats(y))
+
+            self._cond(self._want("inputs", "labels"), data)
             return loss
 
         return compute_loss
@@ -293,10 +314,15 @@ class GraphProbe:
                 False if self._bad is None else ops.logical_and(self._bad, ops.less(self.bad_at, 0))
             )
             self._bad = None
-            self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, self.grad_norm))
-            self._cond(forced, lambda: self._grad_stats(grads, tvars, self.bad_grad_norm))
-            if self.unit_layers:
-                self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
+
+            def from_grads() -> None:
+                self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, self.grad_norm))
+                self._cond(forced, lambda: self._grad_stats(grads, tvars, self.bad_grad_norm))
+                if self.unit_layers:
+                    self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
+
+            on = self._want("grads", "units")
+            self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), from_grads)
 
             def measured(updates: bool) -> Any:
                 def run() -> None:
@@ -337,9 +363,7 @@ class GraphProbe:
             first = next((t for t in keras.tree.flatten(out) if t is not None), None)
             if first is None or not _is_float(first):
                 return out
-            pred = self._want("forward")
-            trace = self._want("trace")
-            pred = pred or trace if isinstance(pred, bool) else ops.logical_or(pred, trace)
+            pred = self._want("forward", "trace")
             self._cond(pred, lambda: self._forward_stats(row, first, kind, bound))
             return out
 
