@@ -30,6 +30,7 @@ lint format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.overhead
+	$(BIN)/python -m benchmarks.keras_overhead
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
