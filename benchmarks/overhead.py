@@ -296,6 +296,9 @@ class Gate(Callback):
         self.calibration_runs: list[LightningStethoscope] = []
         self.active: list[Callback] = []
         self.anomaly = False
+        # what the steady instance did on its own steps, recorded as it happened
+        self.sampled: dict[int, bool] = {}
+        self.hot: set[int] = set()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -323,6 +326,10 @@ class Gate(Callback):
             torch.set_anomaly_enabled(self.anomaly, True)  # as set_detect_anomaly(mode) does
         for cb in self.active:
             cb.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if key == STETHOSCOPE:
+            self.sampled[step] = bool(self.steady._plan - {"loss"})
+            if self.steady.monitor.sampler.hot:
+                self.hot.add(step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.anomaly = False
@@ -444,13 +451,7 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
     ms = clock.step_ms()
     if sorted(ms) != list(range(total)):
         raise RuntimeError(f"timed steps {min(ms)}..{max(ms)} ({len(ms)}), expected 0..{total - 1}")
-    sampled = {
-        s: bool(steady.monitor.plan(s) - {"loss"})
-        for seg in segments
-        if seg.variant == STETHOSCOPE
-        for s in range(seg.start, seg.start + seg.length)
-    }
-    result = summarise(segments, ms, sampled)
+    result = summarise(segments, ms, gate.sampled, gate.hot)
     result["model"] = spec.name
     result["title"] = spec.title
     result["rounds"] = rounds
@@ -483,7 +484,10 @@ def _median_ci(xs: Sequence[float], seed: int = SEED, n: int = 2000) -> tuple[fl
 
 
 def summarise(
-    segments: Sequence[Segment], ms: dict[int, float], sampled: dict[int, bool]
+    segments: Sequence[Segment],
+    ms: dict[int, float],
+    sampled: dict[int, bool],
+    hot: set[int] | frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     def times(seg: Segment) -> list[float]:
         return [ms[s] for s in range(seg.start, seg.start + seg.length)]
@@ -502,7 +506,7 @@ def summarise(
             "segments": len(mine),
         }
         if key != PLAIN:
-            by_mean, by_median = [], []
+            by_mean, by_median, at_base = [], [], []
             split: dict[str, list[float]] = {"sampled": [], "unsampled": []}
             for i, seg in mine:
                 before, after = times(segments[i - 1]), times(segments[i + 1])
@@ -512,6 +516,10 @@ def summarise(
                 ref_median = statistics.fmean([statistics.median(before), statistics.median(after)])
                 by_mean.append(statistics.fmean(own) / ref_mean)
                 by_median.append(statistics.median(own) / ref_median)
+                if key == STETHOSCOPE and not any(
+                    s in hot for s in range(seg.start, seg.start + seg.length)
+                ):
+                    at_base.append(by_mean[-1])
                 if key == STETHOSCOPE:
                     for s in range(seg.start, seg.start + seg.length):
                         split["sampled" if sampled[s] else "unsampled"].append(ms[s] / ref_median)
@@ -519,6 +527,13 @@ def summarise(
             entry["ratio_of_means"]["ci95"] = _median_ci(by_mean)
             entry["ratio_of_medians"] = _quartiles(by_median)
             entry["per_segment_ratio_of_means"] = by_mean
+            if key == STETHOSCOPE and at_base:
+                entry["ratio_of_means_at_base"] = {
+                    **_quartiles(at_base),
+                    "ci95": _median_ci(at_base),
+                    "n": len(at_base),
+                    "of": len(by_mean),
+                }
             if key == STETHOSCOPE:
                 entry["step_ratio_by_kind"] = {
                     k: {"n": len(xs), "median": statistics.median(xs) if xs else None}
@@ -635,6 +650,12 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
             for k, v in split.items()
             if v["median"] is not None
         ]
+        base = res["variants"][STETHOSCOPE].get("ratio_of_means_at_base")
+        if base:
+            parts.append(
+                f"segments with the sampler at its base intervals (no escalation window): "
+                f"{_ratio(base)}, 95% CI {_ci(base)} ({base['n']} of {base['of']} segments)"
+            )
         notes.append(
             f"{res['model']}: stethoscope steps vs the median of the plain segments around "
             "them: " + ", ".join(parts) + ". Findings in the steady-state run: "
