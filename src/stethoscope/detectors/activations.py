@@ -47,9 +47,15 @@ class DeadRelu(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        # per layer: for each unit, how many sampled steps in a row its row was zero;
-        # and the worst severity already reported for that layer (0: none)
+        # per layer: for each unit, how many sampled steps in a row its row was zero
+        # (an int8 array while running, a list in state_dict); and the worst severity
+        # already reported for that layer (0: none)
         return {"streaks": {}, "reported": {}}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["streaks"] = {k: np.asarray(v).tolist() for k, v in state["streaks"].items()}
+        return state
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -58,12 +64,12 @@ class DeadRelu(Detector):
             zero = np.asarray(zero, dtype=bool)
             old = st["streaks"].get(layer)
             streak = (
-                np.zeros(len(zero), np.int64)
+                np.zeros(len(zero), np.int32)
                 if old is None or len(old) != len(zero)
-                else (np.asarray(old, np.int64))
+                else np.asarray(old, np.int32)  # a list only after load_state_dict
             )
-            streak = np.where(zero, np.minimum(streak + 1, self.window), 0)
-            st["streaks"][layer] = streak.tolist()
+            streak = np.where(zero, np.minimum(streak + 1, self.window), 0).astype(np.int32)
+            st["streaks"][layer] = streak
             if len(zero) == 0:
                 continue
             dead = float(np.mean(streak >= self.window))

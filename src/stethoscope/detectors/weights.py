@@ -162,7 +162,7 @@ class SmallUpdates(Detector):
         if is_finite(obs.lr):
             st["max_lr"] = max(st["max_lr"] or 0.0, float(obs.lr))
         ratios, _ = _update_ratios(obs)
-        ratio = float(np.median(ratios)) if len(ratios) else math.nan
+        ratio = median(ratios.tolist()) if len(ratios) else math.nan  # a few: sorted() wins
         annealed = is_finite(obs.lr) and obs.lr < 0.5 * st["max_lr"]
         converged = (
             is_finite(obs.loss)
@@ -261,7 +261,7 @@ class FrozenWeights(Detector):
         base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
         usable = moved & np.isfinite(base) & (base > 0)
         if usable.any():
-            st["moving"] = float(np.median(upd[usable] / base[usable]))
+            st["moving"] = median((upd[usable] / base[usable]).tolist())
         elif np.isfinite(upd).all():
             st["moving"] = 0.0  # every parameter was measured and none moved (LR 0 for all)
         # judged on the last step that measured moving parameters (large models take turns)
