@@ -48,13 +48,13 @@ class DeadRelu(Detector):
 
     def _initial_state(self) -> dict:
         # per layer: for each unit, how many sampled steps in a row its row was zero
-        # (an int8 array while running, a list in state_dict); and the worst severity
-        # already reported for that layer (0: none)
+        # (int32 bytes while running, cheap to turn into an array; a list in state_dict);
+        # and the worst severity already reported for that layer (0: none)
         return {"streaks": {}, "reported": {}}
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["streaks"] = {k: np.asarray(v).tolist() for k, v in state["streaks"].items()}
+        state["streaks"] = {k: _streak(v).tolist() for k, v in state["streaks"].items()}
         return state
 
     def _update(self, obs: Observation) -> list[Finding]:
@@ -63,13 +63,11 @@ class DeadRelu(Detector):
         for layer, zero in zip(obs.unit_names, obs.unit_zero, strict=True):
             zero = np.asarray(zero, dtype=bool)
             old = st["streaks"].get(layer)
-            streak = (
-                np.zeros(len(zero), np.int32)
-                if old is None or len(old) != len(zero)
-                else np.asarray(old, np.int32)  # a list only after load_state_dict
-            )
+            streak = _streak(old) if old is not None else None
+            if streak is None or len(streak) != len(zero):
+                streak = np.zeros(len(zero), np.int32)
             streak = np.where(zero, np.minimum(streak + 1, self.window), 0).astype(np.int32)
-            st["streaks"][layer] = streak
+            st["streaks"][layer] = streak.tobytes()
             if len(zero) == 0:
                 continue
             dead = float(np.mean(streak >= self.window))
@@ -103,6 +101,13 @@ class DeadRelu(Detector):
                 )
             )
         return findings
+
+
+def _streak(value: bytes | list) -> np.ndarray:
+    """A layer's streaks as an array, from the running bytes or a restored list."""
+    if isinstance(value, bytes):
+        return np.frombuffer(value, np.int32)
+    return np.asarray(value, np.int32)
 
 
 class SaturatedActivation(Detector):
