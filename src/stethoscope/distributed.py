@@ -83,9 +83,9 @@ class Letter:
         while len(text.encode()) > capacity:  # only a pathological message gets here
             reason = head["reason"]
             if reason and len(reason["message"]) > 80:
-                reason["message"] = reason["message"][: len(reason["message"]) // 2] + "…"
+                reason["message"] = reason["message"][: len(reason["message"]) // 2] + "..."
             elif head["why"] and len(head["why"]) > 80:
-                head["why"] = head["why"][: len(head["why"]) // 2] + "…"
+                head["why"] = head["why"][: len(head["why"]) // 2] + "..."
             else:
                 raise ValueError(f"a letter of {capacity} bytes cannot hold {text!r}")
             text = json.dumps({**head, "findings": []})
@@ -97,6 +97,8 @@ class Letter:
                 if parts:
                     break
                 item = json.dumps(_cut(f, capacity - used - 2))  # a lone giant: cut to fit
+                if used + len(item.encode()) + 2 > capacity:
+                    break  # not even cut: it waits for a letter with more room
             parts.append(item)
             used += len(item.encode()) + 2
         body = text[:-3] + "[" + ", ".join(parts) + "]}"
@@ -121,9 +123,11 @@ def _as_dict(f: Finding | None) -> dict[str, Any] | None:
 
 
 def _cut(f: Finding, room: int) -> dict[str, Any]:
+    """``f`` with its message shortened so that its JSON takes at most ``room`` bytes."""
     d = f.to_dict()
     over = len(json.dumps(d).encode()) - room
-    d["message"] = d["message"][: max(len(d["message"]) - over - 4, 0)] + "…"
+    message = d["message"].encode()[: max(len(d["message"].encode()) - over - 3, 0)]
+    d["message"] = message.decode(errors="ignore") + "..."
     return d
 
 

@@ -7,11 +7,9 @@ the same verdict. In a single process they never run (their probes do not exist 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from stethoscope.detectors._stats import median, push
+from stethoscope.detectors._stats import push
 from stethoscope.detectors.base import Detector, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -117,22 +115,24 @@ class Straggler(Detector):
     pass). The rest cannot tell: DDP's gradient all-reduce makes every rank wait for
     the slowest, so whole steps take as long everywhere. On each sample a rank's time
     is compared with the median of the other ranks' times. A rank is a straggler when,
-    over its last ``window`` samples, the median of those ratios reaches ``ratio`` and
-    the median excess reaches ``min_excess`` seconds per step: a warning naming it.
+    in more than half of its last ``window`` samples, it took at least ``ratio`` times
+    that median and at least ``min_excess`` seconds more: a warning naming it, with the
+    median ratio over the window as its value.
 
     Sources: NVIDIA's straggler detection (nvidia-resiliency-ext) times the same
     sections per rank and scores each rank against the best one; its examples flag a
     relative score below 0.7, a rank 1.43x slower. ``ratio=1.5`` is a little more
     conservative, and is measured against the median rather than the best rank, so one
-    fast rank does not make the others stragglers. The median over ``window`` samples
-    (it needs most of them slow) keeps one slow batch or one descheduled step from
-    counting; ``min_excess`` keeps scheduler jitter on millisecond steps (a Linux time
-    slice is a few milliseconds) from counting, where a ratio alone would.
+    fast rank does not make the others stragglers (with two ranks, each is compared with
+    the other). Needing most of the window keeps a few slow batches or descheduled steps,
+    however slow, from counting; ``min_excess`` keeps scheduler jitter on millisecond
+    steps (a Linux time slice is a few milliseconds) from counting, where a ratio alone
+    would.
 
     Args:
         ratio: How many times the other ranks' median a rank must take (> 1).
         min_excess: Seconds per step a rank must also lose over that median.
-        window: Samples per rank the medians are taken over.
+        window: Samples per rank judged together; more than half must be slow.
     """
 
     name = "straggler"
@@ -160,38 +160,46 @@ class Straggler(Detector):
         st = self.state
         if st["ratios"] and len(st["ratios"][-1]) != len(busy):
             st["ratios"], st["excess"] = [], []  # the world size changed (a resumed run)
-        ratios, excess = [], []
-        for r, t in enumerate(busy):
-            others = median(np.delete(busy, r).tolist())
-            ratios.append(t / others if others > 0 else (math.inf if t > 0 else 1.0))
-            excess.append(t - others)
-        ratios = [min(x, 1e6) for x in ratios]  # state stays strict JSON
-        push(st["ratios"], ratios, self.window)
-        push(st["excess"], [float(x) for x in excess], self.window)
+        others = _median_of_others(busy)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(others > 0, busy / others, np.where(busy > 0, 1e6, 1.0))
+        push(st["ratios"], np.minimum(ratios, 1e6).tolist(), self.window)  # strict JSON
+        push(st["excess"], (busy - others).tolist(), self.window)
         if len(st["ratios"]) < self.window:
             return []
+        window = np.array(st["ratios"])
+        slow = ((window >= self.ratio) & (np.array(st["excess"]) >= self.min_excess)).sum(0)
         findings = []
-        for r in range(len(busy)):
-            ratio = median([row[r] for row in st["ratios"]])
-            extra = median([row[r] for row in st["excess"]])
-            if ratio >= self.ratio and extra >= self.min_excess:
-                own = float(busy[r])
-                typical = own - float(excess[r])
-                findings.append(
-                    self.finding(
-                        obs,
-                        "warning",
-                        f"Rank {r} is a straggler: over the last {self.window} samples up to "
-                        f"step {obs.step} it spent a median {ratio:.1f}x the other ranks' time "
-                        f"per step on data loading and the forward pass (now {own * 1e3:.0f} "
-                        f"ms against {typical * 1e3:.0f} ms), and every rank waits for it at "
-                        "each gradient all-reduce; check that rank's data loading (workers, "
-                        "disk, network), its host's load, and its device's clocks or "
-                        "temperature.",
-                        value=ratio,
-                        threshold=self.ratio,
-                        where=f"rank {r}",
-                        rank=r,
-                    )
+        for r in np.flatnonzero(2 * slow > self.window):
+            r = int(r)
+            ratio = float(np.median(window[:, r]))
+            own, typical = float(busy[r]), float(others[r])
+            findings.append(
+                self.finding(
+                    obs,
+                    "warning",
+                    f"Rank {r} is a straggler: in {slow[r]} of the last {self.window} samples "
+                    f"up to step {obs.step} it took at least {self.ratio:g}x the other ranks' "
+                    f"median time per step for data loading and the forward pass (median "
+                    f"{ratio:.1f}x; now {own * 1e3:.0f} ms against {typical * 1e3:.0f} ms), "
+                    "and every rank waits for it at each gradient all-reduce; check that "
+                    "rank's data loading (workers, disk, network), its host's load, and its "
+                    "device's clocks or temperature.",
+                    value=ratio,
+                    threshold=self.ratio,
+                    where=f"rank {r}",
+                    rank=r,
                 )
+            )
         return findings
+
+
+def _median_of_others(x: np.ndarray) -> np.ndarray:
+    """For each element, the median of all the others (leave-one-out), in one sort."""
+    s = np.sort(x)
+    pos = np.empty(len(x), dtype=np.int64)
+    pos[np.argsort(x, kind="stable")] = np.arange(len(x))  # each element's place in s
+    m = len(x) - 1  # the others, without the element at ``pos``
+    mids = np.array([(m - 1) // 2, m // 2])[:, None]
+    picked = np.where(mids < pos, s[mids], s[np.minimum(mids + 1, len(x) - 1)])
+    return picked.mean(axis=0)
