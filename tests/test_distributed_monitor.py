@@ -184,6 +184,12 @@ def test_off_rank_zero_the_shared_statistics_are_neither_planned_nor_judged():
     assert zero.shared_probes(0) == RANK_PROBES
 
 
+def test_with_sharded_parameters_every_rank_judges_its_own():
+    m = Monitor()
+    m.distribute(rank=1, world_size=2, replicated=False)
+    assert m.plan(0) >= REPLICATED_PROBES and not m._idle
+
+
 # -- held decisions, agreed ------------------------------------------------------------------------
 def test_a_nan_on_rank_one_is_held_then_every_rank_stops_at_the_next_meeting():
     monitors, sinks = ranks(2, escalate=False)

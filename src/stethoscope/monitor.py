@@ -242,13 +242,20 @@ class Monitor:
         return decide(findings, self.stop_on, self.raise_on)
 
     # -- distributed runs -------------------------------------------------------------
-    def distribute(self, *, rank: int, world_size: int) -> None:
+    def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
         """Take part in a run of ``world_size`` processes as ``rank`` (1: a single process).
 
-        Rank zero alone writes to the sinks. Off rank zero the detectors that judge only
-        statistics every rank shares (:data:`~stethoscope.observation.REPLICATED_PROBES`)
-        do not run: rank zero judges those for everyone. In a single process the
-        detectors that compare ranks do not run.
+        Rank zero alone writes to the sinks. In a single process the detectors that
+        compare ranks do not run.
+
+        Args:
+            rank: This process's rank.
+            world_size: How many processes train together.
+            replicated: Whether every rank holds the same gradients and weights
+                (:data:`~stethoscope.observation.REPLICATED_PROBES`), as under DDP: then
+                off rank zero the detectors that judge only those do not run, and rank
+                zero judges them for everyone. ``False`` (sharded parameters): every
+                rank judges its own.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
@@ -258,7 +265,7 @@ class Monitor:
         self.emit = rank == 0
         if world_size == 1:
             idle = {d.name for d in self.detectors if d.needs & RANK_PROBES}
-        elif rank != 0:
+        elif rank != 0 and replicated:
             idle = {d.name for d in self.detectors if d.needs <= REPLICATED_PROBES}
         else:
             idle = set()

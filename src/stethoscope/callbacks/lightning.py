@@ -210,9 +210,22 @@ class LightningStethoscope(Callback):
     def _watch_replicas(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The tensors replica_divergence compares: under DDP, every parameter, and the
         buffers DDP does not overwrite from rank zero at each forward pass. Strategies that
-        shard the parameters (FSDP, DeepSpeed) hold no whole replicas: nothing to compare."""
+        shard the parameters (FSDP, DeepSpeed) hold no whole replicas: nothing to compare,
+        and every rank judges its own gradients and weights."""
         model = trainer.strategy.model
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self.monitor.distribute(
+                rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
+            )
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f"stethoscope: LightningStethoscope is tested under DDP only; with "
+                    f"{type(trainer.strategy).__name__} every rank judges the gradients and "
+                    "weights it holds (a shard, if they are sharded), and replica_divergence "
+                    "is off",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return
         named = list(pl_module.named_parameters())
         buffers = [] if model.broadcast_buffers else list(pl_module.named_buffers())
@@ -553,8 +566,8 @@ class LightningStethoscope(Callback):
         """After a non-finite loss on an unsampled CPU step, read this step's gradients and
         weights at once (they are still there), so the detectors that name the parameter
         report on this step rather than at the next sample. Off the healthy path."""
-        if self._probe is None:
-            return
+        if self._probe is None or self.monitor.rank != 0:
+            return  # off rank zero, the detectors that read gradients and weights are idle
         idx = [i for i, p in enumerate(self._probe.params) if p.grad is not None]
         if not idx:
             return
