@@ -187,7 +187,9 @@ def test_off_rank_zero_the_shared_statistics_are_neither_planned_nor_judged():
 def test_with_sharded_parameters_every_rank_judges_its_own():
     m = Monitor()
     m.distribute(rank=1, world_size=2, replicated=False)
-    assert m.plan(0) >= REPLICATED_PROBES and not m._idle
+    assert m.plan(0) >= REPLICATED_PROBES and not m._idle and m.judges_replicated
+    m.distribute(rank=1, world_size=2)
+    assert not m.judges_replicated
 
 
 # -- held decisions, agreed ------------------------------------------------------------------------

@@ -263,6 +263,9 @@ class Monitor:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
         self.emit = rank == 0
+        #: Whether this process judges the gradients and weights (not so off rank zero
+        #: when every rank holds the same ones).
+        self.judges_replicated = world_size == 1 or rank == 0 or not replicated
         if world_size == 1:
             idle = {d.name for d in self.detectors if d.needs & RANK_PROBES}
         elif rank != 0 and replicated:

@@ -106,10 +106,9 @@ class Observation:
         replica_sums: Checksum of each of those tensors on each rank, shape
             ``(world_size, len(replica_names))``: the int64 sum of the tensor's bit
             patterns, so any change to any element changes it, exactly.
-        rank_busy: Seconds per step each rank spent alone since the last time they
-            were gathered (data loading and forward pass: the part of a step no
-            collective waits in), shape ``(world_size,)``; NaN for a rank that
-            measured no step.
+        rank_busy: Mean seconds per batch each rank spent alone since they were last
+            gathered (data loading and forward pass: the part of a step no collective
+            waits in), shape ``(world_size,)``; NaN for a rank that timed no batch.
     """
 
     step: int

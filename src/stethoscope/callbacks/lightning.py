@@ -566,8 +566,8 @@ class LightningStethoscope(Callback):
         """After a non-finite loss on an unsampled CPU step, read this step's gradients and
         weights at once (they are still there), so the detectors that name the parameter
         report on this step rather than at the next sample. Off the healthy path."""
-        if self._probe is None or self.monitor.rank != 0:
-            return  # off rank zero, the detectors that read gradients and weights are idle
+        if self._probe is None or not self.monitor.judges_replicated:
+            return  # off rank zero under DDP, the detectors that would read them are idle
         idx = [i for i, p in enumerate(self._probe.params) if p.grad is not None]
         if not idx:
             return
