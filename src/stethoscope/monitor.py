@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
+from stethoscope.distributed import MAIL_BYTES, SYNC_EVERY, Gathered, Letter
 from stethoscope.findings import Finding, Severity
-from stethoscope.observation import EVENT_PROBES, Observation
+from stethoscope.observation import EVENT_PROBES, RANK_PROBES, REPLICATED_PROBES, Observation
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import Sink
@@ -29,6 +30,13 @@ class Monitor:
     Adapters call :meth:`plan` at the start of a step to learn which probes to
     compute, :meth:`observe` with the resulting host-side observation, and
     :meth:`end_epoch` at each training epoch end.
+
+    In a distributed run (:meth:`distribute`) each rank judges its own observations,
+    but holds what it decides (stop, raise, sample faster) and, off rank zero, the
+    findings it raises, until the ranks meet (:meth:`meets`): there every rank sends
+    them (:meth:`outgoing`), and every rank acts on what all of them sent in the same
+    way on the same step (:meth:`agree`). Facts gathered from every rank are judged
+    with :meth:`observe_shared`, identically everywhere, and acted on at once.
 
     Args:
         detectors: Detector instances (default: every detector with defaults).
@@ -101,6 +109,12 @@ class Monitor:
         self._due_set: frozenset[str] = frozenset()
         self._deep: set[str] = set()  # deeper probes detectors asked for
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
+        # distributed runs: detectors beyond the every-step loss decide where ranks meet
+        self._sampled = frozenset(
+            d.name for d in self.detectors if d.needs - {"loss"} - EVENT_PROBES
+        )
+        self.distribute(rank=0, world_size=1)
+        self.emit = emit
         self._new_epoch()
 
     # -- per step ---------------------------------------------------------------
@@ -109,9 +123,9 @@ class Monitor:
         due = self._due(step)
         probes: set[str] = set(self._deep)
         for d in self.detectors:
-            if d.name in due and not d.finished(step):
+            if d.name in due and d.name not in self._idle and not d.finished(step):
                 probes |= d.needs | d.wants
-        return frozenset(probes - EVENT_PROBES)
+        return frozenset(probes - EVENT_PROBES - RANK_PROBES)
 
     def _due(self, step: int) -> frozenset[str]:
         # plan() and observe() ask for the same step: compute the schedule once. The cache
@@ -126,15 +140,31 @@ class Monitor:
         return self.sampler.interval(name, self.last_step if step is None else step)
 
     def observe(self, obs: Observation) -> Decision:
-        """Judge one step's observation; report findings; say whether to stop."""
+        """Judge one step's observation; report findings; say whether to stop.
+
+        In a distributed run the decision is held until the ranks next meet (see
+        :meth:`agree`), and ``Decision()`` is returned meanwhile.
+        """
+        return self._judge(obs, hold=self.world_size > 1)
+
+    def observe_shared(self, obs: Observation) -> Decision:
+        """Judge an observation that every rank holds the same (gathered from all of them).
+
+        Every rank reaches the same verdict from it, so it is acted on at once, on every
+        rank; only rank zero reports its findings (the others do not forward them).
+        """
+        return self._judge(obs, hold=False)
+
+    def _judge(self, obs: Observation, *, hold: bool) -> Decision:
         findings: list[Finding] = []
+        notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
         back = self.sampler.tick(obs.step)
         if back:
-            findings.append(self._sampler_finding(obs, back))
+            notes.append(self._sampler_finding(obs.step, obs.epoch, back))
         suspects: list[str] = []
         due = self._due(obs.step)
         for d in self.detectors:
-            if d.name not in due or d.finished(obs.step):
+            if d.name not in due or d.name in self._idle or d.finished(obs.step):
                 continue
             if not all(obs.has(p) for p in d.needs):
                 continue
@@ -154,22 +184,55 @@ class Monitor:
         alarming = [f for f in findings if f.severity >= Severity.WARNING]
         if alarming or suspects:
             reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
-            msg = self.sampler.escalate(obs.step, reason)
-            if msg:
-                findings.append(self._sampler_finding(obs, msg))
+            if hold:
+                self._want_why = self._want_why or reason
+            else:
+                msg = self.sampler.escalate(obs.step, reason)
+                if msg:
+                    notes.append(self._sampler_finding(obs.step, obs.epoch, msg))
         for f in findings:
+            self._record(f, forward=hold)
+        for f in notes:
             self._record(f)
         decision = decide(findings, self.stop_on, self.raise_on)
+        if hold:
+            held = self._want
+            if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
+                self._want = decision
+            return Decision()
         if decision.stop and self.stopped_by is None:
             self.stopped_by = decision.reason
         return decision
 
-    def observe_validation(self, step: int, epoch: int, val_loss: float, rank: int = 0) -> Decision:
-        """Judge a validation loss against the mean training loss since the last one."""
-        train = self._train_sum / self._train_n if self._train_n else None
+    def observe_validation(
+        self,
+        step: int,
+        epoch: int,
+        val_loss: float,
+        rank: int = 0,
+        *,
+        train_loss: float | None = None,
+        shared: bool = False,
+    ) -> Decision:
+        """Judge a validation loss against the mean training loss since the last one.
+
+        Args:
+            train_loss: That mean, when the adapter computed it (over every rank);
+                default: this monitor's own.
+            shared: Every rank judges these same numbers (reduced across ranks), so the
+                decision is acted on at once (see :meth:`observe_shared`).
+        """
+        if train_loss is None:
+            train_loss = self._train_sum / self._train_n if self._train_n else None
         self._train_sum, self._train_n = 0.0, 0
-        obs = Observation(step=step, epoch=epoch, rank=rank, val_loss=val_loss, train_loss=train)
-        return self.observe(obs)
+        obs = Observation(
+            step=step, epoch=epoch, rank=rank, val_loss=val_loss, train_loss=train_loss
+        )
+        return self.observe_shared(obs) if shared else self.observe(obs)
+
+    def train_loss_since_validation(self) -> tuple[float, int]:
+        """The sum and the number of finite training losses seen since the last validation."""
+        return self._train_sum, self._train_n
 
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
@@ -177,6 +240,124 @@ class Monitor:
         for f in findings:
             self._record(f)
         return decide(findings, self.stop_on, self.raise_on)
+
+    # -- distributed runs -------------------------------------------------------------
+    def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
+        """Take part in a run of ``world_size`` processes as ``rank`` (1: a single process).
+
+        Rank zero alone writes to the sinks. In a single process the detectors that
+        compare ranks do not run.
+
+        Args:
+            rank: This process's rank.
+            world_size: How many processes train together.
+            replicated: Whether every rank holds the same gradients and weights
+                (:data:`~stethoscope.observation.REPLICATED_PROBES`), as under DDP: then
+                off rank zero the detectors that judge only those do not run, and rank
+                zero judges them for everyone. ``False`` (sharded parameters): every
+                rank judges its own.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
+        self.rank, self.world_size = rank, world_size
+        self.emit = rank == 0
+        #: Whether this process judges the gradients and weights (not so off rank zero
+        #: when every rank holds the same ones).
+        self.judges_replicated = world_size == 1 or rank == 0 or not replicated
+        if world_size == 1:
+            idle = {d.name for d in self.detectors if d.needs & RANK_PROBES}
+        elif rank != 0 and replicated:
+            idle = {d.name for d in self.detectors if d.needs <= REPLICATED_PROBES}
+        else:
+            idle = set()
+        self._idle: frozenset[str] = frozenset(idle)
+        self._outbox: list[Finding] = []
+        self._want: Decision | None = None  # the decision held until the ranks meet
+        self._want_why: str | None = None  # why this rank wants to sample faster
+
+    def meets(self, step: int) -> bool:
+        """Whether the ranks meet at ``step``: a sampled step of the agreed schedule, or
+        every :data:`~stethoscope.distributed.SYNC_EVERY` steps. Never in a single process.
+
+        The schedule depends only on the step and on the sampler's state, which changes
+        only in :meth:`agree` and :meth:`observe_shared` (the same on every rank), so
+        every rank gives the same answer: no rank waits in a collective the others skip.
+        """
+        if self.world_size == 1:
+            return False
+        if step % SYNC_EVERY == 0:
+            return True
+        return not self._sampled.isdisjoint(self._due(step))
+
+    def shared_probes(self, step: int) -> frozenset[str]:
+        """The probes gathered from every rank at ``step`` (when the ranks meet there)."""
+        if self.world_size == 1:
+            return frozenset()
+        due = self._due(step)
+        return frozenset(p for d in self.detectors if d.name in due for p in d.needs & RANK_PROBES)
+
+    def outgoing(self, capacity: int = MAIL_BYTES) -> tuple[dict[str, float], bytes]:
+        """This rank's part of a meeting: its held decisions as the flags that
+        :data:`~stethoscope.distributed.REDUCTIONS` declares, and its letter of at most
+        ``capacity`` bytes. The findings the letter carries leave the outbox; those that
+        did not fit are counted in the ``backlog`` flag and wait for the next meeting.
+        """
+        want = self._want
+        letter = Letter(
+            findings=self._outbox,
+            reason=want.reason if want is not None else None,
+            why=self._want_why,
+        )
+        body, sent = letter.encode(capacity)
+        del self._outbox[:sent]
+        flags = {
+            "stop": float(want is not None),
+            "raise": float(want is not None and want.raise_),
+            "escalate": float(self._want_why is not None),
+            "backlog": float(len(self._outbox)),
+        }
+        return flags, body
+
+    @property
+    def backlog(self) -> int:
+        """Findings waiting in this rank's outbox for the next meeting."""
+        return len(self._outbox)
+
+    def agree(self, step: int, epoch: int, gathered: Gathered) -> Decision:
+        """Act on a meeting at ``step``: the same decision on every rank.
+
+        Rank zero reports the other ranks' findings. If any rank wanted to sample
+        faster, every rank escalates from ``step``; if any wanted to stop (or raise),
+        every rank does, for the earliest of their reasons (by step, then rank).
+        """
+        self._want, self._want_why = None, None
+        if self.emit:
+            for r, letter in enumerate(gathered.letters):
+                if r != self.rank:
+                    for f in letter.findings:
+                        self._record(f)
+        hot = gathered.ranks("escalate")
+        if hot:
+            r = hot[0]
+            msg = self.sampler.escalate(step, f"rank {r}: {gathered.letters[r].why}")
+            if msg:
+                self._record(self._sampler_finding(step, epoch, msg))
+        for flag in ("raise", "stop"):
+            reasons = [
+                gathered.letters[r].reason
+                for r in gathered.ranks(flag)
+                if gathered.letters[r].reason is not None
+            ]
+            if reasons:
+                # the earliest: a NaN on one rank spreads to every replica at the next
+                # all-reduce, and the rank it began on is the one to look at
+                reason = min(reasons, key=lambda f: (f.step, f.rank))
+                if self.stopped_by is None:
+                    self.stopped_by = reason
+                return Decision(stop=True, raise_=flag == "raise", reason=reason)
+        return Decision()
 
     # -- per epoch --------------------------------------------------------------
     def end_epoch(self, epoch: int) -> EpochSummary:
@@ -191,7 +372,7 @@ class Monitor:
         """The summary of the epoch so far, as plain data."""
         rows: list[SummaryRow] = []
         quiet: list[str] = []
-        names = [d.name for d in self.detectors]
+        names = [d.name for d in self.detectors if d.name not in self._idle]
         for name in names:
             stats = self._epoch.get(name)
             if stats is None:
@@ -291,29 +472,39 @@ class Monitor:
         )
 
     # -- findings -----------------------------------------------------------------
-    def _sampler_finding(self, obs: Observation, message: str) -> Finding:
+    def _sampler_finding(self, step: int, epoch: int, message: str) -> Finding:
         return Finding(
-            step=obs.step,
-            epoch=obs.epoch,
+            step=step,
+            epoch=epoch,
             detector=SAMPLER,
             severity=Severity.INFO,
             message=message,
-            value=self.sampler.cap(obs.step),  # the interval cap now: 1, or None at base
-            rank=obs.rank,
+            value=self.sampler.cap(step),  # the interval cap now: 1, or None at base
+            rank=self.rank,
         )
 
-    def _record(self, f: Finding) -> None:
+    def _record(self, f: Finding, *, forward: bool = False) -> None:
+        """Count ``f`` in the epoch; send it to the sinks unless it repeats a recent one.
+
+        ``forward``: off rank zero, keep it for the next meeting instead (a finding
+        from this rank's own data, which rank zero has not seen).
+        """
         stats = self._epoch.setdefault(f.detector, {"count": 0, "worst": f, "by_severity": {}})
         stats["count"] += 1
         stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
         if f.severity > stats["worst"].severity:
             stats["worst"] = f
         key = f"{f.detector}|{f.where}|{f.severity.value}"
+        if f.rank:
+            key += f"|{f.rank}"  # the same problem on another rank is news of its own
         last = self._last_sent.get(key)
         if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
             return  # an identical finding went out recently: count it, do not flood the sinks
         self._last_sent[key] = f.step
-        self._call_sinks("emit", f)
+        if forward and not self.emit:
+            self._outbox.append(f)
+        else:
+            self._call_sinks("emit", f)
 
     def _call_sinks(self, method: str, *args: Any) -> None:
         if not self.emit:
@@ -391,4 +582,6 @@ class Monitor:
         self._last_sent.clear()
         self.stopped_by = None
         self.last_step = -1
+        self._outbox.clear()
+        self._want, self._want_why = None, None
         self._new_epoch()

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EVENT_PROBES", "PROBES", "SATURATION_BOUNDS", "Observation", "global_norm"]
+__all__ = [
+    "EVENT_PROBES",
+    "PROBES",
+    "RANK_PROBES",
+    "REPLICATED_PROBES",
+    "SATURATION_BOUNDS",
+    "Observation",
+    "global_norm",
+]
 
 #: The probes an adapter can run. ``loss`` is the every-step sentinel; the
 #: others reduce every parameter and run only on steps the sampler selects.
@@ -22,10 +30,23 @@ PROBES: tuple[str, ...] = (
     "labels",
     "val",
     "trace",
+    "replicas",
+    "ranks",
 )
 
 #: Probes that arrive with an event (a validation) rather than being planned per step.
 EVENT_PROBES: frozenset[str] = frozenset({"val"})
+
+#: Probes gathered from every rank by the one collective of a distributed run's sampled
+#: step (see :mod:`stethoscope.distributed`). No step computes them alone, so a single
+#: process never has them, and the detectors that need them stay idle there.
+RANK_PROBES: frozenset[str] = frozenset({"replicas", "ranks"})
+
+#: Probes that are the same on every rank of a data-parallel (DDP) run: DDP all-reduces
+#: the gradients before the optimizer step, so every replica holds the global gradient
+#: and takes the same step (``replica_divergence`` checks that they do). Rank zero judges
+#: them for everyone; the other ranks neither compute nor judge them.
+REPLICATED_PROBES: frozenset[str] = frozenset({"grads", "weights", "updates", "units"})
 
 #: Pre-activation magnitudes past which an activation counts as saturated: where its
 #: local gradient falls below 1/5000 of its peak (tanh'(5) = 1.8e-4; the logistic
@@ -79,6 +100,15 @@ class Observation:
         train_loss: Mean training loss since the previous validation.
         trace_names: Modules in the order their forward ran (the deep non-finite probe).
         trace_finite: Whether each of those modules' outputs was entirely finite.
+        replica_names: The tensors of the replicas that are compared across ranks:
+            every parameter, then the buffers DDP does not re-broadcast each step.
+        replica_buffer: Whether each of those is a buffer (True) or a parameter.
+        replica_sums: Checksum of each of those tensors on each rank, shape
+            ``(world_size, len(replica_names))``: the int64 sum of the tensor's bit
+            patterns, so any change to any element changes it, exactly.
+        rank_busy: Mean seconds per batch each rank spent alone since they were last
+            gathered (data loading and forward pass: the part of a step no collective
+            waits in), shape ``(world_size,)``; NaN for a rank that timed no batch.
     """
 
     step: int
@@ -109,6 +139,10 @@ class Observation:
     train_loss: float | None = None
     trace_names: tuple[str, ...] = ()
     trace_finite: np.ndarray | None = None
+    replica_names: tuple[str, ...] = ()
+    replica_buffer: np.ndarray | None = None
+    replica_sums: np.ndarray | None = None
+    rank_busy: np.ndarray | None = None
 
     def has(self, probe: str) -> bool:
         """Whether the data of ``probe`` is present."""
@@ -128,6 +162,8 @@ _PROBE_FIELD = {
     "labels": "labels",
     "val": "val_loss",
     "trace": "trace_finite",
+    "replicas": "replica_sums",
+    "ranks": "rank_busy",
 }
 
 

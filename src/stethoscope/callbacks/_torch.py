@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostReader", "ParameterProbe"]
+__all__ = ["HostReader", "ParameterProbe", "checksums"]
 
 
 class HostReader:
@@ -169,6 +169,28 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
             for i, n in zip(idx, norms, strict=True):
                 out[i] = n.float()
     return torch.stack(out)
+
+
+#: The integer type of each element size, to read a tensor's bit patterns as integers.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An exact checksum of each tensor: the int64 sum of its elements' bit patterns.
+
+    Integer addition does not depend on the order of the sum, so identical tensors give
+    identical checksums on any rank and any kernel, and changing any element changes it
+    (floats would round, and a norm cannot see a sign flip or a permutation within a
+    row either). One int64 tensor on the device; no copy of any tensor is made.
+    """
+    out = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        bits = t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+        out.append(bits.sum(dtype=torch.int64))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
 #: Layers whose weight has one row per output unit (dim 0): dense and convolution layers.

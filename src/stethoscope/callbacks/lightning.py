@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from stethoscope.callbacks._torch import (
     ForwardProbe,
     HostReader,
     ParameterProbe,
+    checksums,
     class_labels,
     input_moments,
     split_batch,
@@ -30,6 +32,7 @@ from stethoscope.callbacks._torch import (
     zero_rows,
 )
 from stethoscope.detectors import Detector
+from stethoscope.distributed import Gathered, Packet
 from stethoscope.findings import Finding, TrainingProblem
 from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation, global_norm
@@ -48,6 +51,13 @@ class LightningStethoscope(Callback):
     gradient and weight to a norm in one fused kernel and reads them in one
     transfer. Detectors judge those numbers on the host; findings go to the
     sinks; a finding that matches ``stop_on`` sets ``trainer.should_stop``.
+
+    Under DDP every rank runs the callback; rank zero writes to the sinks. The ranks
+    meet in one all-gather on the sampled steps of their shared schedule, at each
+    validation and at each epoch end: the findings of the other ranks reach rank zero
+    there, a decision to stop (or to sample faster) taken on any rank is taken by all of
+    them on that step, and the distributed detectors compare the replicas' weights and
+    the ranks' step times. In a single process none of this runs.
 
     Args:
         detectors: Detector instances (default: every detector, default thresholds).
@@ -143,6 +153,14 @@ class LightningStethoscope(Callback):
         self._warned_no_loss = False
         self._printer = None
         self._lr_group: dict[str, Any] | None = None
+        # distributed runs only (see _meet)
+        self._dist = False
+        self._replicas: list[torch.Tensor] = []  # the tensors replica_divergence compares
+        self._replica_names: tuple[str, ...] = ()
+        self._replica_buffer = np.zeros(0, dtype=bool)
+        self._packets: dict[tuple, Packet] = {}
+        self._mark: float | None = None  # when this rank last finished a batch
+        self._busy, self._busy_n = 0.0, 0  # seconds alone, and batches, since last gathered
 
     @property
     def stopped_by(self) -> Finding | None:
@@ -164,7 +182,8 @@ class LightningStethoscope(Callback):
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
-        self.monitor.emit = trainer.is_global_zero
+        self.monitor.distribute(rank=trainer.global_rank, world_size=trainer.world_size)
+        self._dist = trainer.world_size > 1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -185,6 +204,34 @@ class LightningStethoscope(Callback):
             if isinstance(sink, ConsoleSink):
                 sink.use_printer(self._printer)
         lend_logger_destinations(self.monitor.sinks, trainer)  # one MLflow run, one TB log dir
+        if self._dist:
+            self._watch_replicas(trainer, pl_module)
+
+    def _watch_replicas(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The tensors replica_divergence compares: under DDP, every parameter, and the
+        buffers DDP does not overwrite from rank zero at each forward pass. Strategies that
+        shard the parameters (FSDP, DeepSpeed) hold no whole replicas: nothing to compare,
+        and every rank judges its own gradients and weights."""
+        model = trainer.strategy.model
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self.monitor.distribute(
+                rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
+            )
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f"stethoscope: LightningStethoscope is tested under DDP only; with "
+                    f"{type(trainer.strategy).__name__} every rank judges the gradients and "
+                    "weights it holds (a shard, if they are sharded), and replica_divergence "
+                    "is off",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        named = list(pl_module.named_parameters())
+        buffers = [] if model.broadcast_buffers else list(pl_module.named_buffers())
+        self._replicas = [t for _, t in named + buffers]
+        self._replica_names = tuple(n for n, _ in named + buffers)
+        self._replica_buffer = np.array([False] * len(named) + [True] * len(buffers))
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(
@@ -302,6 +349,25 @@ class LightningStethoscope(Callback):
                 tensors = [t.reshape(-1).float() for _, t, _ in parts]
                 self._reader.push(meta, tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         self._drain(trainer, wait=False)
+        if self._dist:
+            step = self._planned_step
+            if trainer.global_step != step and self.monitor.meets(step):  # the optimizer stepped
+                self._meet_at_step(trainer, step)
+            self._mark = time.perf_counter()
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._dist and self._mark is not None:
+            # data loading and forward pass: what this rank did alone since its last batch
+            self._busy += time.perf_counter() - self._mark
+            self._busy_n += 1
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark = None  # the first batch of an epoch also starts the data loader
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark = None  # the next training batch comes after a validation: not timed
 
     # -- validation -----------------------------------------------------------------
     def on_validation_batch_end(
@@ -328,15 +394,37 @@ class LightningStethoscope(Callback):
             return
         losses, self._val_losses = self._val_losses, []
         if losses:
-            val = float(torch.cat(losses).mean())  # once per validation: a sync is fine here
+            mean = torch.cat(losses).mean()  # once per validation: a sync is fine here
+            val: float | None = float(mean)
         else:
             val = self._logged_val_loss(trainer)
-            if val is None:
-                return
+        step = max(trainer.global_step - 1, 0)
+        if self._dist:
+            # every rank validates here: meet, and judge the validation of all ranks
+            train_sum, train_n = self.monitor.train_loss_since_validation()
+            stats = {
+                "val_sum": [val if val is not None else 0.0],
+                "val_count": [1.0 if val is not None else 0.0],
+                "train_sum": [train_sum],
+                "train_count": [float(train_n)],
+            }
+            gathered = self._meet(trainer, step, stats)
+            val = gathered.mean_of("val_sum", "val_count")
+            if val is not None:
+                decision = self.monitor.observe_validation(
+                    step,
+                    trainer.current_epoch,
+                    val,
+                    self.monitor.rank,
+                    train_loss=gathered.mean_of("train_sum", "train_count"),
+                    shared=True,
+                )
+                self._act(trainer, decision)
+            return
+        if val is None:
+            return
         self._drain(trainer, wait=True)
-        decision = self.monitor.observe_validation(
-            max(trainer.global_step - 1, 0), trainer.current_epoch, val
-        )
+        decision = self.monitor.observe_validation(step, trainer.current_epoch, val)
         self._act(trainer, decision)
 
     def _logged_val_loss(self, trainer: pl.Trainer) -> float | None:
@@ -356,6 +444,12 @@ class LightningStethoscope(Callback):
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, wait=True)
+        if self._dist:
+            # every rank ends the epoch here: meet until no rank has a finding left to send,
+            # so rank zero's summary and sinks hold every rank's findings of the epoch
+            step = max(trainer.global_step - 1, 0)
+            while self._meet(trainer, step, {}).reduced("backlog"):
+                pass
         summary = self.monitor.end_epoch(trainer.current_epoch)
         self.summaries.append(summary)
         self._log(trainer, {"stethoscope/findings": float(sum(r.count for r in summary.rows))})
@@ -415,6 +509,48 @@ class LightningStethoscope(Callback):
             loss = loss * k  # Lightning divides the returned loss by the accumulation factor
         return loss
 
+    def _meet_at_step(self, trainer: pl.Trainer, step: int) -> None:
+        """A sampled step of the shared schedule: gather what the distributed detectors
+        compare along with the held decisions and findings, in the same collective."""
+        probes = self.monitor.shared_probes(step)
+        stats: dict[str, Any] = {}
+        if "ranks" in probes:
+            stats["busy"] = [self._busy / self._busy_n if self._busy_n else math.nan]
+            self._busy, self._busy_n = 0.0, 0
+        if "replicas" in probes and self._replicas:
+            stats["checksums"] = checksums(self._replicas).cpu().numpy()
+        gathered = self._meet(trainer, step, stats)
+        if not stats:
+            return
+        obs = Observation(step=step, epoch=trainer.current_epoch, rank=self.monitor.rank)
+        if "busy" in stats:
+            obs.rank_busy = gathered.per_rank["busy"][:, 0]
+        if "checksums" in stats:
+            obs.replica_names = self._replica_names
+            obs.replica_buffer = self._replica_buffer
+            obs.replica_sums = gathered.per_rank["checksums"]
+        self._act(trainer, self.monitor.observe_shared(obs))
+
+    def _meet(self, trainer: pl.Trainer, step: int, stats: dict[str, Any]) -> Gathered:
+        """The one collective: every rank sends its held decisions, its letter of findings
+        and ``stats`` in one fixed-size packet, and acts on what all of them sent.
+
+        Called only where every rank calls it: on the steps of the shared schedule
+        (:meth:`Monitor.meets`), at validation ends and at epoch ends.
+        """
+        self._drain(trainer, wait=True)  # judge every pending reading first: its verdict goes too
+        flags, letter = self.monitor.outgoing()
+        values = {**flags, **stats}
+        layout = tuple((name, len(np.atleast_1d(v))) for name, v in values.items())
+        packet = self._packets.get(layout)
+        if packet is None:
+            packet = self._packets[layout] = Packet(dict(layout))
+        mine = torch.from_numpy(packet.pack(values, letter))
+        everyone = trainer.strategy.all_gather(mine.to(trainer.strategy.root_device))
+        gathered = packet.unpack(everyone.cpu().numpy().reshape(trainer.world_size, -1))
+        self._act(trainer, self.monitor.agree(step, trainer.current_epoch, gathered))
+        return gathered
+
     def _drain(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for meta, values in self._reader.pop(wait=wait):
             self._judge(trainer, meta, values)
@@ -430,8 +566,8 @@ class LightningStethoscope(Callback):
         """After a non-finite loss on an unsampled CPU step, read this step's gradients and
         weights at once (they are still there), so the detectors that name the parameter
         report on this step rather than at the next sample. Off the healthy path."""
-        if self._probe is None:
-            return
+        if self._probe is None or not self.monitor.judges_replicated:
+            return  # off rank zero under DDP, the detectors that would read them are idle
         idx = [i for i, p in enumerate(self._probe.params) if p.grad is not None]
         if not idx:
             return
@@ -450,7 +586,7 @@ class LightningStethoscope(Callback):
 
     def _observation(self, meta: tuple, values: Any) -> Observation:
         step, epoch, idx, layout, lr = meta
-        obs = Observation(step=step, epoch=epoch, rank=0, lr=lr)
+        obs = Observation(step=step, epoch=epoch, rank=self.monitor.rank, lr=lr)
         at = 0
         for key, n, extra in layout:
             chunk = np.asarray(values[at : at + n], dtype=np.float64)

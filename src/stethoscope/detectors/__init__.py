@@ -12,6 +12,7 @@ from typing import Any
 from stethoscope.detectors.activations import DeadRelu, SaturatedActivation
 from stethoscope.detectors.base import Detector
 from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput
+from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
@@ -39,8 +40,10 @@ __all__ = [
     "NonfiniteWeights",
     "Overfitting",
     "PoorInitialization",
+    "ReplicaDivergence",
     "SaturatedActivation",
     "SmallUpdates",
+    "Straggler",
     "UnnormalizedInput",
     "UnstableLoss",
     "VanishingGradients",
@@ -69,12 +72,18 @@ DETECTORS: dict[str, type[Detector]] = {
         AllZero,
         ClassImbalance,
         UnnormalizedInput,
+        ReplicaDivergence,
+        Straggler,
     )
 }
 
 
 def default_detectors(**overrides: Mapping[str, Any] | Detector | None) -> list[Detector]:
     """A fresh instance of every detector, with default thresholds unless overridden.
+
+    The distributed detectors (``replica_divergence``, ``straggler``) are always among
+    them: they judge facts gathered from every rank, so in a single process they never
+    run, cost nothing, and are left out of its summary.
 
     Args:
         **overrides: By detector name: keyword arguments for that detector, an

@@ -93,8 +93,10 @@ class Detector:
         value: float | None = None,
         threshold: float | None = None,
         where: str | None = None,
+        rank: int | None = None,
     ) -> Finding:
-        """A finding of this detector at ``obs``'s step."""
+        """A finding of this detector at ``obs``'s step, on ``obs``'s rank unless ``rank``
+        names the rank it is about (a fact gathered from every rank)."""
         return Finding(
             step=obs.step,
             epoch=obs.epoch,
@@ -104,7 +106,7 @@ class Detector:
             value=value,
             threshold=threshold,
             where=where,
-            rank=obs.rank,
+            rank=obs.rank if rank is None else rank,
         )
 
 

@@ -1,0 +1,131 @@
+"""One rank of the DDP tests, run as a script; ``test_lightning_ddp.py`` starts two.
+
+    python _ddp_worker.py OUTDIR SCENARIO [SCENARIO ...]
+
+The environment names the rank as a launcher would (``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), so Lightning joins the two processes instead of launching its own, and
+both run every scenario in turn in one process group (importing torch and Lightning once
+is most of the cost). Each scenario is a fresh model, callback and ``Trainer`` on 2 CPU
+ranks with gloo, writing rank zero's findings to ``OUTDIR/SCENARIO.jsonl`` through a
+``JSONLSink``, and ``OUTDIR/SCENARIO-rank{r}.json``: this rank's last step, whether it
+was told to stop or raised, and the finding that stopped it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from _models import TinyMLP, dataset
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, Subset
+
+from stethoscope import LightningStethoscope
+from stethoscope.findings import TrainingProblem
+from stethoscope.sinks import JSONLSink
+
+#: The rank every fault is injected on: rank zero must learn of it from rank one.
+FAULTY = 1
+
+
+class RankFault(TinyMLP):
+    """TinyMLP whose ``rank_fault`` happens on rank :data:`FAULTY` only: ``nan`` (its loss
+    is NaN at step ``onset``), ``perturb`` (its ``net.2.weight`` moves after the optimizer
+    step at ``onset``) or ``sleep`` (50 ms more per step in its forward pass)."""
+
+    def __init__(self, *, rank_fault: str = "none", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.rank_fault = rank_fault
+
+    def _mine(self) -> bool:
+        return self.trainer.global_rank == FAULTY
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.rank_fault == "nan" and self._mine() and self.global_step == self.onset:
+            loss = loss * math.nan
+        if self.rank_fault == "sleep" and self._mine():
+            time.sleep(0.05)
+        return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.rank_fault == "perturb" and self._mine() and self.global_step == self.onset:
+            with torch.no_grad():
+                self.net[2].weight[0, 0] += 1e-3
+
+
+#: name: (model kwargs, callback kwargs, steps, DDP kwargs, validate)
+SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
+    # BatchNorm buffers (re-broadcast by DDP each step), dropout, validation: all quiet
+    "healthy": ({"norm": True}, {}, 64, {}, True),
+    # base intervals: rank 1's NaN at step 37 is agreed at the next meeting, step 48
+    "nan": ({"rank_fault": "nan", "onset": 37}, {"escalate": False}, 80, {}, False),
+    "nan_raise": (
+        {"rank_fault": "nan", "onset": 37},
+        {"escalate": False, "raise_on": "error"},
+        80,
+        {},
+        False,
+    ),
+    "perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64, {}, False),
+    "sleep": ({"rank_fault": "sleep"}, {}, 24, {}, False),
+    # BatchNorm buffers DDP does not re-broadcast: each rank's running statistics drift
+    "buffers": ({"norm": True}, {}, 24, {"broadcast_buffers": False}, False),
+}
+
+
+def run(out: Path, name: str) -> None:
+    model_kw, cb_kw, steps, ddp_kw, validate = SCENARIOS[name]
+    torch.manual_seed(0)  # the same initial weights on both ranks, as DDP expects
+    model = RankFault(**model_kw)
+    callback = LightningStethoscope(sinks=[JSONLSink(out / f"{name}.jsonl")], **cb_kw)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), **ddp_kw),
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2 if validate else 0,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+    )
+    # 32 steps per epoch on each rank; one teacher: the last 128 samples are held out
+    full = dataset(2048 + 128)
+    data = DataLoader(Subset(full, range(2048)), batch_size=32, shuffle=True)
+    val = DataLoader(Subset(full, range(2048, 2176)), batch_size=32) if validate else None
+    raised = None
+    try:
+        trainer.fit(model, data, val)
+    except TrainingProblem as exc:
+        raised = exc.finding.to_dict(json_safe=True)
+    stopped = callback.stopped_by
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "should_stop": trainer.should_stop,
+        "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
+        "raised": raised,
+    }
+    (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:]:
+        run(out, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Layer 2 under DDP: two real CPU ranks (gloo) with a fault on rank 1 only.
+
+Both ranks are started once, as a launcher would start them (``_ddp_worker.py``), and
+run every scenario in turn; each test then reads what rank zero's ``JSONLSink`` wrote
+and the step every rank stopped at. No test kills a rank or waits on a hung one: the
+ranks have a 60 s collective timeout, and the pair is killed (and the tests fail) if
+it has not finished within :data:`TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _models import TinyMLP, fit
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink
+
+WORKER = Path(__file__).with_name("_ddp_worker.py")
+SCENARIOS = ("healthy", "nan", "nan_raise", "perturb", "sleep", "buffers")
+#: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
+TIMEOUT = 180
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Run both ranks through every scenario; the directory of what they wrote."""
+    out = tmp_path_factory.mktemp("ddp")
+    port = _free_port()
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "PYTHONPATH": path,
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, str(WORKER), str(out), *SCENARIOS]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()  # only the two processes this fixture started
+                proc.wait()
+            log.close()
+    failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r, _ in failed)
+        pytest.fail(f"DDP ranks failed or timed out (rank, code): {failed}\n{logs}")
+    return out
+
+
+def findings(out: Path, scenario: str) -> list[dict]:
+    path = out / f"{scenario}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ranks(out: Path, scenario: str) -> list[dict]:
+    return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_healthy_run_fires_nothing_and_runs_to_the_end(runs):
+    assert findings(runs, "healthy") == []  # BatchNorm, dropout, validation: all quiet
+    for r in ranks(runs, "healthy"):
+        assert r["global_step"] == 64
+        assert r["stopped_by"] is None and not r["should_stop"]
+
+
+def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(runs):
+    mine = [f for f in findings(runs, "nan") if f["detector"] == "nonfinite_loss"]
+    first = min(mine, key=lambda f: f["step"])
+    assert (first["step"], first["rank"], first["severity"], first["where"]) == (
+        37,
+        1,
+        "error",
+        "loss",
+    )
+    # rank 1 decided alone at step 37 (a step the ranks do not meet at); both stop at the
+    # next meeting, step 48, after its optimizer step: global_step 49 on every rank
+    for r in ranks(runs, "nan"):
+        assert r["global_step"] == 49
+        assert r["should_stop"]
+        assert (r["stopped_by"]["step"], r["stopped_by"]["rank"]) == (37, 1)
+
+
+def test_raise_on_is_agreed_too(runs):
+    for r in ranks(runs, "nan_raise"):
+        assert r["raised"] is not None, "every rank raises TrainingProblem"
+        assert (r["raised"]["detector"], r["raised"]["step"], r["raised"]["rank"]) == (
+            "nonfinite_loss",
+            37,
+            1,
+        )
+        assert r["global_step"] == 49
+
+
+def test_perturbed_replica_names_the_first_differing_parameter_and_stops_every_rank(runs):
+    errors = [f for f in findings(runs, "perturb") if f["severity"] == "error"]
+    assert [(f["detector"], f["where"], f["rank"], f["step"]) for f in errors] == [
+        ("replica_divergence", "net.2.weight", 1, 20)
+    ]
+    for r in ranks(runs, "perturb"):
+        assert r["global_step"] == 21  # stopped at step 20, on both ranks
+        assert r["stopped_by"]["detector"] == "replica_divergence"
+
+
+def test_a_sleeping_rank_is_a_straggler_and_training_goes_on(runs):
+    warnings = [f for f in findings(runs, "sleep") if f["severity"] != "info"]
+    assert warnings, "no straggler warning"
+    assert {(f["detector"], f["where"], f["rank"]) for f in warnings} == {
+        ("straggler", "rank 1", 1)
+    }
+    assert warnings[0]["step"] <= 12  # 8 samples, from step 1 (step 0 is not timed)
+    for r in ranks(runs, "sleep"):
+        assert r["global_step"] == 24 and r["stopped_by"] is None
+
+
+def test_unsynchronised_batchnorm_buffers_are_a_warning(runs):
+    found = [f for f in findings(runs, "buffers") if f["severity"] != "info"]
+    assert found and {f["detector"] for f in found} == {"replica_divergence"}
+    assert {f["severity"] for f in found} == {"warning"}
+    assert found[0]["where"].endswith(("running_mean", "running_var")) and found[0]["rank"] == 1
+    for r in ranks(runs, "buffers"):
+        assert r["global_step"] == 24 and r["stopped_by"] is None
+
+
+def test_a_single_process_never_meets(monkeypatch):
+    """world_size 1: no collective at all, and the distributed detectors stay idle."""
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a single process must not gather")
+
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink])
+    monkeypatch.setattr(callback, "_meet", no_collective)
+    trainer, _ = fit(TinyMLP(), steps=40, callback=callback)
+    assert trainer.global_step == 40 and not sink.findings
+    assert not callback._packets
+    summary = callback.summaries[-1]
+    assert "straggler" not in summary.quiet and "replica_divergence" not in summary.quiet
