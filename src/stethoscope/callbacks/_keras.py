@@ -170,6 +170,10 @@ class GraphProbe:
         self.input_shape = var((2,), 0, "int64", "input_shape")  # features, samples
         self.label_hist = var((MAX_CLASSES + 3,), 0, name="label_hist")
         self.forward_rows = var((max(len(self.forward_layers), 1), _ROW), np.nan, name="fwd")
+        self._handles = self._fast_handles(
+            [getattr(self, n) for n in vars(self) if isinstance(getattr(self, n), keras.Variable)]
+            + [self.optimizer.iterations]
+        )
         # host-side mirrors for eager backends, where a Python bool costs nothing
         self._py_flags = np.zeros(len(GROUPS), dtype=bool)
         self._py_sample_at = -1
@@ -180,17 +184,52 @@ class GraphProbe:
 
     # -- host side -----------------------------------------------------------------
     def schedule(self, step: int, groups: set[str], current: tuple) -> tuple:
-        """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change."""
+        """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change,
+        and never to cancel: a past sample step can no longer match the iteration count."""
+        if step < 0:
+            return current
         flags = tuple(1 if g in groups else 0 for g in GROUPS)
         want = (step, flags)
         if want != current:
             if step != current[0]:
-                self.sample_at.assign(step)
+                self.write(self.sample_at, np.int64(step))
             if flags != current[1]:
-                self.flags.assign(np.array(flags, dtype="int32"))
+                self.write(self.flags, np.array(flags, dtype="int32"))
             self._py_sample_at = step
             self._py_flags = np.array(flags, dtype=bool)
         return want
+
+    def read(self, var: Any) -> np.ndarray:
+        """A variable's value on the host: TensorFlow's bare read op where it applies (about
+        20 us against 70-140 us through ``keras.ops``; it runs once per step)."""
+        handle = self._handles.get(id(var))
+        if handle is None:
+            return np.asarray(keras.ops.convert_to_numpy(var))
+        import tensorflow as tf
+
+        return tf.raw_ops.ReadVariableOp(resource=handle[0], dtype=handle[1]).numpy()
+
+    def write(self, var: Any, value: np.ndarray) -> None:
+        """Assign from the host (the bare op on TensorFlow, as :meth:`read`)."""
+        handle = self._handles.get(id(var))
+        if handle is None:
+            var.assign(value)
+            return
+        import tensorflow as tf
+
+        tf.raw_ops.AssignVariableOp(resource=handle[0], value=value.astype(handle[2]))
+
+    def _fast_handles(self, variables: list) -> dict[int, tuple]:
+        if keras.backend.backend() != "tensorflow":
+            return {}
+        handles: dict[int, tuple] = {}
+        for v in variables:
+            try:
+                tv = v.value
+                handles[id(v)] = (tv.handle, tv.dtype, tv.dtype.as_numpy_dtype)
+            except (AttributeError, ValueError, RuntimeError):  # e.g. a distributed variable
+                continue
+        return handles
 
     def start(self, step: int) -> None:
         """The optimizer's iteration count at the start of a fit (eager backends count it)."""
@@ -363,8 +402,12 @@ class GraphProbe:
             first = next((t for t in keras.tree.flatten(out) if t is not None), None)
             if first is None or not _is_float(first):
                 return out
+            # Cut the tape before the cond: an op that the gradient tape records inside the
+            # forward pass makes TensorFlow keep its branch's intermediates for a backward
+            # pass that never comes, on every step (measured: +8% on an MLP step).
+            seen = ops.stop_gradient(first)
             pred = self._want("forward", "trace")
-            self._cond(pred, lambda: self._forward_stats(row, first, kind, bound))
+            self._cond(pred, lambda: self._forward_stats(row, seen, kind, bound))
             return out
 
         return call

@@ -207,7 +207,7 @@ class KerasStethoscope(keras.callbacks.Callback):
             return
         self._pending = None
         first, planned, plan = pending
-        read = keras.ops.convert_to_numpy
+        read = probe.read
         # with several steps per execution, the last one of an epoch may run fewer
         count = 1 if probe.k == 1 else int(read(self.model.optimizer.iterations)) - first
         self._next = first + count
@@ -227,7 +227,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         if losses is not None and not probe.eager and not np.all(np.isfinite(losses[:count])):
             bad_at = int(read(probe.bad_at))  # the graph measured the first non-finite step
             if bad_at >= 0:
-                probe.bad_at.assign(-1)  # ready for the next one (off the healthy path)
+                probe.write(probe.bad_at, np.int64(-1))  # for the next one (off the healthy path)
         for step in range(first, first + count):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
@@ -251,7 +251,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         """Fill ``obs`` with the probes of ``plan`` that the step computed."""
         probe = self._probe
         assert probe is not None
-        read = keras.ops.convert_to_numpy
+        read = probe.read
         if fresh and plan & {"grads", "weights", "updates", "units"}:
             self._describe(obs)
             if "grads" in plan:
@@ -284,7 +284,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         """The gradient and weight norms the graph took at a step whose loss was not finite."""
         probe = self._probe
         assert probe is not None
-        read = keras.ops.convert_to_numpy
+        read = probe.read
         self._describe(obs)
         obs.grad_norm = read(probe.bad_grad_norm).astype(np.float64)
         obs.weight_norm = read(probe.bad_weight_norm).astype(np.float64)
