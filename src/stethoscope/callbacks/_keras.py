@@ -29,7 +29,14 @@ from keras import ops
 
 from stethoscope.observation import SATURATION_BOUNDS
 
-__all__ = ["GROUPS", "MAX_CLASSES", "MAX_FEATURES", "GraphProbe", "leaf_layers"]
+__all__ = [
+    "GROUPS",
+    "MAX_CLASSES",
+    "MAX_FEATURES",
+    "SNAPSHOT_BUDGET",
+    "GraphProbe",
+    "leaf_layers",
+]
 
 #: Probe groups the host can switch on for a sampled step (indices into the flags).
 GROUPS: tuple[str, ...] = (
@@ -48,6 +55,9 @@ _G = {name: i for i, name in enumerate(GROUPS)}
 MAX_FEATURES = 4096
 #: Class labels are counted in a histogram of this many classes (larger: not judged).
 MAX_CLASSES = 1024
+#: Elements of the weights copied before a sampled update step (float32: 128 MiB), held
+#: in variables of the probe for the whole fit; past it, later variables go unmeasured.
+SNAPSHOT_BUDGET = 2**25
 
 #: Output magnitudes that correspond to the saturation bounds on the pre-activation.
 _SATURATED_OUTPUT = {
@@ -170,6 +180,17 @@ class GraphProbe:
         self.input_shape = var((2,), 0, "int64", "input_shape")  # features, samples
         self.label_hist = var((MAX_CLASSES + 3,), 0, name="label_hist")
         self.forward_rows = var((max(len(self.forward_layers), 1), _ROW), np.nan, name="fwd")
+        # update snapshots: float32 copies of the first variables, up to SNAPSHOT_BUDGET
+        # elements in all (the others get no update norm: NaN)
+        self.snapshots: dict[int, Any] = {}
+        budget = SNAPSHOT_BUDGET
+        for v, n in zip(self.variables, self.numel, strict=True):
+            if n > budget:
+                break
+            budget -= int(n)
+            self.snapshots[id(v)] = keras.Variable(
+                np.zeros(v.shape, "float32"), trainable=False, name="stethoscope_snapshot"
+            )
         self._handles = self._fast_handles(
             [getattr(self, n) for n in vars(self) if isinstance(getattr(self, n), keras.Variable)]
             + [self.optimizer.iterations]
@@ -363,28 +384,21 @@ class GraphProbe:
             on = self._want("grads", "units")
             self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), from_grads)
 
-            def measured(updates: bool) -> Any:
-                def run() -> None:
-                    before = [ops.copy(v) for v in tvars] if updates else None
-                    original(grads, tvars)
-                    self._weight_stats(tvars, before, want["weights"], forced)
+            # The update itself runs outside any cond: wrapped in one, it cost ~10% of an MLP
+            # step on every step. A sampled update step copies the weights into the
+            # snapshot variables first, and measures against them after.
+            self._cond(want["updates"], lambda: self._snapshot(tvars))
+            original(grads, tvars)
 
-                return run
-
-            def plain() -> None:
-                original(grads, tvars)
-
-            if self.eager:
-                if want["weights"]:
-                    measured(bool(want["updates"]))()
-                else:
-                    plain()
-            else:
-                ops.cond(
-                    ops.logical_or(want["weights"], forced),
-                    lambda: ops.cond(want["updates"], measured(True), measured(False)),
-                    plain,
+            def after() -> None:
+                self._cond(want["updates"], lambda: self._weight_stats(tvars, True, want, forced))
+                self._cond(
+                    ops.logical_not(want["updates"]) if not self.eager else not want["updates"],
+                    lambda: self._weight_stats(tvars, False, want, forced),
                 )
+
+            on = want["weights"]
+            self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), after)
             if self.eager:
                 self._py_step += 1
 
@@ -445,29 +459,38 @@ class GraphProbe:
         self.unit_zero.assign(ops.concatenate(parts))
         self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
 
-    def _weight_stats(self, tvars: list, before: list | None, planned: Any, forced: Any) -> None:
-        """After the update: weight norms (and update norms from ``before``) into the
-        planned record when ``planned``, and into the non-finite record when ``forced``."""
+    def _snapshot(self, tvars: list) -> None:
+        """Copy the weights that have a snapshot variable, before the update."""
+        for v in tvars:
+            snap = self.snapshots.get(id(v))
+            if snap is not None:
+                snap.assign(v)
+
+    def _weight_stats(self, tvars: list, updates: bool, want: dict, forced: Any) -> None:
+        """After the update: weight norms (and, with ``updates``, update norms against the
+        snapshot) into the planned record when planned, into the non-finite record when
+        ``forced``."""
         weights: dict[int, Any] = {}
-        updates: dict[int, Any] = {}
+        changes: dict[int, Any] = {}
         prev: dict[int, Any] = {}
-        for k, v in enumerate(tvars):
+        for v in tvars:
             pos = self._position.get(id(v))
             if pos is None:
                 continue
             now = ops.convert_to_tensor(v)
             weights[pos] = _norm(now)
-            if before is not None:
-                step = ops.subtract(ops.cast(now, "float32"), ops.cast(before[k], "float32"))
-                updates[pos] = _norm(step)
-                prev[pos] = _norm(before[k])
+            snap = self.snapshots.get(id(v)) if updates else None
+            if snap is not None:
+                before = ops.convert_to_tensor(snap)
+                changes[pos] = _norm(ops.subtract(ops.cast(now, "float32"), before))
+                prev[pos] = _norm(before)
         full = self._full(weights)
         step = ops.cast(self.optimizer.iterations, "int64") - 1  # apply has counted it
 
         def record() -> None:
             self.weight_norm.assign(full)
-            if before is not None:
-                self.update_norm.assign(self._full(updates))
+            if updates:
+                self.update_norm.assign(self._full(changes))
                 self.prev_weight_norm.assign(self._full(prev))
             self.sampled_at.assign(step)
 
@@ -475,7 +498,7 @@ class GraphProbe:
             self.bad_weight_norm.assign(full)
             self.bad_at.assign(step)
 
-        self._cond(planned, record)
+        self._cond(want["weights"], record)
         self._cond(forced, record_forced)
 
     def _input_stats(self, x: Any) -> None:
