@@ -226,6 +226,11 @@ class KerasStethoscope(keras.callbacks.Callback):
             if step == planned:
                 self._read(obs, plan, fresh=measured == step)
             elif step == measured:  # a non-finite loss switched the reductions on
+                # Judge the loss first: its error escalates the sampler, so the detectors of
+                # the gradients and weights are due at this very step and name the parameter
+                # now (the Lightning adapter's second look at an unsampled CPU step).
+                self._act(self.monitor.observe(obs))
+                obs = Observation(step=step, epoch=self._epoch, rank=0)
                 self._read(obs, frozenset({"grads", "weights"}), fresh=True)
             self._act(self.monitor.observe(obs))
 
@@ -243,23 +248,36 @@ class KerasStethoscope(keras.callbacks.Callback):
         assert probe is not None
         read = keras.ops.convert_to_numpy
         if fresh and plan & {"grads", "weights", "updates", "units"}:
-            obs.names = probe.names
-            obs.numel = probe.numel
-            obs.is_matrix = probe.is_matrix
-            obs.fan_in = probe.fan_in
+            # Only the variables the step updated with a gradient: a variable the train step
+            # keeps from optimizer.apply has a NaN placeholder, not a non-finite value (it is
+            # named in ``unoptimized`` instead, as the Lightning adapter does).
+            idx = probe.observed()
+            obs.names = tuple(probe.names[i] for i in idx)
+            obs.numel = probe.numel[idx]
+            obs.is_matrix = probe.is_matrix[idx]
+            obs.fan_in = probe.fan_in[idx]
+            obs.unoptimized = probe.unoptimized()
             obs.lr = _learning_rate(self.model.optimizer)
             if "grads" in plan:
-                obs.grad_norm = read(probe.grad_norm).astype(np.float64)
+                obs.grad_norm = read(probe.grad_norm)[idx].astype(np.float64)
             if plan & {"weights", "updates"}:
-                obs.weight_norm = read(probe.weight_norm).astype(np.float64)
+                obs.weight_norm = read(probe.weight_norm)[idx].astype(np.float64)
             if "updates" in plan:
-                obs.update_norm = read(probe.update_norm).astype(np.float64)
-                obs.prev_weight_norm = read(probe.prev_weight_norm).astype(np.float64)
+                obs.update_norm = read(probe.update_norm)[idx].astype(np.float64)
+                obs.prev_weight_norm = read(probe.prev_weight_norm)[idx].astype(np.float64)
             if "units" in plan and probe.unit_layers:
                 zero = read(probe.unit_zero)
                 cuts = np.cumsum([n for _, _, n in probe.unit_layers])[:-1]
-                obs.unit_names = tuple(name for name, _, _ in probe.unit_layers)
-                obs.unit_zero = tuple(p.astype(bool) for p in np.split(zero, cuts))
+                kept = set(idx.tolist())
+                parts = [
+                    (name, part.astype(bool))
+                    for (name, pos, _), part in zip(
+                        probe.unit_layers, np.split(zero, cuts), strict=True
+                    )
+                    if pos in kept
+                ]
+                obs.unit_names = tuple(name for name, _ in parts)
+                obs.unit_zero = tuple(part for _, part in parts)
         if "inputs" in plan:
             features, samples = (int(v) for v in read(probe.input_shape))
             if samples > 0 and 0 < features <= MAX_FEATURES:
