@@ -32,6 +32,11 @@ from stethoscope.testing import CapturingSink  # noqa: E402
 
 FEATURES, CLASSES = 20, 4
 
+# Keras' Variable.__array__ takes no copy keyword: numpy 2 warns on every variable read
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+)
+
 
 def _data(n: int = 256, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
