@@ -208,17 +208,23 @@ class _StepFaultModel(keras.Sequential):
     as Keras' own TensorFlow train step does, so the stethoscope's wrappers see both.
     """
 
+    # variable paths, not variables: a Variable in an attribute would be tracked by the
+    # model, which moves it to the front of trainable_variables (input side first no more)
     _inf_at = -1
-    _inf_variable: keras.Variable | None = None
-    _skip: tuple[keras.Variable, ...] = ()
+    _inf_path: str | None = None
+    _skip: tuple[str, ...] = ()
 
     def poison(self, variable: keras.Variable, step: int) -> None:
         """Make element 0 of ``variable``'s gradient +Inf at global step ``step``."""
-        self._inf_variable, self._inf_at = variable, step
+        self._inf_path, self._inf_at = variable.path, step
 
     def leave_out(self, variables: Sequence[keras.Variable]) -> None:
         """Never hand ``variables`` (or their gradients) to the optimizer."""
-        self._skip = tuple(variables)
+        self._skip = tuple(v.path for v in variables)
+
+    def applied(self) -> list[keras.Variable]:
+        """The variables the train step hands the optimizer."""
+        return [v for v in self.trainable_variables if v.path not in self._skip]
 
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y = data
@@ -227,14 +233,13 @@ class _StepFaultModel(keras.Sequential):
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
         tvars = list(self.trainable_variables)
         grads = tape.gradient(loss, tvars)
-        if self._inf_variable is not None:
-            i = next(k for k, v in enumerate(tvars) if v is self._inf_variable)
+        if self._inf_path is not None:
+            i = next(k for k, v in enumerate(tvars) if v.path == self._inf_path)
             g = grads[i]
             first = ops.reshape(ops.one_hot(0, int(np.prod(g.shape))), g.shape) > 0
             now = ops.equal(self.optimizer.iterations, self._inf_at)
             grads[i] = ops.where(ops.logical_and(now, first), math.inf, g)
-        skip = {id(v) for v in self._skip}
-        kept = [(g, v) for g, v in zip(grads, tvars, strict=True) if id(v) not in skip]
+        kept = [(g, v) for g, v in zip(grads, tvars, strict=True) if v.path not in self._skip]
         self.optimizer.apply([g for g, _ in kept], [v for _, v in kept])
         batch = ops.cast(ops.shape(x)[0], "float32")
         for metric in self.metrics:  # as Keras' own step: the loss weighted by batch size
@@ -646,8 +651,8 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
     # Built here, the optimizer's variables exist before the train step is traced, so it is
     # traced once instead of twice (a first trace that creates variables is traced again):
     # the same numbers, a second less per fit.
-    skip = {id(v) for v in getattr(model, "_skip", ())}
-    model.optimizer.build([v for v in model.trainable_variables if id(v) not in skip])
+    applied = getattr(model, "applied", lambda: model.trainable_variables)
+    model.optimizer.build(applied())
     per_epoch = -(-len(x) // t.batch_size)
     epochs = -(-t.max_steps // per_epoch)
     if t.max_epochs is not None:
