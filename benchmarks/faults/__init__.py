@@ -14,8 +14,9 @@ sampling settings and by what users use today (Lightning's
 ``EarlyStopping(check_finite=True)`` and ``SpikeDetection``, a hand-written NaN
 check). In Keras 3 (``keras_suite.py``, TensorFlow backend) a model carries one
 ``KerasStethoscope`` per fit, so each setting gets its own, identical ``model.fit``
-(checked step by step), and the baselines are Keras' ``EarlyStopping``,
-``TerminateOnNaN`` and the same hand-written check. ``metrics.py`` turns the
+(checked step by step), and the baselines (Keras' ``EarlyStopping``,
+``TerminateOnNaN`` and the same hand-written check) watch one more, unwatched by
+stethoscope, whose layer wrappers change what a NaN does in TensorFlow. ``metrics.py`` turns the
 findings into recall, false alarms, misdiagnoses and latency; ``report.py`` prints
 the tables.
 

@@ -242,6 +242,20 @@ def _versions(env: dict[str, Any]) -> str:
     return f"{versions}, Python {env['python']}; {threads} op thread(s)"
 
 
+def _fits_note(settings: int, *, separate: bool, own_fit: bool) -> str:
+    """How the fits of a run were shared among the settings and the baselines."""
+    parts = []
+    if settings > 1:
+        parts.append(
+            "one fit per setting, the same training run each time"
+            if separate
+            else "all settings watching the same fits"
+        )
+    if own_fit:
+        parts.append("the baselines in a fit of their own, without the stethoscope")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _render_one(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
     from benchmarks.faults.report import build_tables, render_markdown, render_rich
     from benchmarks.faults.results import FRAMEWORK_BASELINES, RunResult
@@ -259,19 +273,16 @@ def _render_one(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
     suite_wall, wall = payload["suite_wall_s"], payload["wall_s"]
     separate = cfg["separate_fits"]
     fits = len(runs) * (len(settings) if separate else 1)
+    # frameworks that train one fit per setting train the baselines' fit apart too
+    own_fit = framework in ONE_FIT_PER_SETTING and any(r.baselines for r in runs)
+    fits += len(runs) if own_fit else 0
     header = [
         f"{env['date']}; {_versions(env)} on {env['cpu']} ({env['cpu_count']} CPUs). "
         f"`{env['command']}`, {framework}: {n_fault} fault scenarios and "
         f"{len(scenarios) - n_fault} healthy controls x {len(cfg['seeds'])} seed(s) = "
         f"{len(runs)} runs, {fits} fits in {suite_wall / 60:.1f} min"
         + (f", overhead timing {(wall - suite_wall) / 60:.1f} min" if overhead else "")
-        + (
-            " (all settings watching the same fits)"
-            if len(settings) > 1 and not separate
-            else " (one fit per setting, the same training run each time)"
-            if len(settings) > 1
-            else ""
-        )
+        + _fits_note(len(settings), separate=separate, own_fit=own_fit)
         + ".",
     ]
     if len(settings) > 1 and not overhead and framework != "lightning":

@@ -22,7 +22,7 @@ def suite(framework: str) -> ModuleType:
     """The implementation module of ``framework`` (imported on demand: its framework with it).
 
     It provides ``run_scenario``, ``quiet()``, ``configure(threads)``, ``environment()``
-    and ``SPIKE_DETECTION`` (a note on the SpikeDetection baseline, or None).
+    and ``SPIKE_DETECTION`` (a note printed under the baselines' table, or None).
     """
     if framework == "lightning":
         from benchmarks.faults import lightning_suite
