@@ -57,13 +57,10 @@ Run:
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import logging
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -79,6 +76,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks._machine import machine
 from stethoscope import LightningStethoscope
 
 THREADS = 2
@@ -564,20 +562,11 @@ def summarise(
 
 
 def environment() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **machine(),
         "torch": torch.__version__,
         "lightning": L.__version__,
-        "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
     }
 
 

@@ -5,12 +5,16 @@ step 150, run to step 160; three sampling settings and the baselines watching on
 fit) and a healthy control (150 steps, the adaptive default). It checks the
 structure of what the suite reports and that the NaN is caught at its onset step;
 the suite's numbers themselves are for ``python -m benchmarks.faults``, not for CI.
+The Keras implementation runs the same NaN-input fault (one fit per setting), and
+the command line once, with ``--framework keras``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -117,3 +121,75 @@ def test_report_has_every_table(suite):
     out = io.StringIO()
     render_rich(tables, ["header"], Console(file=out, width=200, color_system=None))
     assert "nan_input" in out.getvalue()
+
+
+# -- the Keras implementation ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keras_suite():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    keras = pytest.importorskip("keras")
+    pytest.importorskip("tensorflow")
+    if keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on the environment
+        pytest.skip("the Keras fault suite injects through TensorFlow")
+    from benchmarks.faults.keras_suite import quiet as keras_quiet
+
+    keras_quiet()
+    fault = _short(select(["nan_input"])[0], 160)
+    return fault, run_all([fault], [0], SETTINGS, framework="keras")[0]
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_keras_fits_per_setting_agree_and_catch_the_nan(keras_suite):
+    sc, run = keras_suite
+    assert (run.framework, run.error) == ("keras", None)  # no error: the three fits agreed
+    assert run.steps == sc.train.max_steps and run.steps_per_epoch == 32
+    assert set(run.findings) == set(SETTINGS)
+    for setting in SETTINGS:
+        first = next(f for f in run.findings[setting] if f["detector"] == "nonfinite_loss")
+        assert (first["step"], first["severity"]) == (150, "error")
+        assert judge(sc, run, setting).latency == 0
+        assert run.probe_counts[setting]["loss"] == run.steps
+    assert run.probe_counts["every"]["grads"] == run.steps
+    assert run.probe_counts["sparse"]["grads"] < run.steps // 4
+    # The baselines watch an unwatched fit of their own, where TensorFlow's fused
+    # MatMul+BiasAdd+Relu may mask the NaN (keras_suite's docstring); the running mean of
+    # the epoch's losses is all Keras hands callbacks, so both NaN checks agree.
+    assert set(run.baselines) == {"early_stopping", "terminate_on_nan", "nan_check"}
+    assert run.baselines["terminate_on_nan"] == run.baselines["nan_check"]
+
+
+def test_keras_report_and_the_frameworks_side_by_side(suite, keras_suite):
+    from benchmarks.faults.report import build_comparison
+    from benchmarks.faults.results import KERAS_BASELINES
+
+    sc, krun = keras_suite
+    tables, numbers = build_tables(
+        [sc], [krun], SETTINGS, available={"nonfinite_loss"}, baselines=KERAS_BASELINES
+    )
+    assert numbers["overall"]["detected"] == 1
+    today = next(t for t in tables if t.title.startswith("What users use today"))
+    assert today.columns[-3:] == ["EarlyStopping", "TerminateOnNaN", "NaN check"]
+    _, lruns = suite
+    both = build_comparison([sc], {"lightning": lruns[:1], "keras": [krun]}, SETTINGS)
+    assert both.columns[2:4] == ["lightning (adaptive)", "keras (adaptive)"]
+    assert both.rows[0][:4] == ["nan_input", "nonfinite", "1/1 · 0", "1/1 · 0"]
+    assert all(len(row) == len(both.columns) for row in both.rows)
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_command_line_runs_keras_and_reports_again(keras_suite, tmp_path, capsys):
+    from benchmarks.faults.__main__ import main
+
+    path = tmp_path / "keras.json"
+    argv = ["--framework", "keras", "--quick", "--only", "nan_input", "--no-baselines"]
+    assert main([*argv, "--markdown", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| nan_input | MLP 2x64 relu | nonfinite_loss | 150 + 1 | 1/1 |" in out
+    assert "keras 3." in out and "tensorflow" in out
+    payload = json.loads(path.read_text())
+    assert payload["config"]["framework"] == "keras"
+    assert payload["config"]["separate_fits"] is True
+    assert main(["--report-from", str(path), "--markdown"]) == 0
+    assert "| nan_input | MLP 2x64 relu |" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.faults.runner import FRAMEWORKS, run_all
+from benchmarks.faults.runner import FRAMEWORKS, ONE_FIT_PER_SETTING, run_all, suite
 from benchmarks.faults.scenarios import SCENARIOS, SETTINGS, Scenario, select
 
 DEFAULT_SEEDS = 3
@@ -35,8 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--setting",
         choices=(*SETTINGS, "all"),
         default="adaptive",
-        help="sampling setting(s): 'all' runs the three in the same fits and measures their "
-        "per-step overhead on healthy controls",
+        help="sampling setting(s): 'all' runs the three (in the same fits in Lightning, one "
+        "fit each in Keras) and measures their per-step overhead on healthy controls "
+        "(Lightning)",
     )
     p.add_argument("--quick", action="store_true", help="1 seed and a short overhead measurement")
     p.add_argument("--json", metavar="PATH", help="write every run, verdict and number")
@@ -56,8 +57,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="one fit per setting instead of all settings watching one fit (to check that "
         "they do not influence each other; slower)",
     )
-    p.add_argument("--framework", choices=FRAMEWORKS, default="lightning")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--framework",
+        choices=(*FRAMEWORKS, "all"),
+        default="lightning",
+        help="which implementation trains the scenarios; 'all' runs each in turn and adds "
+        "a table with the frameworks side by side",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch / TensorFlow op threads (default 1)"
+    )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument(
         "--report-from",
@@ -78,9 +87,10 @@ def _list(scenarios: Sequence[Scenario]) -> None:
 
 
 def environment() -> dict[str, Any]:
-    from benchmarks.overhead import environment as env
+    """Date, Python and CPU: what every framework's run shares."""
+    from benchmarks._machine import machine
 
-    return env()
+    return machine()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,7 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _list(scenarios)
             return 0
         shown = sys.argv[1:] if argv is None else list(argv)
-        payload = collect(args, scenarios, " ".join(["python -m benchmarks.faults", *shown]))
+        command = " ".join(["python -m benchmarks.faults", *shown])
+        frameworks = FRAMEWORKS if args.framework == "all" else (args.framework,)
+        payloads = [collect(args, scenarios, command, fw) for fw in frameworks]
+        payload = payloads[0] if len(payloads) == 1 else {"frameworks": payloads}
     render(payload, markdown=args.markdown)
     if args.json and not args.report_from:
         with open(args.json, "w") as f:
@@ -108,16 +121,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def collect(
-    args: argparse.Namespace, scenarios: Sequence[Scenario], command: str
+    args: argparse.Namespace,
+    scenarios: Sequence[Scenario],
+    command: str,
+    framework: str | None = None,
 ) -> dict[str, Any]:
-    """Run the suite as ``args`` say; everything the report needs, as JSON-ready data."""
-    import torch
-
-    from benchmarks.faults.lightning_suite import SPIKE_DETECTION, quiet
+    """Run the suite as ``args`` say with ``framework`` (default ``args.framework``);
+    everything the report needs, as JSON-ready data."""
     from stethoscope.detectors import DETECTORS
 
-    quiet()
-    torch.set_num_threads(args.threads)
+    framework = framework or args.framework
+    impl = suite(framework)
+    impl.quiet()
+    impl.configure(args.threads)
     n_seeds = args.seeds or (1 if args.quick else DEFAULT_SEEDS)
     seeds = list(range(n_seeds))
     settings = tuple(SETTINGS) if args.setting == "all" else (args.setting,)
@@ -125,7 +141,7 @@ def collect(
         settings = ("adaptive", *(s for s in settings if s != "adaptive"))
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        print(f"[{framework}] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     runs = run_all(
@@ -134,12 +150,12 @@ def collect(
         settings,
         baselines=not args.no_baselines,
         separate=args.separate_fits,
-        framework=args.framework,
+        framework=framework,
         log=log,
     )
     suite_wall = time.perf_counter() - t0
     overhead: list[dict[str, Any]] = []
-    if len(settings) > 1 and not args.no_overhead:
+    if len(settings) > 1 and not args.no_overhead and framework == "lightning":
         from benchmarks.faults.lightning_overhead import measure_overhead
 
         rounds = args.overhead_rounds or (QUICK_OVERHEAD_ROUNDS if args.quick else OVERHEAD_ROUNDS)
@@ -150,21 +166,21 @@ def collect(
                 measure_overhead(by_name[name], rounds=rounds, warmup=not args.quick, log=log)
             )
     env = environment()
+    env.update(impl.environment())
     env["command"] = command
-    env["torch_threads"] = args.threads
     return {
         "environment": env,
         "config": {
-            "framework": args.framework,
+            "framework": framework,
             "seeds": seeds,
             "settings": list(settings),
             "scenarios": [s.name for s in scenarios],
-            "separate_fits": args.separate_fits,
+            "separate_fits": args.separate_fits or framework in ONE_FIT_PER_SETTING,
         },
         "wall_s": time.perf_counter() - t0,
         "suite_wall_s": suite_wall,
         "available_detectors": sorted(DETECTORS),
-        "spike_detection_note": SPIKE_DETECTION,
+        "spike_detection_note": impl.SPIKE_DETECTION,
         "overhead": overhead,
         "runs": [r.to_dict() for r in runs],
     }
@@ -173,12 +189,79 @@ def collect(
 def render(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
     """Print the report of ``payload`` (from :func:`collect` or its JSON); return its numbers.
 
-    Runs are judged with the scenario specs of this checkout.
+    A payload of several frameworks (``{"frameworks": [...]}``) prints each framework's
+    report in turn, then the frameworks side by side. Runs are judged with the scenario
+    specs of this checkout.
     """
-    from benchmarks.faults.report import build_tables, render_markdown, render_rich
+    if "frameworks" not in payload:
+        return _render_one(payload, markdown=markdown)
+    from benchmarks.faults.report import build_comparison, render_markdown, render_rich
     from benchmarks.faults.results import RunResult
 
+    parts = payload["frameworks"]
+    numbers = {}
+    for part in parts:
+        fw = part["config"].get("framework", "lightning")
+        print(f"\n## {fw.capitalize()}\n" if markdown else f"\n=== {fw} ===\n")
+        numbers[fw] = _render_one(part, markdown=markdown)
+    names = [
+        n
+        for n in parts[0]["config"]["scenarios"]
+        if all(n in p["config"]["scenarios"] for p in parts)
+    ]
+    settings = [
+        s
+        for s in parts[0]["config"]["settings"]
+        if all(s in p["config"]["settings"] for p in parts)
+    ]
+    runs = {
+        p["config"].get("framework", "lightning"): [RunResult.from_dict(r) for r in p["runs"]]
+        for p in parts
+    }
+    table = build_comparison(select(names), runs, settings)
+    header = ["Both frameworks, the same scenarios, seeds and settings."]
+    if markdown:
+        print("\n## Side by side\n")
+        print(render_markdown([table], header))
+    else:
+        print("\n=== side by side ===\n")
+        render_rich([table], header)
+    payload["numbers"] = numbers
+    return numbers
+
+
+def _versions(env: dict[str, Any]) -> str:
+    """``torch 2.x, lightning 2.y`` (or keras, tensorflow), and the op threads."""
+    if "versions" in env:
+        versions, threads = env["versions"], env["threads"]
+    else:  # a JSON file from before the Keras implementation
+        versions, threads = (
+            f"torch {env['torch']}, lightning {env['lightning']}",
+            env["torch_threads"],
+        )
+    return f"{versions}, Python {env['python']}; {threads} op thread(s)"
+
+
+def _fits_note(settings: int, *, separate: bool, own_fit: bool) -> str:
+    """How the fits of a run were shared among the settings and the baselines."""
+    parts = []
+    if settings > 1:
+        parts.append(
+            "one fit per setting, the same training run each time"
+            if separate
+            else "all settings watching the same fits"
+        )
+    if own_fit:
+        parts.append("the baselines in a fit of their own, without the stethoscope")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _render_one(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
+    from benchmarks.faults.report import build_tables, render_markdown, render_rich
+    from benchmarks.faults.results import FRAMEWORK_BASELINES, RunResult
+
     env, cfg = payload["environment"], payload["config"]
+    framework = cfg.get("framework", "lightning")
     scenarios = select(cfg["scenarios"])
     runs = [RunResult.from_dict(r) for r in payload["runs"]]
     settings = cfg["settings"]
@@ -188,20 +271,25 @@ def render(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
     missing = [d for d in wanted if d not in available]
     n_fault = sum(not s.healthy for s in scenarios)
     suite_wall, wall = payload["suite_wall_s"], payload["wall_s"]
+    separate = cfg["separate_fits"]
+    fits = len(runs) * (len(settings) if separate else 1)
+    # frameworks that train one fit per setting train the baselines' fit apart too
+    own_fit = framework in ONE_FIT_PER_SETTING and any(r.baselines for r in runs)
+    fits += len(runs) if own_fit else 0
     header = [
-        f"{env['date']}; torch {env['torch']}, lightning {env['lightning']}, Python "
-        f"{env['python']}; {env['torch_threads']} torch thread(s) on {env['cpu']} "
-        f"({env['cpu_count']} CPUs). `{env['command']}`: {n_fault} fault scenarios and "
+        f"{env['date']}; {_versions(env)} on {env['cpu']} ({env['cpu_count']} CPUs). "
+        f"`{env['command']}`, {framework}: {n_fault} fault scenarios and "
         f"{len(scenarios) - n_fault} healthy controls x {len(cfg['seeds'])} seed(s) = "
-        f"{len(runs)} fits in {suite_wall / 60:.1f} min"
+        f"{len(runs)} runs, {fits} fits in {suite_wall / 60:.1f} min"
         + (f", overhead timing {(wall - suite_wall) / 60:.1f} min" if overhead else "")
-        + (
-            " (all settings watching the same fits)"
-            if len(settings) > 1 and not cfg["separate_fits"]
-            else ""
-        )
+        + _fits_note(len(settings), separate=separate, own_fit=own_fit)
         + ".",
     ]
+    if len(settings) > 1 and not overhead and framework != "lightning":
+        header.append(
+            "Per-step overhead is measured for Lightning only (lightning_overhead.py); "
+            "for Keras see benchmarks/overhead.py."
+        )
     if missing:
         header.append(
             "Expected detectors not available in stethoscope.detectors.DETECTORS (their "
@@ -219,7 +307,13 @@ def render(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
         "shipped with its defaults."
     )
     tables, numbers = build_tables(
-        scenarios, runs, settings, available=available, overhead=overhead, spike_note=spike_note
+        scenarios,
+        runs,
+        settings,
+        available=available,
+        overhead=overhead,
+        spike_note=spike_note,
+        baselines=FRAMEWORK_BASELINES[framework],
     )
     if markdown:
         print(render_markdown(tables, header))

@@ -58,9 +58,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 from benchmarks.faults.data import Arrays, make_data
 from benchmarks.faults.results import RunResult
-from benchmarks.faults.scenarios import ModelSpec, Scenario
+from benchmarks.faults.scenarios import ModelSpec, Scenario, resolve_onset, setting_kwargs
 from stethoscope import LightningStethoscope
-from stethoscope.detectors import DETECTORS
 from stethoscope.testing import CapturingSink
 
 __all__ = [
@@ -69,6 +68,8 @@ __all__ = [
     "WatchedStethoscope",
     "baseline_callbacks",
     "build_net",
+    "configure",
+    "environment",
     "make_loader",
     "quiet",
     "run_scenario",
@@ -98,6 +99,22 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", module="lightning_utilities.*")
     warnings.filterwarnings("ignore", module="torchmetrics.*")
     warnings.filterwarnings("ignore", message=".*validation_step.*but have no.*val_dataloader.*")
+
+
+def configure(threads: int) -> None:
+    """Run torch's CPU ops on ``threads`` threads."""
+    torch.set_num_threads(threads)
+
+
+def environment() -> dict[str, Any]:
+    """Versions of what this implementation runs on."""
+    return {
+        "versions": f"torch {torch.__version__}, lightning {L.__version__}",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 # -- models ----------------------------------------------------------------------------
@@ -337,17 +354,6 @@ def make_loader(
 # -- watchers ---------------------------------------------------------------------------
 
 
-def setting_kwargs(setting: str) -> dict[str, Any]:
-    """The LightningStethoscope arguments of a sampling setting (see ``SETTINGS``)."""
-    if setting == "adaptive":
-        return {}
-    if setting == "every":
-        return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
-    if setting == "sparse":
-        return {"escalate": False}
-    raise ValueError(f"setting={setting!r}; use 'adaptive', 'every' or 'sparse'")
-
-
 class WatchedStethoscope(LightningStethoscope):
     """``LightningStethoscope(sinks=[CapturingSink()], stop_on=None, **kwargs)`` for one setting.
 
@@ -476,15 +482,6 @@ def baseline_callbacks(tmpdir: str) -> list[Any]:
 # -- one run --------------------------------------------------------------------------------
 
 
-def _resolve_onset(sc: Scenario, val_losses: list[list[float]]) -> int | None:
-    if sc.onset == "best_val":
-        if not val_losses:
-            return None
-        best = min(range(len(val_losses)), key=lambda i: val_losses[i][1])
-        return int(val_losses[best][0])  # the first step after the best validation
-    return sc.onset if isinstance(sc.onset, int) else None
-
-
 def run_scenario(
     sc: Scenario,
     seed: int,
@@ -534,7 +531,7 @@ def run_scenario(
         result.wall_s = time.perf_counter() - t0
     result.steps = trainer.global_step
     result.val_losses = model.val_losses
-    result.onset = _resolve_onset(sc, model.val_losses)
+    result.onset = resolve_onset(sc, model.val_losses)
     result.findings = {
         w.setting: [f.to_dict(json_safe=True) for f in w.sink.findings] for w in watchers
     }

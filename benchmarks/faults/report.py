@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +25,12 @@ from benchmarks.faults.scenarios import (
     Scenario,
 )
 
-__all__ = ["Table", "build_tables", "render_markdown", "render_rich"]
+__all__ = ["Table", "build_comparison", "build_tables", "render_markdown", "render_rich"]
 
 BASELINE_TITLES = {
     "early_stopping": "EarlyStopping",
     "spike_detection": "SpikeDetection",
+    "terminate_on_nan": "TerminateOnNaN",
     "nan_check": "NaN check",
 }
 
@@ -121,14 +122,18 @@ def build_tables(
     available: set[str],
     overhead: Sequence[dict[str, Any]] = (),
     spike_note: str | None = None,
+    baselines: Mapping[str, str] = BASELINES,
 ) -> tuple[list[Table], dict[str, Any]]:
-    """Every table of the report, and the numbers behind them for the JSON output."""
+    """Every table of the report, and the numbers behind them for the JSON output.
+
+    ``baselines`` describes the baselines the runs' framework ran (their report order).
+    """
     main = "adaptive" if "adaptive" in settings else settings[0]
     faults = [s for s in scenarios if not s.healthy]
     controls = [s for s in scenarios if s.healthy]
     ours = verdicts_for(scenarios, runs, main, baseline=False)
     per_sc = summarize(scenarios, ours, "scenario")
-    base_names = [b for b in BASELINES if any(b in r.baselines for r in runs)]
+    base_names = [b for b in baselines if any(b in r.baselines for r in runs)]
     base_v = {b: verdicts_for(scenarios, runs, b, baseline=True) for b in base_names}
     base_sc = {b: summarize(scenarios, v, "scenario") for b, v in base_v.items()}
     seeds = sorted({r.seed for r in runs})
@@ -281,7 +286,7 @@ def build_tables(
             row = [sc.name, sc.family, _cell(per_sc.get(sc.name))]
             row += [_cell(base_sc[b].get(sc.name)) for b in base_names]
             t.rows.append(row)
-        t.notes += [f"- {BASELINE_TITLES[b]}: {BASELINES[b]}" for b in base_names]
+        t.notes += [f"- {BASELINE_TITLES[b]}: {baselines[b]}" for b in base_names]
         t.notes.append(
             "A baseline's detection is the first step at which it stops training, whatever "
             "the reason (they name no cause); 'early' counts runs it stopped before the fault's "
@@ -418,6 +423,54 @@ def build_tables(
             )
         tables.append(t)
     return tables, numbers
+
+
+def build_comparison(
+    scenarios: Sequence[Scenario],
+    runs: Mapping[str, Sequence[RunResult]],
+    settings: Sequence[str],
+) -> Table:
+    """The frameworks side by side: per scenario and setting, stethoscope's recall ·
+    median latency (and misdiagnosed runs); per control, the runs with a false alarm."""
+    columns = [(fw, st) for st in settings for fw in runs]
+    per = {
+        (fw, st): summarize(scenarios, verdicts_for(scenarios, runs[fw], st, False), "scenario")
+        for fw, st in columns
+    }
+    fam = {
+        (fw, st): summarize(scenarios, verdicts_for(scenarios, runs[fw], st, False), "family")
+        for fw, st in columns
+    }
+    t = Table(
+        "Frameworks side by side: recall · median latency (steps), misdiagnosed runs; "
+        "controls: runs with a false alarm",
+        ["scenario", "family", *(f"{fw} ({st})" for fw, st in columns)],
+    )
+
+    def fault_cell(s: Summary | None) -> str:
+        if s is None or not s.runs:
+            return "—"
+        return _cell(s) + (f", misdiagnosed {s.misdiagnosed}" if s.misdiagnosed else "")
+
+    def control_cell(s: Summary | None) -> str:
+        if s is None or not s.healthy_runs:
+            return "—"
+        text = _frac(s.false_alarm_runs, s.healthy_runs)
+        return text + (f": {_counts(s.false_alarms)}" if s.false_alarms else "")
+
+    for sc in scenarios:
+        cell = control_cell if sc.healthy else fault_cell
+        t.rows.append([sc.name, sc.family, *(cell(per[c].get(sc.name)) for c in columns)])
+    for family in FAMILY_ORDER:
+        if not any(family in fam[c] for c in columns):
+            continue
+        cell = control_cell if family == "healthy" else fault_cell
+        t.rows.append([f"all {family}", family, *(cell(fam[c].get(family)) for c in columns)])
+    t.notes.append(
+        "Each framework trains the same scenario specs on the same data with its own "
+        "initialisation, optimizer and data order: the runs are twins, not copies."
+    )
+    return t
 
 
 def _median(xs: list[int]) -> float | None:

@@ -5,15 +5,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["BASELINES", "RunResult"]
+__all__ = ["BASELINES", "FRAMEWORK_BASELINES", "KERAS_BASELINES", "RunResult"]
 
-#: The baselines every implementation runs beside stethoscope, with what each one is.
+#: The baselines the Lightning implementation runs beside stethoscope, with what each one is.
 BASELINES: dict[str, str] = {
     "early_stopping": "Lightning EarlyStopping(monitor='train_loss', check_finite=True), "
     "defaults otherwise (patience 3); it checks at each training epoch end",
     "spike_detection": "Lightning SpikeDetection() defaults (window 10, rtol 2, "
     "finite_only=True: a NaN/Inf loss counts as a spike); every step",
     "nan_check": "a hand-written callback: if not torch.isfinite(loss): stop, every step",
+}
+
+#: The Keras implementation's baselines: Keras' own callbacks and the same hand-written check.
+KERAS_BASELINES: dict[str, str] = {
+    "early_stopping": "Keras EarlyStopping(monitor='loss', patience=3) (Lightning's patience; "
+    "Keras' default is 0), defaults otherwise; it checks the epoch's mean loss at each epoch "
+    "end and has no check_finite: a NaN loss is only no improvement",
+    "terminate_on_nan": "Keras TerminateOnNaN() defaults: stops when logs['loss'] (the running "
+    "mean of the epoch's batch losses) is NaN or Inf, every step",
+    "nan_check": "a hand-written callback: if not math.isfinite(logs['loss']): stop, every step "
+    "(the batch loss is not handed to callbacks; the running mean turns non-finite with the "
+    "first non-finite batch, so this is the same check as TerminateOnNaN)",
+}
+
+#: Per framework, the baselines its implementation runs, in report order.
+FRAMEWORK_BASELINES: dict[str, dict[str, str]] = {
+    "lightning": BASELINES,
+    "keras": KERAS_BASELINES,
 }
 
 

@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from benchmarks.faults.metrics import judge
 from benchmarks.faults.results import RunResult
 from benchmarks.faults.scenarios import Scenario
 
-__all__ = ["FRAMEWORKS", "progress", "run_all"]
+__all__ = ["FRAMEWORKS", "ONE_FIT_PER_SETTING", "progress", "run_all", "suite"]
 
-FRAMEWORKS = ("lightning",)  # a Keras implementation will join
+FRAMEWORKS = ("lightning", "keras")
+
+#: Frameworks whose callback can watch a fit only once: their ``run_scenario`` trains one
+#: fit per setting itself and checks that the fits were identical.
+ONE_FIT_PER_SETTING = frozenset({"keras"})
+
+
+def suite(framework: str) -> ModuleType:
+    """The implementation module of ``framework`` (imported on demand: its framework with it).
+
+    It provides ``run_scenario``, ``quiet()``, ``configure(threads)``, ``environment()``
+    and ``SPIKE_DETECTION`` (a note printed under the baselines' table, or None).
+    """
+    if framework == "lightning":
+        from benchmarks.faults import lightning_suite
+
+        return lightning_suite
+    if framework == "keras":
+        from benchmarks.faults import keras_suite
+
+        return keras_suite
+    raise ValueError(f"framework={framework!r}; use one of {FRAMEWORKS!r}")
 
 
 def _runner(framework: str) -> Callable[..., RunResult]:
-    if framework == "lightning":
-        from benchmarks.faults.lightning_suite import run_scenario
-
-        return run_scenario
-    raise ValueError(f"framework={framework!r}; use one of {FRAMEWORKS!r}")
+    return suite(framework).run_scenario
 
 
 def run_all(
@@ -35,9 +53,12 @@ def run_all(
 
     All settings and baselines watch the same fit unless ``separate``: then each
     setting gets its own fit (the baselines ride in the first), and the results are
-    merged; the findings must come out the same, which is what it is for.
+    merged; the findings must come out the same, which is what it is for. Frameworks
+    in :data:`ONE_FIT_PER_SETTING` always train one fit per setting, in their own
+    ``run_scenario``.
     """
     run_scenario = _runner(framework)
+    separate = separate and framework not in ONE_FIT_PER_SETTING
     runs: list[RunResult] = []
     for sc in scenarios:
         for seed in seeds:

@@ -4,7 +4,7 @@ A :class:`Scenario` says what to train (:class:`ModelSpec`, :class:`~.data.DataS
 :class:`TrainSpec`), what goes wrong and when (:class:`FaultSpec`, ``onset``), which
 detector must name it (``expect``), within how many steps (``window``), and which
 other detectors may fire without it counting as a misdiagnosis (``collateral``).
-A framework implementation (``lightning_suite.py`` today, a Keras one later) turns
+A framework implementation (``lightning_suite.py``, ``keras_suite.py``) turns
 the spec into a model and a training run; the scoring in ``metrics.py`` is shared.
 
 Conventions every implementation follows:
@@ -72,7 +72,9 @@ __all__ = [
     "ModelSpec",
     "Scenario",
     "TrainSpec",
+    "resolve_onset",
     "select",
+    "setting_kwargs",
 ]
 
 FAULT_KINDS = (
@@ -125,6 +127,24 @@ SETTINGS: dict[str, str] = {
     "every": "every detector every step (intervals of 1, escalation off)",
     "sparse": "every detector at its default base interval, escalation off",
 }
+
+
+def setting_kwargs(setting: str) -> dict[str, Any]:
+    """The stethoscope arguments of a sampling setting (both callbacks take the same ones).
+
+    Raises:
+        ValueError: ``setting`` is not one of :data:`SETTINGS`.
+    """
+    if setting == "adaptive":
+        return {}
+    if setting == "every":
+        from stethoscope.detectors import DETECTORS  # framework-free: plain Python and numpy
+
+        return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
+    if setting == "sparse":
+        return {"escalate": False}
+    raise ValueError(f"setting={setting!r}; use one of {[*SETTINGS]!r}")
+
 
 #: Families, for the baselines' table and the latency targets of issue 3.
 FAMILIES: dict[str, str] = {
@@ -704,6 +724,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
     ),
 )
+
+
+def resolve_onset(sc: Scenario, val_losses: Sequence[Sequence[float]]) -> int | None:
+    """The onset step of a run: ``"best_val"`` becomes the step after the best validation.
+
+    ``val_losses`` holds ``[steps taken, validation loss]`` per validation epoch.
+    """
+    if sc.onset == "best_val":
+        if not val_losses:
+            return None
+        best = min(range(len(val_losses)), key=lambda i: val_losses[i][1])
+        return int(val_losses[best][0])  # the first step after the best validation
+    return sc.onset if isinstance(sc.onset, int) else None
 
 
 def select(names: Sequence[str] | None = None) -> list[Scenario]:

@@ -152,6 +152,10 @@ class GraphProbe:
             self.fan_in[pos] = self.numel[pos] / max(units, 1)
         self.forward_layers = layers if forward else []
         self.saw_loss = False
+        # positions of the variables the train step hands optimizer.apply, and of those it
+        # hands with a gradient: known once apply has been traced (every step when eager)
+        self.handed: set[int] = set()
+        self.with_grad: set[int] = set()
 
         p, u = len(self.variables), sum(n for _, _, n in self.unit_layers)
         f32 = "float32"
@@ -281,6 +285,19 @@ class GraphProbe:
     def installed(self) -> bool:
         return bool(self._installed)
 
+    def observed(self) -> np.ndarray:
+        """Positions of the variables the train step updates with a gradient (the others'
+        norms are NaN placeholders, not measurements); all of them before the first step."""
+        if not self.with_grad:
+            return np.arange(len(self.variables))
+        return np.array(sorted(self.with_grad))
+
+    def unoptimized(self) -> tuple[str, ...]:
+        """Trainable variables the train step never hands ``optimizer.apply``."""
+        if not self.handed:
+            return ()
+        return tuple(n for i, n in enumerate(self.names) if i not in self.handed)
+
     def _wrap(self, owner: Any, attr: str, fn: Any) -> None:
         if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
             raise RuntimeError(
@@ -368,6 +385,12 @@ class GraphProbe:
             if trainable_variables is None or _is_symbolic(grads):
                 return original(grads, trainable_variables)
             grads, tvars = list(grads), list(trainable_variables)
+            for g, v in zip(grads, tvars, strict=True):
+                pos = self._position.get(id(v))
+                if pos is not None:
+                    self.handed.add(pos)
+                    if g is not None:
+                        self.with_grad.add(pos)
             want = {g: self._want(g) for g in ("grads", "units", "weights", "updates")}
             # a non-finite loss, the first since the host last looked: measure its step
             forced = (

@@ -234,7 +234,12 @@ class KerasStethoscope(keras.callbacks.Callback):
                 obs.loss = float(losses[step % probe.k])
             if step == planned:
                 self._read(obs, plan, fresh=measured == step)
-            if step == bad_at and obs.grad_norm is None:
+            elif step == bad_at:  # a non-finite loss switched the reductions on
+                # Judge the loss first: its error escalates the sampler, so the detectors of
+                # the gradients and weights are due at this very step and name the parameter
+                # now (the Lightning adapter's second look at an unsampled CPU step).
+                self._act(self.monitor.observe(obs))
+                obs = Observation(step=step, epoch=self._epoch, rank=0)
                 self._read_forced(obs)
             self._act(self.monitor.observe(obs))
 
@@ -253,19 +258,27 @@ class KerasStethoscope(keras.callbacks.Callback):
         assert probe is not None
         read = probe.read
         if fresh and plan & {"grads", "weights", "updates", "units"}:
-            self._describe(obs)
+            idx = self._describe(obs)
             if "grads" in plan:
-                obs.grad_norm = read(probe.grad_norm).astype(np.float64)
+                obs.grad_norm = read(probe.grad_norm)[idx].astype(np.float64)
             if plan & {"weights", "updates"}:
-                obs.weight_norm = read(probe.weight_norm).astype(np.float64)
+                obs.weight_norm = read(probe.weight_norm)[idx].astype(np.float64)
             if "updates" in plan:
-                obs.update_norm = read(probe.update_norm).astype(np.float64)
-                obs.prev_weight_norm = read(probe.prev_weight_norm).astype(np.float64)
+                obs.update_norm = read(probe.update_norm)[idx].astype(np.float64)
+                obs.prev_weight_norm = read(probe.prev_weight_norm)[idx].astype(np.float64)
             if "units" in plan and probe.unit_layers:
                 zero = read(probe.unit_zero)
                 cuts = np.cumsum([n for _, _, n in probe.unit_layers])[:-1]
-                obs.unit_names = tuple(name for name, _, _ in probe.unit_layers)
-                obs.unit_zero = tuple(p.astype(bool) for p in np.split(zero, cuts))
+                kept = set(idx.tolist())
+                parts = [
+                    (name, part.astype(bool))
+                    for (name, pos, _), part in zip(
+                        probe.unit_layers, np.split(zero, cuts), strict=True
+                    )
+                    if pos in kept
+                ]
+                obs.unit_names = tuple(name for name, _ in parts)
+                obs.unit_zero = tuple(part for _, part in parts)
         if "inputs" in plan:
             features, samples = (int(v) for v in read(probe.input_shape))
             if samples > 0 and 0 < features <= MAX_FEATURES:
@@ -285,18 +298,26 @@ class KerasStethoscope(keras.callbacks.Callback):
         probe = self._probe
         assert probe is not None
         read = probe.read
-        self._describe(obs)
-        obs.grad_norm = read(probe.bad_grad_norm).astype(np.float64)
-        obs.weight_norm = read(probe.bad_weight_norm).astype(np.float64)
+        idx = self._describe(obs)
+        obs.grad_norm = read(probe.bad_grad_norm)[idx].astype(np.float64)
+        obs.weight_norm = read(probe.bad_weight_norm)[idx].astype(np.float64)
 
-    def _describe(self, obs: Observation) -> None:
+    def _describe(self, obs: Observation) -> np.ndarray:
+        """Name the parameters of a measured step; returns their positions in the probe.
+
+        Only the variables the step updated with a gradient: a variable the train step
+        keeps from optimizer.apply has a NaN placeholder, not a non-finite value (it is
+        named in ``unoptimized`` instead, as the Lightning adapter does)."""
         probe = self._probe
         assert probe is not None
-        obs.names = probe.names
-        obs.numel = probe.numel
-        obs.is_matrix = probe.is_matrix
-        obs.fan_in = probe.fan_in
+        idx = probe.observed()
+        obs.names = tuple(probe.names[i] for i in idx)
+        obs.numel = probe.numel[idx]
+        obs.is_matrix = probe.is_matrix[idx]
+        obs.fan_in = probe.fan_in[idx]
+        obs.unoptimized = probe.unoptimized()
         obs.lr = _learning_rate(self.model.optimizer)
+        return idx
 
     def _forward(self, obs: Observation, plan: frozenset[str], rows: np.ndarray) -> None:
         names, kinds, stats = [], [], []
