@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.faults.data import DataSpec
+from stethoscope.detectors import DETECTORS
 
 __all__ = [
     "DETECTOR_NAMES",
@@ -93,31 +94,9 @@ FAULT_KINDS = (
     "zero_lr_group",
 )
 
-#: The stable detector names of DESIGN.md: ``expect`` and ``collateral`` must use them.
-DETECTOR_NAMES = frozenset(
-    {
-        "nonfinite_loss",
-        "nonfinite_gradients",
-        "nonfinite_weights",
-        "exploding_gradients",
-        "vanishing_gradients",
-        "loss_spike",
-        "loss_not_decreasing",
-        "unstable_loss",
-        "overfitting",
-        "dead_relu",
-        "saturated_activation",
-        "small_updates",
-        "large_updates",
-        "frozen_weights",
-        "poor_initialization",
-        "class_imbalance",
-        "unnormalized_input",
-        "all_zero",
-        "replica_divergence",
-        "straggler",
-    }
-)
+#: The detector names the library registers (DESIGN.md's stable names, which
+#: ``tests/test_contract.py`` holds the library to): ``expect`` and ``collateral`` use them.
+DETECTOR_NAMES = frozenset(DETECTORS)
 
 #: The three sampling settings of "Adaptive sampling, shown", in words; each
 #: implementation maps them to its callback's arguments.
