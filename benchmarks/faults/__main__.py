@@ -295,6 +295,13 @@ def _render_one(payload: dict[str, Any], *, markdown: bool) -> dict[str, Any]:
             "Expected detectors not available in stethoscope.detectors.DETECTORS (their "
             f"scenarios show recall 0): {', '.join(missing)}."
         )
+    noted = [r for r in runs if r.notes]
+    if noted:
+        header.append(
+            f"{len(noted)} run(s) with notes: "
+            + "; ".join(f"{r.scenario}/seed {r.seed}: {r.notes[0]}" for r in noted[:3])
+            + ("; …" if len(noted) > 3 else "")
+        )
     errors = [r for r in runs if r.error]
     if errors:
         header.append(

@@ -56,6 +56,8 @@ class RunResult:
         val_losses: ``[step, loss]`` per validation epoch (steps taken before it).
         wall_s: Seconds the fit took.
         error: The exception, if the fit raised (then the run counts as missed).
+        notes: Remarks that do not invalidate the run (e.g. a baselines' fit that parted
+            from the watched one by float rounding).
     """
 
     scenario: str
@@ -70,6 +72,7 @@ class RunResult:
     val_losses: list[list[float]] = field(default_factory=list)
     wall_s: float = 0.0
     error: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -73,6 +73,7 @@ def run_all(
                     r.probe_counts.update(p.probe_counts)
                     r.wall_s += p.wall_s
                     r.error = r.error or p.error
+                    r.notes += p.notes
             else:
                 r = run_scenario(sc, seed, settings=settings, baselines=baselines)
             runs.append(r)
