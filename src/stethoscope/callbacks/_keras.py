@@ -281,10 +281,6 @@ class GraphProbe:
         self._installed = []
         self._retrace(build=False)
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._installed)
-
     def observed(self) -> np.ndarray:
         """Positions of the variables the train step updates with a gradient (the others'
         norms are NaN placeholders, not measurements); all of them before the first step."""

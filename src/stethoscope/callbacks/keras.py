@@ -191,7 +191,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         chosen, plan = -1, frozenset()
         for step in range(self._next, self._next + probe.k):
             planned = self.monitor.plan(step)
-            if len(planned) > 1 or (planned and "loss" not in planned):
+            if planned - {"loss"}:  # more than the every-step loss: a sampled step
                 chosen, plan = step, planned
                 break
         groups: set[str] = set()
@@ -286,10 +286,11 @@ class KerasStethoscope(keras.callbacks.Callback):
                 obs.input_count = samples
         if "labels" in plan:
             hist = read(probe.label_hist)
-            counts, negative, too_many, valid = hist[:MAX_CLASSES], hist[-3], hist[-2], hist[-1]
+            # bins: the classes, then negative targets (ignored, as in Lightning), then
+            # labels past MAX_CLASSES, then the validity flag
+            counts, too_many, valid = hist[:MAX_CLASSES], hist[-2], hist[-1]
             if valid == 1.0 and too_many == 0 and counts.sum() > 0:
                 obs.labels = np.repeat(np.arange(MAX_CLASSES), counts.astype(np.int64))
-            del negative  # ignored targets (-100 and friends), as in Lightning
         if plan & {"activations", "outputs", "trace"} and probe.forward_layers:
             self._forward(obs, plan, read(probe.forward_rows).astype(np.float64))
 
