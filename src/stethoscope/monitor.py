@@ -234,6 +234,13 @@ class Monitor:
         """The sum and the number of finite training losses seen since the last validation."""
         return self._train_sum, self._train_n
 
+    def escalate(self, step: int, epoch: int, reason: str) -> None:
+        """Run every detector from ``step`` on: the adapter saw, outside the detectors,
+        something they should judge at once (a non-finite gradient on an unsampled step)."""
+        msg = self.sampler.escalate(step, reason)
+        if msg:
+            self._record(self._sampler_finding(step, epoch, msg))
+
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
         findings = list(findings)

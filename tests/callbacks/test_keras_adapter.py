@@ -245,6 +245,42 @@ def test_after_fit_the_model_trains_without_the_probe():
     model.predict(x, verbose=0)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["dense-relu", "dense-then-activation"])
+def test_a_watched_fit_trains_bit_for_bit_as_an_unwatched_one(separate):
+    """Steps the sampler skips run the light train function, which does not touch the
+    layers' outputs: TensorFlow fuses MatMul+BiasAdd+Relu as it does without the probe.
+    That is behaviour, not only speed: the fused kernel turns a NaN into 0. The last
+    batch (an unsampled step) holds a NaN; reading the Dense output on that step would
+    unfuse the ReLU and send the NaN on to the head's weights. (On a sampled step the
+    heavy function does read it: the README says so.)"""
+    x, y = data()
+    x, y = np.concatenate([x] * 3), np.concatenate([y] * 3)
+    x[-1, 0] = np.nan
+
+    def trained(callbacks):
+        keras.utils.set_random_seed(3)
+        hidden = (
+            [keras.layers.Dense(16), keras.layers.Activation("relu")]
+            if separate
+            else [keras.layers.Dense(16, activation="relu")]
+        )
+        model = keras.Sequential([keras.Input((FEATURES,)), *hidden, keras.layers.Dense(CLASSES)])
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        return model.get_weights()
+
+    spy = Spy({"grads", "outputs"})
+    watched = trained([watch(spy, escalate=False, stop_on=None, intervals={"spy": 16})])
+    assert [o.step for o in spy.seen] == [0, 16]  # the heavy function ran, reading outputs
+    plain = trained([])
+    assert np.isnan(plain[0]).any() and np.isfinite(plain[-1]).all()  # the fault, unwatched
+    for a, b in zip(plain, watched, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- fits, executions, model styles ---------------------------------------------------------
 def test_fits_in_a_row_continue_the_step_count():
     x, y = data()

@@ -9,11 +9,15 @@ model (so ``model.save()`` holds nothing of stethoscope), and the callback reads
 them only on the steps the sampler selects. The loss goes into a small ring
 buffer every step, one slot per step of an execution (``steps_per_execution``).
 
-Which step is sampled is decided on the host: the callback writes the step number
-and the probes it wants into two variables before the execution, and the graph
-compares them with the optimizer's iteration counter, so the traced function never
-changes. A non-finite loss also turns on the gradient and weight reductions of its
-own step, in the graph, so the parameter that went bad is named at once.
+The train function is traced twice. The *light* one, run on every step the sampler
+does not select, records the loss and nothing else (plus one ``cond`` that only a
+non-finite loss opens); it does not touch the layers' outputs, so TensorFlow fuses and
+schedules their kernels exactly as without the probe. The *heavy* one, run on sampled
+executions only, carries every reduction inside ``cond``s: the callback writes the step
+to sample and the probes it wants into two variables, and the graph compares them with
+the optimizer's iteration counter, so neither function is ever retraced. A non-finite
+loss turns on the gradient and weight reductions of its own step, in either function,
+so the parameter that went bad is named at once.
 """
 
 from __future__ import annotations
@@ -169,7 +173,9 @@ class GraphProbe:
         self.sample_at = var((), -1, "int64", "sample_at")
         self.flags = var((len(GROUPS),), 0, "int32", "flags")
         # graph -> host
-        self.losses = var((self.k,), np.nan, name="losses")
+        # the loss of each step of an execution, then a flag: 1 when the graph took a
+        # non-finite record (``bad_at``) the host has not read yet; one read tells both
+        self.losses = var((self.k + 1,), np.nan, name="losses")
         self.sampled_at = var((), -1, "int64", "sampled_at")
         self.grad_norm = var((p,), np.nan, name="grad_norm")
         self.weight_norm = var((p,), np.nan, name="weight_norm")
@@ -204,6 +210,12 @@ class GraphProbe:
         self._py_sample_at = -1
         self._py_step = 0
         self._bad: Any = None  # this trace's non-finite-loss flag, from compute_loss to apply
+        self.losses.assign(np.array([np.nan] * self.k + [0.0], dtype="float32"))
+        # what the function being traced (or run, when eager) carries: "off" outside the
+        # train function (evaluation, prediction), else "light" or "heavy" (see the module)
+        self._mode = "off"
+        self.heavy = False  # the host's choice for the next execution
+        self._functions: dict[str, Any] = {}
         self._wanted: Any = None  # (graph, per-group predicates, combined predicates)
         self._installed: list[tuple[Any, str]] = []
 
@@ -211,6 +223,7 @@ class GraphProbe:
     def schedule(self, step: int, groups: set[str], current: tuple) -> tuple:
         """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change,
         and never to cancel: a past sample step can no longer match the iteration count."""
+        self.heavy = step >= 0
         if step < 0:
             return current
         flags = tuple(1 if g in groups else 0 for g in GROUPS)
@@ -223,6 +236,18 @@ class GraphProbe:
             self._py_sample_at = step
             self._py_flags = np.array(flags, dtype=bool)
         return want
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """The train function ``fit`` calls: the heavy one when the host asked for probes
+        in this execution, else the light one. Each is traced on its first call, in its
+        mode; outside of them the wrappers do nothing."""
+        mode = "heavy" if self.heavy else "light"
+        fn = self._functions[mode]
+        self._mode = mode
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._mode = "off"
 
     def read(self, var: Any) -> np.ndarray:
         """A variable's value on the host: TensorFlow's bare read op where it applies (about
@@ -261,7 +286,9 @@ class GraphProbe:
         self._py_step = step
 
     def install(self) -> None:
-        """Wrap compute_loss, optimizer.apply and the leaf layers' call; retrace."""
+        """Wrap compute_loss, optimizer.apply and the leaf layers' call; make the light and
+        the heavy train functions (traced on their first calls) and hand ``fit`` the
+        dispatcher between them."""
         if self._installed:
             return
         model, opt = self.model, self.optimizer
@@ -270,6 +297,10 @@ class GraphProbe:
         for i, layer in enumerate(self.forward_layers):
             self._wrap(layer, "call", self._call_wrapper(layer, i, layer.call))
         self._retrace()
+        for mode in ("light", "heavy"):
+            model.make_train_function(force=True)
+            self._functions[mode] = model.train_function
+        model.train_function = self.dispatch
 
     def remove(self) -> None:
         """Take every wrapper off and drop the traced functions that contain them."""
@@ -279,7 +310,8 @@ class GraphProbe:
             if attr in vars(owner):
                 delattr(owner, attr)
         self._installed = []
-        self._retrace(build=False)
+        self._functions = {}
+        self._retrace()
 
     def observed(self) -> np.ndarray:
         """Positions of the variables the train step updates with a gradient (the others'
@@ -303,19 +335,21 @@ class GraphProbe:
         setattr(owner, attr, fn)
         self._installed.append((owner, attr))
 
-    def _retrace(self, *, build: bool = True) -> None:
+    def _retrace(self) -> None:
+        """Drop the model's traced functions (they may hold the wrappers, or lack them)."""
         model = self.model
         for attr in ("train_function", "test_function", "predict_function"):
             if hasattr(model, attr):
                 setattr(model, attr, None)
-        if build:
-            model.make_train_function(force=True)
 
     # -- in the graph --------------------------------------------------------------------
     def _want(self, *groups: str) -> Any:
         """Whether any of ``groups`` is computed at this step (a bool tensor, or a Python
-        bool when eager). The comparison with the host's request is built once per graph
-        and step, whichever wrapper runs first, and shared by the others."""
+        bool when eager; always ``False`` outside the heavy function). The comparison with
+        the host's request is built once per graph and step, whichever wrapper runs first,
+        and shared by the others."""
+        if self._mode != "heavy":
+            return False
         if self.eager:
             due = self._py_step == self._py_sample_at
             return bool(due and any(self._py_flags[_G[g]] for g in groups))
@@ -351,18 +385,16 @@ class GraphProbe:
                 loss = original(x, y, y_pred, sample_weight, training=training)
             else:
                 loss = original(x, y, y_pred, sample_weight)
-            if not training or _is_symbolic(loss):
+            if not training or self._mode == "off" or _is_symbolic(loss):
                 return loss
             self.saw_loss = True
             value = ops.cast(ops.reshape(ops.stop_gradient(loss), ()), "float32")
             if self.k == 1:
-                self.losses.assign(ops.reshape(value, (1,)))
+                slot = ops.convert_to_tensor([0], "int32")
             else:
                 step = ops.cast(self.optimizer.iterations, "int32")
-                slot = ops.mod(step, self.k)
-                self.losses.assign(
-                    ops.slice_update(self.losses, ops.reshape(slot, (1,)), ops.reshape(value, (1,)))
-                )
+                slot = ops.reshape(ops.mod(step, self.k), (1,))
+            self.losses.assign(ops.slice_update(self.losses, slot, ops.reshape(value, (1,))))
             if not self.eager:
                 self._bad = ops.logical_not(ops.isfinite(value))
 
@@ -378,7 +410,7 @@ class GraphProbe:
     def _apply_wrapper(self, original: Any) -> Any:
         @functools.wraps(original)
         def apply(grads, trainable_variables=None):
-            if trainable_variables is None or _is_symbolic(grads):
+            if trainable_variables is None or self._mode == "off" or _is_symbolic(grads):
                 return original(grads, trainable_variables)
             grads, tvars = list(grads), list(trainable_variables)
             for g, v in zip(grads, tvars, strict=True):
@@ -388,11 +420,28 @@ class GraphProbe:
                     if g is not None:
                         self.with_grad.add(pos)
             want = {g: self._want(g) for g in ("grads", "units", "weights", "updates")}
-            # a non-finite loss, the first since the host last looked: measure its step
-            forced = (
-                False if self._bad is None else ops.logical_and(self._bad, ops.less(self.bad_at, 0))
-            )
+            # A non-finite loss or gradient, the first since the host last looked: measure
+            # its step. The gradients' sum is non-finite when one of them is (or when they
+            # are past float32's range, which the norms then say): TF's fused ReLU turns
+            # a NaN input into 0, leaving the loss finite and the kernel's gradient NaN.
+            forced: Any = False
+            if not self.eager:
+                parts = [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
+                bad = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts)))) if parts else None
+                if self._bad is not None:
+                    bad = self._bad if bad is None else ops.logical_or(self._bad, bad)
+                if bad is not None:
+                    forced = ops.logical_and(bad, ops.less(self.bad_at, 0))
             self._bad = None
+            if self._mode == "light":
+                # every step the sampler skips: the update, and one cond that only a
+                # non-finite loss opens
+                original(grads, tvars)
+                if forced is not False:
+                    self._cond(forced, lambda: self._forced_record(grads, tvars))
+                if self.eager:
+                    self._py_step += 1
+                return None
 
             def from_grads() -> None:
                 self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, self.grad_norm))
@@ -412,7 +461,9 @@ class GraphProbe:
             def after() -> None:
                 self._cond(want["updates"], lambda: self._weight_stats(tvars, True, want, forced))
                 self._cond(
-                    ops.logical_not(want["updates"]) if not self.eager else not want["updates"],
+                    not want["updates"]
+                    if isinstance(want["updates"], bool)
+                    else ops.logical_not(want["updates"]),
                     lambda: self._weight_stats(tvars, False, want, forced),
                 )
 
@@ -430,7 +481,7 @@ class GraphProbe:
         @functools.wraps(original)
         def call(*args, **kwargs):
             out = original(*args, **kwargs)
-            if out is None or _is_symbolic(out):
+            if self._mode != "heavy" or out is None or _is_symbolic(out):
                 return out
             first = next((t for t in keras.tree.flatten(out) if t is not None), None)
             if first is None or not _is_float(first):
@@ -463,6 +514,25 @@ class GraphProbe:
         into.assign(self._full(norms))
         if into is self.grad_norm:
             self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
+
+    def _forced_record(self, grads: list, tvars: list) -> None:
+        """The light function's record of a step whose loss was not finite: its gradient
+        norms, and its weight norms after the update."""
+        self._grad_stats(grads, tvars, self.bad_grad_norm)
+        weights = {
+            self._position[id(v)]: _norm(ops.convert_to_tensor(v))
+            for v in tvars
+            if id(v) in self._position
+        }
+        self.bad_weight_norm.assign(self._full(weights))
+        self._mark_bad(ops.cast(self.optimizer.iterations, "int64") - 1)
+
+    def _mark_bad(self, step: Any) -> None:
+        """Say which step the non-finite record is of, and raise the flag the host reads
+        with the losses."""
+        self.bad_at.assign(step)
+        one = ops.convert_to_tensor([1.0], "float32")
+        self.losses.assign(ops.slice_update(self.losses, (self.k,), one))
 
     def _unit_stats(self, grads: list, tvars: list) -> None:
         by_pos = {self._position.get(id(v)): g for g, v in zip(grads, tvars, strict=True)}
@@ -515,7 +585,7 @@ class GraphProbe:
 
         def record_forced() -> None:
             self.bad_weight_norm.assign(full)
-            self.bad_at.assign(step)
+            self._mark_bad(step)
 
         self._cond(want["weights"], record)
         self._cond(forced, record_forced)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -220,25 +221,30 @@ class KerasStethoscope(keras.callbacks.Callback):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        losses = read(probe.losses) if probe.saw_loss else None
+        ring = read(probe.losses)
+        losses = ring if probe.saw_loss else None
         last = first + count - 1
         measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
         bad_at = -1
-        if losses is not None and not probe.eager and not np.all(np.isfinite(losses[:count])):
-            bad_at = int(read(probe.bad_at))  # the graph measured the first non-finite step
-            if bad_at >= 0:
-                probe.write(probe.bad_at, np.int64(-1))  # for the next one (off the healthy path)
+        if ring[probe.k] != 0.0:  # the graph measured a step with a non-finite loss or gradient
+            bad_at = int(read(probe.bad_at))
+            # ready for the next one (off the healthy path)
+            probe.write(probe.bad_at, np.int64(-1))
+            ring[probe.k] = 0.0
+            probe.write(probe.losses, ring)
         for step in range(first, first + count):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
                 obs.loss = float(losses[step % probe.k])
             if step == planned:
                 self._read(obs, plan, fresh=measured == step)
-            elif step == bad_at:  # a non-finite loss switched the reductions on
+            elif step == bad_at:  # a non-finite loss or gradient switched the reductions on
                 # Judge the loss first: its error escalates the sampler, so the detectors of
                 # the gradients and weights are due at this very step and name the parameter
                 # now (the Lightning adapter's second look at an unsampled CPU step).
                 self._act(self.monitor.observe(obs))
+                if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
+                    self.monitor.escalate(step, self._epoch, "a non-finite gradient")
                 obs = Observation(step=step, epoch=self._epoch, rank=0)
                 self._read_forced(obs)
             self._act(self.monitor.observe(obs))
