@@ -84,9 +84,17 @@ class KerasStethoscope(keras.callbacks.Callback):
     any callback sees them: every step's loss is still judged, but at most one step
     per execution is sampled, and a stop takes effect after the next execution.
 
+    Under ``tf.distribute.MirroredStrategy`` every replica runs the reductions on its
+    shard into its own copy of the probe's variables, and the callback combines the
+    copies: one monitor, one set of findings, one summary. The gradient statistics
+    are those of the summed gradients the optimizer applies; a non-finite loss names
+    its replica in the finding's ``rank``.
+
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices, or
-            when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`.
+            when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`; at the
+            start of ``fit``, under a ``tf.distribute`` strategy other than
+            ``MirroredStrategy`` (naming it).
 
     Example:
         >>> model.fit(x, y, callbacks=[KerasStethoscope()])  # doctest: +SKIP
