@@ -78,7 +78,8 @@ class Finding:
         value: The measured quantity, if any.
         threshold: The bound it crossed, if any.
         where: Layer or parameter name, ``"loss"``, ``"input"`` … if it applies.
-        rank: Process rank (0 when not distributed).
+        rank: Process rank (0 when not distributed); under Keras' ``MirroredStrategy``
+            (one process), the replica whose shard of the batch it came from.
     """
 
     step: int

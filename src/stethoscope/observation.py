@@ -66,7 +66,7 @@ class Observation:
     Args:
         step: Global optimizer step (0-based).
         epoch: Training epoch (0-based).
-        rank: Process rank.
+        rank: Process rank (under Keras' ``MirroredStrategy``: the replica; see ``Finding``).
         loss: The training loss of the batch (NaN/Inf kept as is).
         lr: The learning rate of the first parameter group, if known.
         names: Parameter names, in registration order (input side first).

@@ -18,13 +18,20 @@ to sample and the probes it wants into two variables, and the graph compares the
 the optimizer's iteration counter, so neither function is ever retraced. A non-finite
 loss turns on the gradient and weight reductions of its own step, in either function,
 so the parameter that went bad is named at once.
+Under ``tf.distribute.MirroredStrategy`` each replica runs these wrappers on its own
+shard of the batch. The probe's variables are then per-replica (``on_read``): every
+replica writes its own copy, with no collective on any step, and the host combines
+the copies as :data:`REDUCTIONS` declares. The gradient statistics are taken from the
+all-reduced gradients, the ones the optimizer applies (see :meth:`GraphProbe.install`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import threading
 from typing import Any
 
 import keras
@@ -37,8 +44,10 @@ __all__ = [
     "GROUPS",
     "MAX_CLASSES",
     "MAX_FEATURES",
+    "REDUCTIONS",
     "SNAPSHOT_BUDGET",
     "GraphProbe",
+    "distribution",
     "leaf_layers",
 ]
 
@@ -69,8 +78,40 @@ _SATURATED_OUTPUT = {
     "sigmoid": 1.0 / (1.0 + math.exp(-SATURATION_BOUNDS["sigmoid"])),
 }
 
-# forward rows: saturated fraction, rms, max |x|, finite
-_ROW = 4
+# forward rows: saturated fraction, rms, max |x|, finite, elements (to weigh replicas)
+_ROW = 5
+
+#: How the host combines the replicas' copies of each probe variable under a
+#: ``tf.distribute`` strategy. Each replica writes its own copy in the graph and nothing
+#: is reduced there; the host reads every copy on the steps it reads the variable at all.
+REDUCTIONS: dict[str, str] = {
+    # host -> graph: the host writes the same value into every copy
+    "sample_at": "first",
+    "flags": "first",
+    # Keras divides each replica's loss by the number of replicas: the sum is the loss
+    "losses": "sum",
+    "sampled_at": "first",
+    # measured on the all-reduced gradients and the mirrored weights: the same everywhere
+    "grad_norm": "first",
+    "unit_zero": "first",
+    "weight_norm": "first",
+    "update_norm": "first",
+    "prev_weight_norm": "first",
+    # a non-finite loss is seen by the replicas whose shard caused it: the earliest one,
+    # and the norms that replica recorded for it
+    "bad_at": "earliest",
+    "bad_grad_norm": "bad_replica",
+    "bad_weight_norm": "bad_replica",
+    # each replica's shard: a mean weighted by its samples; features, then samples summed
+    "input_sq": "sample_mean",
+    "input_shape": "features_samples",
+    # class counts summed, the validity flag of every replica
+    "label_hist": "histogram",
+    # saturated fraction: weighted mean, rms: root of the weighted mean square, max: max,
+    # finite: all, elements: sum
+    "forward_rows": "forward",
+    "snapshot": "first",  # never read
+}
 
 
 def _is_symbolic(x: Any) -> bool:
@@ -122,6 +163,38 @@ def leaf_layers(model: Any) -> list[Any]:
     return out
 
 
+#: ``tf.distribute`` strategies that train on one replica in this process: nothing to
+#: combine (the default one is private: known by its name).
+_SINGLE = ("_DefaultDistributionStrategy", "OneDeviceStrategy")
+
+
+def distribution(model: Any) -> Any | None:
+    """The model's ``tf.distribute.MirroredStrategy``, or None when it trains on one replica.
+
+    Raises:
+        ValueError: For the other strategies, naming the strategy.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return None
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None:
+        return None
+    import tensorflow as tf
+
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return strategy
+    name = type(strategy).__name__
+    if name in _SINGLE:
+        return None
+    raise ValueError(
+        f"KerasStethoscope supports tf.distribute.MirroredStrategy, not {name}: its probe "
+        "keeps a copy of its variables on each replica and reads them from this process, "
+        "which holds every replica only under MirroredStrategy (MultiWorkerMirroredStrategy, "
+        "TPUStrategy, ParameterServerStrategy and CentralStorageStrategy are not supported). "
+        "Train under MirroredStrategy, or without KerasStethoscope."
+    )
+
+
 class GraphProbe:
     """Installs the in-graph reductions on a compiled Keras model, and removes them.
 
@@ -129,16 +202,24 @@ class GraphProbe:
         model: A compiled, built Keras model.
         steps_per_execution: Train steps per call of the train function (loss slots).
         forward: Whether to wrap the leaf layers (activation, output and trace probes).
+        strategy: The model's ``MirroredStrategy`` (see :func:`distribution`), or None.
     """
 
-    def __init__(self, model: Any, *, steps_per_execution: int, forward: bool) -> None:
+    def __init__(
+        self, model: Any, *, steps_per_execution: int, forward: bool, strategy: Any = None
+    ) -> None:
         self.model = model
         self.optimizer = model.optimizer
         self.k = max(int(steps_per_execution), 1)
         self.eager = _eager_backend()
+        self.strategy = strategy
+        self.replicas = int(strategy.num_replicas_in_sync) if strategy is not None else 1
         self.variables = list(model.trainable_variables)
         self.names = tuple(v.path for v in self.variables)
         self._position = {id(v): i for i, v in enumerate(self.variables)}
+        if strategy is not None:
+            # the optimizer's all-reduce pairs the gradients with the backing tf variables
+            self._position.update({id(v.value): i for i, v in enumerate(self.variables)})
         self.numel = np.array([int(np.prod(v.shape)) for v in self.variables], dtype=np.float64)
         self.is_matrix = np.array([len(v.shape) >= 2 for v in self.variables])
         # dense / convolution kernels: their last axis holds the units
@@ -161,13 +242,49 @@ class GraphProbe:
         self.handed: set[int] = set()
         self.with_grad: set[int] = set()
 
+        scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+        with scope:
+            self._make_variables()
+        iterations = self.optimizer.iterations
+        self._handles = self._fast_handles([*self._own, iterations] if strategy is None else [])
+        # under a strategy: every replica's copy of each variable, read with the bare ops
+        self._parts = self._replica_handles([*self._own, iterations] if strategy else [])
+        # host-side mirrors for eager backends, where a Python bool costs nothing
+        self._py_flags = np.zeros(len(GROUPS), dtype=bool)
+        self._py_sample_at = -1
+        self._py_step = 0
+        # Per trace, keyed by thread: a MirroredStrategy traces each replica's step in a
+        # thread of its own, interleaved with the others' at its collectives.
+        self._bad: dict[int, Any] = {}  # non-finite-loss flag, from compute_loss to apply
+        self._wanted: dict[int, tuple] = {}  # (graph, group predicates, combined ones)
+        self._due: dict[int, tuple] = {}  # (planned, forced), from apply to the all-reduce
+        self._installed: list[tuple[Any, str]] = []
+        # what the function being traced (or run, when eager) carries: "off" outside the
+        # train function (evaluation, prediction), else "light" or "heavy" (see the module)
+        self._mode = "off"
+        self.heavy = False  # the host's choice for the next execution
+        self._functions: dict[str, Any] = {}
+
+    def _make_variables(self) -> None:
+        """The probe's variables (per replica under a strategy: created in its scope)."""
         p, u = len(self.variables), sum(n for _, _, n in self.unit_layers)
         f32 = "float32"
+        where: dict[str, str] = {}
+        if self.strategy is not None:  # each replica writes its own copy, in the graph
+            where = {"synchronization": "on_read", "aggregation": "none"}
+        self._own: list[Any] = []  # every variable of the probe
+        self._reduction_of: dict[int, str] = {}  # each one's name in REDUCTIONS, by id
 
         def var(shape: Any, value: float, dtype: str = f32, name: str = "") -> Any:
-            return keras.Variable(
-                np.full(shape, value, dtype=dtype), trainable=False, name=f"stethoscope_{name}"
+            v = keras.Variable(
+                np.full(shape, value, dtype=dtype),
+                trainable=False,
+                name=f"stethoscope_{name}",
+                **where,
             )
+            self._own.append(v)
+            self._reduction_of[id(v)] = name
+            return v
 
         # host -> graph: which step to sample, and which probe groups
         self.sample_at = var((), -1, "int64", "sample_at")
@@ -175,7 +292,7 @@ class GraphProbe:
         # graph -> host
         # the loss of each step of an execution, then a flag: 1 when the graph took a
         # non-finite record (``bad_at``) the host has not read yet; one read tells both
-        self.losses = var((self.k + 1,), np.nan, name="losses")
+        self.losses = var((self.k + 1,), np.array([np.nan] * self.k + [0.0]), name="losses")
         self.sampled_at = var((), -1, "int64", "sampled_at")
         self.grad_norm = var((p,), np.nan, name="grad_norm")
         self.weight_norm = var((p,), np.nan, name="weight_norm")
@@ -189,7 +306,9 @@ class GraphProbe:
         self.input_sq = var((MAX_FEATURES,), np.nan, name="input_sq")
         self.input_shape = var((2,), 0, "int64", "input_shape")  # features, samples
         self.label_hist = var((MAX_CLASSES + 3,), 0, name="label_hist")
-        self.forward_rows = var((max(len(self.forward_layers), 1), _ROW), np.nan, name="fwd")
+        self.forward_rows = var(
+            (max(len(self.forward_layers), 1), _ROW), np.nan, name="forward_rows"
+        )
         # update snapshots: float32 copies of the first variables, up to SNAPSHOT_BUDGET
         # elements in all (the others get no update norm: NaN)
         self.snapshots: dict[int, Any] = {}
@@ -198,26 +317,7 @@ class GraphProbe:
             if n > budget:
                 break
             budget -= int(n)
-            self.snapshots[id(v)] = keras.Variable(
-                np.zeros(v.shape, "float32"), trainable=False, name="stethoscope_snapshot"
-            )
-        self._handles = self._fast_handles(
-            [getattr(self, n) for n in vars(self) if isinstance(getattr(self, n), keras.Variable)]
-            + [self.optimizer.iterations]
-        )
-        # host-side mirrors for eager backends, where a Python bool costs nothing
-        self._py_flags = np.zeros(len(GROUPS), dtype=bool)
-        self._py_sample_at = -1
-        self._py_step = 0
-        self._bad: Any = None  # this trace's non-finite-loss flag, from compute_loss to apply
-        self.losses.assign(np.array([np.nan] * self.k + [0.0], dtype="float32"))
-        # what the function being traced (or run, when eager) carries: "off" outside the
-        # train function (evaluation, prediction), else "light" or "heavy" (see the module)
-        self._mode = "off"
-        self.heavy = False  # the host's choice for the next execution
-        self._functions: dict[str, Any] = {}
-        self._wanted: Any = None  # (graph, per-group predicates, combined predicates)
-        self._installed: list[tuple[Any, str]] = []
+            self.snapshots[id(v)] = var(v.shape, 0.0, name="snapshot")
 
     # -- host side -----------------------------------------------------------------
     def schedule(self, step: int, groups: set[str], current: tuple) -> tuple:
@@ -249,25 +349,90 @@ class GraphProbe:
         finally:
             self._mode = "off"
 
-    def read(self, var: Any) -> np.ndarray:
+    def read(self, var: Any, replica: int | None = None) -> np.ndarray:
         """A variable's value on the host: TensorFlow's bare read op where it applies (about
-        20 us against 70-140 us through ``keras.ops``; it runs once per step)."""
+        20 us against 70-140 us through ``keras.ops``; it runs once per step).
+
+        Under a strategy: every replica's copy, combined as :data:`REDUCTIONS` declares
+        (one bare read per replica), or the copy of ``replica`` alone."""
         handle = self._handles.get(id(var))
         if handle is None:
+            if id(var) in self._parts:
+                return self._combine(var, replica)
             return np.asarray(keras.ops.convert_to_numpy(var))
         import tensorflow as tf
 
         return tf.raw_ops.ReadVariableOp(resource=handle[0], dtype=handle[1]).numpy()
 
     def write(self, var: Any, value: np.ndarray) -> None:
-        """Assign from the host (the bare op on TensorFlow, as :meth:`read`)."""
+        """Assign from the host (the bare op on TensorFlow, as :meth:`read`); under a
+        strategy, into every replica's copy."""
         handle = self._handles.get(id(var))
         if handle is None:
-            var.assign(value)
+            parts = self._parts.get(id(var))
+            if parts is None:
+                var.assign(value)
+                return
+            import tensorflow as tf
+
+            for resource, _, np_dtype in parts:
+                tf.raw_ops.AssignVariableOp(resource=resource, value=value.astype(np_dtype))
             return
         import tensorflow as tf
 
         tf.raw_ops.AssignVariableOp(resource=handle[0], value=value.astype(handle[2]))
+
+    def copies(self, var: Any) -> list[np.ndarray]:
+        """Each replica's copy of a variable, in replica order (one copy without a strategy)."""
+        parts = self._parts.get(id(var))
+        if parts is None:
+            return [self.read(var)]
+        import tensorflow as tf
+
+        return [tf.raw_ops.ReadVariableOp(resource=h, dtype=d).numpy() for h, d, _ in parts]
+
+    def bad_replica(self) -> int:
+        """The replica that recorded the earliest non-finite loss still held (0 if none)."""
+        seen = [(int(at), r) for r, at in enumerate(self.copies(self.bad_at)) if at >= 0]
+        return min(seen)[1] if seen else 0
+
+    def _combine(self, var: Any, replica: int | None) -> np.ndarray:
+        parts = self.copies(var)
+        if replica is not None:
+            return parts[replica]
+        how = REDUCTIONS.get(self._reduction_of.get(id(var), ""), "first")
+        if how == "first":
+            return parts[0]
+        if how == "sum":
+            return np.sum(parts, axis=0, dtype=parts[0].dtype)
+        if how == "earliest":
+            seen = [int(p) for p in parts if p >= 0]
+            return np.int64(min(seen) if seen else -1)
+        if how == "bad_replica":
+            return parts[self.bad_replica()]
+        if how == "features_samples":
+            return np.array([parts[0][0], sum(int(p[1]) for p in parts)], dtype=np.int64)
+        if how == "sample_mean":
+            w = np.array([float(p[1]) for p in self.copies(self.input_shape)])
+            if w.sum() <= 0:
+                return parts[0]
+            return (np.tensordot(w, np.stack(parts), axes=1) / w.sum()).astype(parts[0].dtype)
+        if how == "histogram":
+            out = np.sum(parts, axis=0, dtype=parts[0].dtype)
+            out[-1] = min(p[-1] for p in parts)  # the validity flag: of every replica
+            return out
+        if how == "forward":
+            rows = np.stack(parts)  # replicas, layers, columns
+            w = rows[..., 4]
+            total = w.sum(axis=0)
+            out = np.empty_like(parts[0])
+            out[:, 0] = (w * rows[..., 0]).sum(axis=0) / total
+            out[:, 1] = np.sqrt((w * rows[..., 1] ** 2).sum(axis=0) / total)
+            out[:, 2] = rows[..., 2].max(axis=0)
+            out[:, 3] = rows[..., 3].min(axis=0)
+            out[:, 4] = total
+            return out
+        raise AssertionError(f"no reduction {how!r}")  # pragma: no cover - REDUCTIONS is fixed
 
     def _fast_handles(self, variables: list) -> dict[int, tuple]:
         if keras.backend.backend() != "tensorflow":
@@ -279,6 +444,17 @@ class GraphProbe:
                 handles[id(v)] = (tv.handle, tv.dtype, tv.dtype.as_numpy_dtype)
             except (AttributeError, ValueError, RuntimeError):  # e.g. a distributed variable
                 continue
+        return handles
+
+    def _replica_handles(self, variables: list) -> dict[int, list[tuple]]:
+        """Per variable, the bare handle of each replica's copy (a distributed variable's
+        components are plain resource variables)."""
+        handles: dict[int, list[tuple]] = {}
+        for v in variables:
+            copies = getattr(v.value, "values", None)
+            if copies is None:
+                continue
+            handles[id(v)] = [(c.handle, c.dtype, c.dtype.as_numpy_dtype) for c in copies]
         return handles
 
     def start(self, step: int) -> None:
@@ -294,6 +470,9 @@ class GraphProbe:
         model, opt = self.model, self.optimizer
         self._wrap(model, "compute_loss", self._compute_loss_wrapper(model.compute_loss))
         self._wrap(opt, "apply", self._apply_wrapper(opt.apply))
+        if self.strategy is not None:
+            reduce = opt._all_reduce_sum_gradients
+            self._wrap(opt, "_all_reduce_sum_gradients", self._all_reduce_wrapper(reduce))
         for i, layer in enumerate(self.forward_layers):
             self._wrap(layer, "call", self._call_wrapper(layer, i, layer.call))
         self._retrace()
@@ -338,6 +517,9 @@ class GraphProbe:
     def _retrace(self) -> None:
         """Drop the model's traced functions (they may hold the wrappers, or lack them)."""
         model = self.model
+        self._bad.clear()
+        self._wanted.clear()
+        self._due.clear()
         for attr in ("train_function", "test_function", "predict_function"):
             if hasattr(model, attr):
                 setattr(model, attr, None)
@@ -346,8 +528,8 @@ class GraphProbe:
     def _want(self, *groups: str) -> Any:
         """Whether any of ``groups`` is computed at this step (a bool tensor, or a Python
         bool when eager; always ``False`` outside the heavy function). The comparison with
-        the host's request is built once per graph and step, whichever wrapper runs first,
-        and shared by the others."""
+        the host's request is built once per graph and step (and replica), whichever
+        wrapper runs first, and shared by the others."""
         if self._mode != "heavy":
             return False
         if self.eager:
@@ -357,11 +539,14 @@ class GraphProbe:
 
         # in a traced function, once per graph; run eagerly (run_eagerly=True), every call
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        if graph is None or self._wanted is None or self._wanted[0] is not graph:
+        # each replica compares its own copies (on its own device)
+        thread = threading.get_ident()
+        cached = self._wanted.get(thread)
+        if graph is None or cached is None or cached[0] is not graph:
             due = ops.equal(ops.cast(self.optimizer.iterations, "int64"), self.sample_at)
             on = ops.logical_and(due, ops.greater(self.flags, 0))
-            self._wanted = (graph, ops.unstack(on, len(GROUPS)), {})
-        _, on, combined = self._wanted
+            cached = self._wanted[thread] = (graph, ops.unstack(on, len(GROUPS)), {})
+        _, on, combined = cached
         if groups not in combined:
             pred = on[_G[groups[0]]]
             for g in groups[1:]:
@@ -396,7 +581,7 @@ class GraphProbe:
                 slot = ops.reshape(ops.mod(step, self.k), (1,))
             self.losses.assign(ops.slice_update(self.losses, slot, ops.reshape(value, (1,))))
             if not self.eager:
-                self._bad = ops.logical_not(ops.isfinite(value))
+                self._bad[threading.get_ident()] = ops.logical_not(ops.isfinite(value))
 
             def data() -> None:
                 self._cond(self._want("inputs"), lambda: self._input_stats(x))
@@ -424,33 +609,30 @@ class GraphProbe:
             # its step. The gradients' sum is non-finite when one of them is (or when they
             # are past float32's range, which the norms then say): TF's fused ReLU turns
             # a NaN input into 0, leaving the loss finite and the kernel's gradient NaN.
+            thread = threading.get_ident()
+            bad = self._bad.pop(thread, None)
             forced: Any = False
             if not self.eager:
                 parts = [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
-                bad = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts)))) if parts else None
-                if self._bad is not None:
-                    bad = self._bad if bad is None else ops.logical_or(self._bad, bad)
+                if parts:
+                    odd = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
+                    bad = odd if bad is None else ops.logical_or(bad, odd)
                 if bad is not None:
                     forced = ops.logical_and(bad, ops.less(self.bad_at, 0))
-            self._bad = None
+            if self.strategy is not None:
+                # the all-reduced gradients exist only inside the optimizer: measured there
+                self._due[thread] = (want, forced)
             if self._mode == "light":
                 # every step the sampler skips: the update, and one cond that only a
-                # non-finite loss opens
+                # non-finite loss or gradient opens
                 original(grads, tvars)
                 if forced is not False:
                     self._cond(forced, lambda: self._forced_record(grads, tvars))
                 if self.eager:
                     self._py_step += 1
                 return None
-
-            def from_grads() -> None:
-                self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, self.grad_norm))
-                self._cond(forced, lambda: self._grad_stats(grads, tvars, self.bad_grad_norm))
-                if self.unit_layers:
-                    self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
-
-            on = self._want("grads", "units")
-            self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), from_grads)
+            if self.strategy is None:
+                self._from_grads(grads, tvars, want, forced, scaled=True)
 
             # The update itself runs outside any cond: wrapped in one, it cost ~10% of an MLP
             # step on every step. A sampled update step copies the weights into the
@@ -473,6 +655,43 @@ class GraphProbe:
                 self._py_step += 1
 
         return apply
+
+    def _all_reduce_wrapper(self, original: Any) -> Any:
+        """Under a strategy: the gradient statistics of the sampled (or non-finite) step,
+        taken from the gradients summed across replicas, the ones the optimizer applies.
+
+        A collective inside the sampled step's ``cond`` is refused by ``MirroredStrategy``
+        (``merge_call`` inside control flow), so the statistics cannot all-reduce the
+        gradients themselves; the optimizer's own all-reduce (Keras' TF optimizer) runs on
+        every step and hands each replica the same sum."""
+
+        @functools.wraps(original)
+        def all_reduce(grads_and_vars):
+            reduced = list(original(grads_and_vars))
+            due = self._due.pop(threading.get_ident(), None)
+            if due is not None:
+                want, forced = due
+                grads, tvars = [g for g, _ in reduced], [v for _, v in reduced]
+                self._from_grads(grads, tvars, want, forced, scaled=False)
+            return reduced
+
+        return all_reduce
+
+    def _from_grads(
+        self, grads: list, tvars: list, want: dict, forced: Any, *, scaled: bool
+    ) -> None:
+        """The gradient reductions of a sampled step, and of a non-finite one (``forced``)."""
+
+        def from_grads() -> None:
+            into = self.grad_norm
+            self._cond(want["grads"], lambda: self._grad_stats(grads, tvars, into, scaled))
+            into_bad = self.bad_grad_norm
+            self._cond(forced, lambda: self._grad_stats(grads, tvars, into_bad, scaled))
+            if self.unit_layers:
+                self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
+
+        on = self._want("grads", "units")
+        self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), from_grads)
 
     def _call_wrapper(self, layer: Any, row: int, original: Any) -> Any:
         kind = _activation_kind(layer)
@@ -502,8 +721,9 @@ class GraphProbe:
         nan = ops.convert_to_tensor(np.float32(np.nan))
         return ops.stack([values.get(i, nan) for i in range(len(self.variables))])
 
-    def _grad_stats(self, grads: list, tvars: list, into: Any) -> None:
-        scale = getattr(self.optimizer, "loss_scale_factor", None)
+    def _grad_stats(self, grads: list, tvars: list, into: Any, scaled: bool) -> None:
+        """Per-variable norms; ``scaled``: the gradients still carry the loss scale."""
+        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
         norms: dict[int, Any] = {}
         for g, v in zip(grads, tvars, strict=True):
             pos = self._position.get(id(v))
@@ -516,9 +736,11 @@ class GraphProbe:
             self.sampled_at.assign(ops.cast(self.optimizer.iterations, "int64"))
 
     def _forced_record(self, grads: list, tvars: list) -> None:
-        """The light function's record of a step whose loss was not finite: its gradient
-        norms, and its weight norms after the update."""
-        self._grad_stats(grads, tvars, self.bad_grad_norm)
+        """The light function's record of a step whose loss or gradient was not finite: its
+        gradient norms (under a strategy the all-reduce wrapper took those), and its weight
+        norms after the update."""
+        if self.strategy is None:
+            self._grad_stats(grads, tvars, self.bad_grad_norm, True)
         weights = {
             self._position[id(v)]: _norm(ops.convert_to_tensor(v))
             for v in tvars
@@ -647,7 +869,8 @@ class GraphProbe:
             near = ops.logical_or(ops.greater_equal(t, bound), ops.less_equal(t, 1.0 - bound))
             sat = ops.mean(ops.cast(near, "float32"))
         finite = ops.cast(ops.all(ops.isfinite(t)), "float32")
-        values = ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite])
+        count = ops.cast(ops.size(t), "float32")
+        values = ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite, count])
         self.forward_rows.assign(
             ops.slice_update(self.forward_rows, (row, 0), ops.reshape(values, (1, _ROW)))
         )

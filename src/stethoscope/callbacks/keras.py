@@ -18,7 +18,13 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "tensorflow-cpu"
     ) from exc
 
-from stethoscope.callbacks._keras import GROUPS, MAX_CLASSES, MAX_FEATURES, GraphProbe
+from stethoscope.callbacks._keras import (
+    GROUPS,
+    MAX_CLASSES,
+    MAX_FEATURES,
+    GraphProbe,
+    distribution,
+)
 from stethoscope.detectors import Detector
 from stethoscope.findings import Finding, TrainingProblem
 from stethoscope.monitor import Monitor
@@ -79,9 +85,17 @@ class KerasStethoscope(keras.callbacks.Callback):
     any callback sees them: every step's loss is still judged, but at most one step
     per execution is sampled, and a stop takes effect after the next execution.
 
+    Under ``tf.distribute.MirroredStrategy`` every replica runs the reductions on its
+    shard into its own copy of the probe's variables, and the callback combines the
+    copies: one monitor, one set of findings, one summary. The gradient statistics
+    are those of the summed gradients the optimizer applies; a non-finite loss names
+    its replica in the finding's ``rank``.
+
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices, or
-            when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`.
+            when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`; at the
+            start of ``fit``, under a ``tf.distribute`` strategy other than
+            ``MirroredStrategy`` (naming it).
 
     Example:
         >>> model.fit(x, y, callbacks=[KerasStethoscope()])  # doctest: +SKIP
@@ -138,7 +152,15 @@ class KerasStethoscope(keras.callbacks.Callback):
             (d.needs | d.wants) & {"activations", "outputs"} or d.name == "nonfinite_loss"
             for d in self.monitor.detectors
         )
-        probe = GraphProbe(model, steps_per_execution=model.steps_per_execution, forward=forward)
+        strategy = distribution(model)
+        if strategy is not None:
+            _check_optimizer(model.optimizer, strategy)
+        probe = GraphProbe(
+            model,
+            steps_per_execution=model.steps_per_execution,
+            forward=forward,
+            strategy=strategy,
+        )
         step0 = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
@@ -225,9 +247,13 @@ class KerasStethoscope(keras.callbacks.Callback):
         losses = ring if probe.saw_loss else None
         last = first + count - 1
         measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
-        bad_at = -1
+        bad_at, bad_rank = -1, 0
+        replica_losses: list[np.ndarray] = []
         if ring[probe.k] != 0.0:  # the graph measured a step with a non-finite loss or gradient
             bad_at = int(read(probe.bad_at))
+            if probe.replicas > 1:  # which replica's shard made it so
+                replica_losses = probe.copies(probe.losses)
+                bad_rank = probe.bad_replica()
             # ready for the next one (off the healthy path)
             probe.write(probe.bad_at, np.int64(-1))
             ring[probe.k] = 0.0
@@ -236,6 +262,8 @@ class KerasStethoscope(keras.callbacks.Callback):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
                 obs.loss = float(losses[step % probe.k])
+                if replica_losses and not np.isfinite(obs.loss):
+                    obs.rank = _first_nonfinite(replica_losses, step % probe.k)
             if step == planned:
                 self._read(obs, plan, fresh=measured == step)
             elif step == bad_at:  # a non-finite loss or gradient switched the reductions on
@@ -245,8 +273,8 @@ class KerasStethoscope(keras.callbacks.Callback):
                 self._act(self.monitor.observe(obs))
                 if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
-                obs = Observation(step=step, epoch=self._epoch, rank=0)
-                self._read_forced(obs)
+                obs = Observation(step=step, epoch=self._epoch, rank=bad_rank)
+                self._read_forced(obs, bad_rank)
             self._act(self.monitor.observe(obs))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -300,14 +328,16 @@ class KerasStethoscope(keras.callbacks.Callback):
         if plan & {"activations", "outputs", "trace"} and probe.forward_layers:
             self._forward(obs, plan, read(probe.forward_rows).astype(np.float64))
 
-    def _read_forced(self, obs: Observation) -> None:
-        """The gradient and weight norms the graph took at a step whose loss was not finite."""
+    def _read_forced(self, obs: Observation, replica: int) -> None:
+        """The gradient and weight norms the graph took at a step whose loss was not finite
+        (under a strategy: those of the replica that saw it; taken from the summed gradients
+        and the mirrored weights, so the same numbers any replica would have recorded)."""
         probe = self._probe
         assert probe is not None
         read = probe.read
         idx = self._describe(obs)
-        obs.grad_norm = read(probe.bad_grad_norm)[idx].astype(np.float64)
-        obs.weight_norm = read(probe.bad_weight_norm)[idx].astype(np.float64)
+        obs.grad_norm = read(probe.bad_grad_norm, replica)[idx].astype(np.float64)
+        obs.weight_norm = read(probe.bad_weight_norm, replica)[idx].astype(np.float64)
 
     def _describe(self, obs: Observation) -> np.ndarray:
         """Name the parameters of a measured step; returns their positions in the probe.
@@ -354,6 +384,37 @@ class KerasStethoscope(keras.callbacks.Callback):
             raise TrainingProblem(decision.reason)
         if decision.stop:
             self.model.stop_training = True
+
+
+def _first_nonfinite(replica_losses: list[np.ndarray], slot: int) -> int:
+    """The first replica whose own share of the loss in ``slot`` is not finite."""
+    for r, losses in enumerate(replica_losses):
+        if not np.isfinite(losses[slot]):
+            return r
+    return 0
+
+
+def _check_optimizer(optimizer: Any, strategy: Any) -> None:
+    """Refuse what the probe cannot measure under a strategy; warn where its gradient
+    statistics differ from those of one device."""
+    name = type(strategy).__name__
+    if hasattr(optimizer, "inner_optimizer") or not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise ValueError(
+            f"KerasStethoscope under {name} measures the gradients where Keras' TensorFlow "
+            "optimizer sums them across replicas, and this optimizer "
+            f"({type(optimizer).__name__}) does not sum them there (a LossScaleOptimizer "
+            "or a custom one): not supported. Use a plain Keras optimizer, or train "
+            "without KerasStethoscope."
+        )
+    if optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue:
+        warnings.warn(
+            f"stethoscope: under {name}, Keras clips each replica's gradient before it "
+            "sums them, so the gradient statistics describe the clipped sum the optimizer "
+            "applies, not the gradient of the loss: exploding_gradients sees norms bounded "
+            "by the clipping",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _learning_rate(optimizer: Any) -> float | None:
