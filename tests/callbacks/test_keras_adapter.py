@@ -286,12 +286,27 @@ def test_fits_in_a_row_continue_the_step_count():
     x, y = data()
     model = mlp()
     spy = Spy({"loss"})
+    traces = []
+
+    def counted(y_true, y_pred):  # runs in Python only when a train step is traced
+        traces.append(1)
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    model.compile(keras.optimizers.SGD(0.05), counted)
     cb = watch(spy)
     fit(model, cb, x, y)
+    assert len(traces) == 1  # the light train function (the loss alone samples nothing)
+    probe = cb._probe
     fit(model, cb, x, y, epochs=2)
     steps = [o.step for o in spy.seen]
     assert steps == list(range(3 * N // BATCH))
     assert len(cb.summaries) == 3
+    assert_clean(model)
+    # the second fit reused the probe and its traced function
+    assert cb._probe is probe and len(traces) == 1
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    fit(model, cb, x, y)  # a new optimizer: a new probe
+    assert cb._probe is not probe
     assert_clean(model)
 
 

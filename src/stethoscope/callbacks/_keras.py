@@ -434,6 +434,21 @@ class GraphProbe:
             return out
         raise AssertionError(f"no reduction {how!r}")  # pragma: no cover - REDUCTIONS is fixed
 
+    @staticmethod
+    def key(model: Any, *, forward: bool, strategy: Any = None) -> tuple:
+        """What a probe and its traced functions depend on: a later fit whose key is the
+        same reuses them (same model, optimizer, variables, execution settings)."""
+        return (
+            id(model),
+            id(model.optimizer),
+            tuple(id(v) for v in model.trainable_variables),
+            int(model.steps_per_execution),
+            bool(model.run_eagerly),
+            repr(getattr(model, "jit_compile", None)),
+            forward,
+            id(strategy),
+        )
+
     def _fast_handles(self, variables: list) -> dict[int, tuple]:
         if keras.backend.backend() != "tensorflow":
             return {}
@@ -476,9 +491,13 @@ class GraphProbe:
         for i, layer in enumerate(self.forward_layers):
             self._wrap(layer, "call", self._call_wrapper(layer, i, layer.call))
         self._retrace()
+        # A later fit of the same model reuses the functions, already traced: tracing them
+        # again would cost each fit a second or more. They hold the graph, not the wrappers
+        # (which are back on while they run, for a retrace on a new input shape).
         for mode in ("light", "heavy"):
-            model.make_train_function(force=True)
-            self._functions[mode] = model.train_function
+            if mode not in self._functions:
+                model.make_train_function(force=True)
+                self._functions[mode] = model.train_function
         model.train_function = self.dispatch
 
     def remove(self) -> None:
@@ -489,7 +508,6 @@ class GraphProbe:
             if attr in vars(owner):
                 delattr(owner, attr)
         self._installed = []
-        self._functions = {}
         self._retrace()
 
     def observed(self) -> np.ndarray:

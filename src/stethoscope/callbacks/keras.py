@@ -131,6 +131,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         )
         self.summaries: list[EpochSummary] = []
         self._probe: GraphProbe | None = None
+        self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
         self._next = 0  # the global step of the next train step
         self._current = _IDLE  # what the graph variables ask for now
@@ -155,12 +156,16 @@ class KerasStethoscope(keras.callbacks.Callback):
         strategy = distribution(model)
         if strategy is not None:
             _check_optimizer(model.optimizer, strategy)
-        probe = GraphProbe(
-            model,
-            steps_per_execution=model.steps_per_execution,
-            forward=forward,
-            strategy=strategy,
-        )
+        key = GraphProbe.key(model, forward=forward, strategy=strategy)
+        probe = self._probe
+        if probe is None or self._key != key:  # else a fit in a row: its functions are traced
+            probe = GraphProbe(
+                model,
+                steps_per_execution=model.steps_per_execution,
+                forward=forward,
+                strategy=strategy,
+            )
+            self._key = key
         step0 = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
