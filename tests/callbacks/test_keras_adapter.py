@@ -281,6 +281,26 @@ def test_a_watched_fit_trains_bit_for_bit_as_an_unwatched_one(separate):
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_loss_ring_never_reaches_the_logs():
+    """The train step hands the probe its loss ring with the logs; the dispatcher takes it
+    out before fit, the other callbacks or the History see them."""
+    seen: list[set] = []
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(set(logs or {}))
+
+    x, y = data()
+    model = mlp()
+    spy = Spy({"loss"})
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[watch(spy), Logs()])
+    assert seen and all(keys == {"loss"} for keys in seen)
+    assert set(history.history) == {"loss"}
+    logged = history.history["loss"]
+    assert len(spy.seen) == 2 * N // BATCH and all(np.isfinite(o.loss) for o in spy.seen)
+    assert np.mean([o.loss for o in spy.seen[-N // BATCH :]]) == pytest.approx(logged[-1], 1e-5)
+
+
 # -- fits, executions, model styles ---------------------------------------------------------
 def test_fits_in_a_row_continue_the_step_count():
     x, y = data()

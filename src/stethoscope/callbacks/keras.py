@@ -248,7 +248,7 @@ class KerasStethoscope(keras.callbacks.Callback):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        ring = read(probe.losses)
+        ring = probe.ring()
         losses = ring if probe.saw_loss else None
         last = first + count - 1
         measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
