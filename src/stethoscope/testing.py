@@ -4,14 +4,40 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from stethoscope.detectors.base import Detector
 from stethoscope.findings import Severity
 from stethoscope.sinks.base import Sink
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
+    from stethoscope.observation import Observation
     from stethoscope.summary import EpochSummary
 
-__all__ = ["CapturingSink"]
+__all__ = ["CapturingSink", "RecordingDetector"]
+
+
+class RecordingDetector(Detector):
+    """A detector that keeps every observation it is shown and finds nothing: what an
+    adapter hands the detectors, for assertions.
+
+    Args:
+        needs: The probes it asks for (it runs only on steps that carry all of them).
+
+    Example:
+        >>> spy = RecordingDetector({"loss"})
+        >>> # Trainer(callbacks=[LightningStethoscope(detectors=[spy])]); then spy.seen
+    """
+
+    name = "recorder"
+
+    def __init__(self, needs: set[str]) -> None:
+        self.needs = frozenset(needs)  # type: ignore[misc]
+        super().__init__()
+        self.seen: list[Observation] = []
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        self.seen.append(obs)
+        return []
 
 
 class CapturingSink(Sink):

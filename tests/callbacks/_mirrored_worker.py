@@ -34,26 +34,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
-from stethoscope.detectors import Detector  # noqa: E402
-from stethoscope.testing import CapturingSink  # noqa: E402
+from stethoscope.testing import CapturingSink, RecordingDetector  # noqa: E402
 
 N, FEATURES, CLASSES, BATCH, LR = 256, 12, 3, 32, 0.05
 STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
-class Spy(Detector):
-    """Keeps every observation it is shown; finds nothing."""
-
-    name = "spy"
-
-    def __init__(self, needs: set[str]) -> None:
-        self.needs = frozenset(needs)  # type: ignore[misc]
-        super().__init__()
-        self.seen: list = []
-
-    def _update(self, obs):
-        self.seen.append(obs)
-        return []
+Spy = RecordingDetector  # keeps every observation it is shown; finds nothing
 
 
 class Exploding(keras.optimizers.schedules.LearningRateSchedule):
@@ -164,7 +151,7 @@ def measured() -> dict:
             on_train_batch_end=lambda batch, logs, into=logged: into.append(float(logs["loss"]))
         )
         cb = KerasStethoscope(
-            detectors=[spy], sinks=[CapturingSink()], intervals={"spy": 3}, escalate=False
+            detectors=[spy], sinks=[CapturingSink()], intervals={"recorder": 3}, escalate=False
         )
         fit(model, [cb, keep], x, y)
         out[name] = {

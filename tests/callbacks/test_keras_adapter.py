@@ -19,7 +19,7 @@ keras = pytest.importorskip("keras")
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
 from stethoscope.detectors import Detector  # noqa: E402
-from stethoscope.testing import CapturingSink  # noqa: E402
+from stethoscope.testing import CapturingSink, RecordingDetector  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="these tests drive the TensorFlow backend"
@@ -28,19 +28,7 @@ pytestmark = pytest.mark.skipif(
 N, FEATURES, CLASSES, BATCH = 256, 12, 3, 32
 
 
-class Spy(Detector):
-    """Keeps every observation it is shown; finds nothing."""
-
-    name = "spy"
-
-    def __init__(self, needs: set[str]) -> None:
-        self.needs = frozenset(needs)  # type: ignore[misc]
-        super().__init__()
-        self.seen: list = []
-
-    def _update(self, obs):
-        self.seen.append(obs)
-        return []
+Spy = RecordingDetector  # keeps every observation it is shown; finds nothing
 
 
 def data(seed: int = 0, n: int = N):
@@ -118,7 +106,7 @@ def test_sampled_steps_carry_the_true_gradients_updates_inputs_and_labels():
     x, y = data()
     model = mlp(lr=0.05)
     spy = Spy({"loss", "grads", "updates", "units", "inputs", "labels", "outputs"})
-    cb = watch(spy, intervals={"spy": 3}, escalate=False)
+    cb = watch(spy, intervals={"recorder": 3}, escalate=False)
     fit(model, cb, x, y)
     steps = [o.step for o in spy.seen]
     assert steps == list(range(0, N // BATCH, 3))
@@ -191,7 +179,7 @@ def test_tanh_saturation_is_seen_through_the_layer_outputs():
     dense = model.layers[0]
     dense.kernel.assign(dense.kernel.numpy() * 40.0)
     spy = Spy({"activations"})
-    fit(model, watch(spy, intervals={"spy": 2}, escalate=False), x, y)
+    fit(model, watch(spy, intervals={"recorder": 2}, escalate=False), x, y)
     obs = spy.seen[0]
     assert obs.act_names == ("hidden/tanh",) and obs.act_kinds == ("tanh",)
     h = np.tanh(x[:BATCH] @ dense.kernel.numpy() + dense.bias.numpy())
@@ -273,7 +261,7 @@ def test_a_watched_fit_trains_bit_for_bit_as_an_unwatched_one(separate):
         return model.get_weights()
 
     spy = Spy({"grads", "outputs"})
-    watched = trained([watch(spy, escalate=False, stop_on=None, intervals={"spy": 16})])
+    watched = trained([watch(spy, escalate=False, stop_on=None, intervals={"recorder": 16})])
     assert [o.step for o in spy.seen] == [0, 16]  # the heavy function ran, reading outputs
     plain = trained([])
     assert np.isnan(plain[0]).any() and np.isfinite(plain[-1]).all()  # the fault, unwatched
@@ -380,7 +368,7 @@ def test_functional_and_subclassed_models_are_probed_alike():
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model(x[:1])
         spy = Spy({"units", "activations", "outputs"})
-        fit(model, watch(spy, intervals={"spy": 4}, escalate=False), x, y)
+        fit(model, watch(spy, intervals={"recorder": 4}, escalate=False), x, y)
         obs = spy.seen[0]
         assert obs.unit_names == ("hidden", "head")
         assert obs.act_names == ("hidden", "hidden/sigmoid", "head")
@@ -425,7 +413,7 @@ def test_a_custom_train_step_without_compute_loss_warns_once():
     model.compile("sgd")
     spy = Spy({"grads"})
     with pytest.warns(RuntimeWarning, match="compute_loss"):
-        fit(model, watch(spy, intervals={"spy": 2}, escalate=False), x, y)
+        fit(model, watch(spy, intervals={"recorder": 2}, escalate=False), x, y)
     assert spy.seen and all(np.all(np.isfinite(o.grad_norm)) for o in spy.seen)
 
 
