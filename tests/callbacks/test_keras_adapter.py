@@ -93,6 +93,34 @@ def test_an_unsupported_backend_fails_at_construction_naming_it(monkeypatch):
         KerasStethoscope()
 
 
+def test_a_loss_scale_optimizer_is_refused_with_advice():
+    model = mlp()
+    model.compile(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    x, y = data()
+    with pytest.raises(ValueError, match=r"LossScaleOptimizer.*mixed_bfloat16"):
+        fit(model, watch(), x, y)
+    assert "compute_loss" not in vars(model) and "apply" not in vars(model.optimizer)
+
+
+def test_mixed_bfloat16_trains_and_is_watched():
+    """Under a mixed policy, layers autocast float32 variables when they read them; the
+    probe's own variables keep their dtype (the forward rows are written inside calls)."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = mlp()
+        spy = Spy({"grads", "outputs"})
+        x, y = data()
+        fit(model, watch(spy), x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert spy.seen and all(np.isfinite(o.grad_norm).all() for o in spy.seen)
+    assert all(np.isfinite(o.act_rms).all() for o in spy.seen if o.act_rms is not None)
+    assert_clean(model)
+
+
 def test_an_uncompiled_model_is_refused_with_advice():
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
     cb = watch()

@@ -287,6 +287,8 @@ class GraphProbe:
             v = keras.Variable(
                 np.full(shape, value, dtype=dtype),
                 trainable=False,
+                # read as stored, also inside a layer's call under a mixed-precision policy
+                autocast=False,
                 name=f"stethoscope_{name}",
                 **where,
             )

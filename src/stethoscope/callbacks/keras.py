@@ -153,6 +153,14 @@ class KerasStethoscope(keras.callbacks.Callback):
             (d.needs | d.wants) & {"activations", "outputs"} or d.name == "nonfinite_loss"
             for d in self.monitor.detectors
         )
+        if hasattr(model.optimizer, "inner_optimizer"):  # keras.optimizers.LossScaleOptimizer
+            raise ValueError(
+                "KerasStethoscope does not support a LossScaleOptimizer (a mixed_float16 "
+                "policy wraps the optimizer in one) yet: its gradients are scaled by a "
+                "factor that changes, and its overflow steps, which it skips by design, "
+                "would read as non-finite gradients and stop a healthy run. Train in "
+                "float32 or mixed_bfloat16 (no loss scaling), or without KerasStethoscope."
+            )
         strategy = distribution(model)
         if strategy is not None:
             _check_optimizer(model.optimizer, strategy)
