@@ -331,10 +331,12 @@ SCENARIOS: tuple[Scenario, ...] = (
         onset=ONSET,
         # torch's ReLU passes the NaN on to the loss; TensorFlow's fused MatMul+BiasAdd+Relu
         # kernel turns it into 0, so the loss stays finite and the first layer's kernel
-        # gradient is what goes NaN
+        # gradient is what goes NaN; from the next step on every unit of that layer
+        # outputs 0 (NaN weights through the fused ReLU): the loss jumps, then swings with
+        # each batch's labels around the dead net's one prediction
         expect=("nonfinite_loss", "nonfinite_gradients"),
         window=1,
-        collateral=NONFINITE,
+        collateral=(*NONFINITE, "loss_spike", "unstable_loss", *DEAD_NET),
     ),
     Scenario(
         "inf_gradient",

@@ -139,13 +139,18 @@ class Monitor:
         """The current sampling interval of detector ``name``."""
         return self.sampler.interval(name, self.last_step if step is None else step)
 
-    def observe(self, obs: Observation) -> Decision:
+    def observe(self, obs: Observation, *, forced: bool = False) -> Decision:
         """Judge one step's observation; report findings; say whether to stop.
 
         In a distributed run the decision is held until the ranks next meet (see
         :meth:`agree`), and ``Decision()`` is returned meanwhile.
+
+        Args:
+            forced: The adapter measured this step off the schedule because something
+                was wrong (a non-finite loss or gradient): every detector whose probes it
+                carries judges it, due or not.
         """
-        return self._judge(obs, hold=self.world_size > 1)
+        return self._judge(obs, hold=self.world_size > 1, forced=forced)
 
     def observe_shared(self, obs: Observation) -> Decision:
         """Judge an observation that every rank holds the same (gathered from all of them).
@@ -155,7 +160,7 @@ class Monitor:
         """
         return self._judge(obs, hold=False)
 
-    def _judge(self, obs: Observation, *, hold: bool) -> Decision:
+    def _judge(self, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
         findings: list[Finding] = []
         notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
         back = self.sampler.tick(obs.step)
@@ -164,7 +169,7 @@ class Monitor:
         suspects: list[str] = []
         due = self._due(obs.step)
         for d in self.detectors:
-            if d.name not in due or d.name in self._idle or d.finished(obs.step):
+            if (not forced and d.name not in due) or d.name in self._idle or d.finished(obs.step):
                 continue
             if not all(obs.has(p) for p in d.needs):
                 continue

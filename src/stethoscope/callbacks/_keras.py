@@ -238,7 +238,10 @@ class GraphProbe:
         self.fan_in = np.full(len(self.variables), np.nan)
         for _, pos, units in self.unit_layers:
             self.fan_in[pos] = self.numel[pos] / max(units, 1)
-        self.forward_layers = layers if forward else []
+        # A linear Dense/Conv whose output only an activation layer reads is left alone:
+        # reading it (even on a sampled step) would keep TensorFlow from fusing the two,
+        # and the fused ReLU turns a NaN into 0, where the unfused one passes it on.
+        self.forward_layers = [la for la in layers if not _feeds_activation(la)] if forward else []
         self.saw_loss = False
         # positions of the variables the train step hands optimizer.apply, and of those it
         # hands with a gradient: known once apply has been traced (every step when eager)
@@ -933,6 +936,19 @@ class GraphProbe:
             (layer.name, _activation_kind(layer), _unit_layer(layer))
             for layer in self.forward_layers
         ]
+
+
+def _feeds_activation(layer: Any) -> bool:
+    """Whether ``layer`` is a Dense/Conv without an activation of its own whose output only
+    activation layers read (known for Sequential and functional models)."""
+    from keras import layers as kl
+
+    own = getattr(getattr(layer, "activation", None), "__name__", "")
+    if not _unit_layer(layer) or own not in ("linear", ""):
+        return False
+    consumers = [getattr(n, "operation", None) for n in getattr(layer, "_outbound_nodes", [])]
+    acts = (kl.Activation, kl.ReLU, kl.LeakyReLU, kl.ELU, kl.PReLU, kl.Softmax)
+    return bool(consumers) and all(isinstance(c, acts) for c in consumers)
 
 
 def _is_float(t: Any) -> bool:

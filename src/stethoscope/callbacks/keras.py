@@ -288,6 +288,8 @@ class KerasStethoscope(keras.callbacks.Callback):
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
                 obs = Observation(step=step, epoch=self._epoch, rank=bad_rank)
                 self._read_forced(obs, bad_rank)
+                self._act(self.monitor.observe(obs, forced=True))
+                continue
             self._act(self.monitor.observe(obs))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
