@@ -249,3 +249,16 @@ def test_schedule_is_a_pure_function_of_step_and_state(base, hot, esc, cut, esca
     assert [b.due(t) for t in rest] == [a.due(t) for t in rest]
     assert drive(b, rest, escalate_at=later) == drive(a, rest, escalate_at=later)
     assert b.state_dict() == a.state_dict()
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=bases, hot=hot_steps, esc=escalations)
+def test_due_set_is_due_at_every_step(base, hot, esc):
+    # the cached answer, keyed by which intervals divide the step, equals the full scan
+    s = AdaptiveSampler(base, hot_steps=hot)
+    escalate_at = set(esc)
+    for t in range(600):
+        s.tick(t)
+        if t in escalate_at:
+            s.escalate(t, "x")
+        assert s.due_set(t) == frozenset(s.due(t))

@@ -21,6 +21,8 @@ __all__ = ["SAMPLER", "Monitor"]
 #: The ``detector`` field of the info findings the sampler reports.
 SAMPLER = "sampler"
 
+_NOTHING = Decision()  # what a healthy step decides (never mutated)
+
 _STATUS = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.ERROR: "error"}
 
 
@@ -108,6 +110,7 @@ class Monitor:
         self._due_key: tuple[int, int | None] | None = None
         self._due_set: frozenset[str] = frozenset()
         self._deep: set[str] = set()  # deeper probes detectors asked for
+        self._all = frozenset(names)  # a forced observation: every detector
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         # distributed runs: detectors beyond the every-step loss decide where ranks meet
         self._sampled = frozenset(
@@ -121,19 +124,40 @@ class Monitor:
     def plan(self, step: int) -> frozenset[str]:
         """The probes the adapter should compute at ``step``."""
         due = self._due(step)
-        probes: set[str] = set(self._deep)
-        for d in self.detectors:
-            if d.name in due and d.name not in self._idle and not d.finished(step):
-                probes |= d.needs | d.wants
-        return frozenset(probes - EVENT_PROBES - RANK_PROBES)
+        run = self._runnable(due)
+        # the answer depends on the schedule and on which detectors have finished: a handful
+        # of keys per run, so each is worked out once (plan() runs on every step)
+        key = (due, tuple(d.finished(step) for d in self._finishing[run]))
+        probes = self._plan_cache.get(key)
+        if probes is None:
+            wanted: set[str] = set()
+            for d in run:
+                if not d.finished(step):
+                    wanted |= d.needs | d.wants
+            probes = self._plan_cache[key] = frozenset(wanted - EVENT_PROBES - RANK_PROBES)
+        if self._deep:
+            probes = probes | (self._deep - EVENT_PROBES - RANK_PROBES)
+        return probes
 
     def _due(self, step: int) -> frozenset[str]:
         # plan() and observe() ask for the same step: compute the schedule once. The cache
         # is keyed on the sampler's state too, since an escalation changes the answer.
         key = (step, self.sampler.hot_since)
         if self._due_key != key:
-            self._due_key, self._due_set = key, frozenset(self.sampler.due(step))
+            self._due_key, self._due_set = key, self.sampler.due_set(step)
         return self._due_set
+
+    def _runnable(self, due: frozenset[str]) -> tuple[Detector, ...]:
+        """The detectors of ``due`` that take part in this run (not idle), in order: a
+        handful of distinct schedules per run, so each is worked out once."""
+        hit = self._runnable_cache.get(due)
+        if hit is None:
+            hit = tuple(d for d in self.detectors if d.name in due and d.name not in self._idle)
+            self._runnable_cache[due] = hit
+            self._finishing[hit] = tuple(
+                d for d in hit if type(d).finished is not Detector.finished
+            )
+        return hit
 
     def interval(self, name: str, step: int | None = None) -> int:
         """The current sampling interval of detector ``name``."""
@@ -167,25 +191,35 @@ class Monitor:
         if back:
             notes.append(self._sampler_finding(obs.step, obs.epoch, back))
         suspects: list[str] = []
-        due = self._due(obs.step)
-        for d in self.detectors:
-            if (not forced and d.name not in due) or d.name in self._idle or d.finished(obs.step):
+        step, has = obs.step, obs.has
+        every = self._runnable(self._all) if forced else self._runnable(self._due(step))
+        for d in every:
+            if d.finished(step):
                 continue
-            if not all(obs.has(p) for p in d.needs):
-                continue
-            found = d.update(obs)
-            findings.extend(found)
-            if d.suspect:
-                suspects.append(f"{d.name}: {d.suspect}")
-            self._deep |= d.request
-        self._deep -= {p for p in self._deep if obs.has(p)}
-        if obs.val_loss is None and obs.loss is not None and math.isfinite(obs.loss):
-            self._train_sum += obs.loss
+            for p in d.needs:
+                if not has(p):
+                    break
+            else:
+                found = d.update(obs)
+                if found:
+                    findings.extend(found)
+                if d.suspect:
+                    suspects.append(f"{d.name}: {d.suspect}")
+                if d.request:
+                    self._deep |= d.request
+        if self._deep:
+            self._deep -= {p for p in self._deep if has(p)}
+        loss = obs.loss
+        if obs.val_loss is None and loss is not None and math.isfinite(loss):
+            self._train_sum += loss
             self._train_n += 1
-        self._epoch_steps.add(obs.step)
-        if obs.has("grads"):
-            self._epoch_grad_steps.add(obs.step)
-        self.last_step = max(self.last_step, obs.step)
+        self._epoch_steps.add(step)
+        if obs.grad_norm is not None:
+            self._epoch_grad_steps.add(step)
+        if step > self.last_step:
+            self.last_step = step
+        if not findings and not suspects and not notes:  # the healthy step: nothing to do
+            return _NOTHING
         alarming = [f for f in findings if f.severity >= Severity.WARNING]
         if alarming or suspects:
             reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
@@ -285,6 +319,10 @@ class Monitor:
         else:
             idle = set()
         self._idle: frozenset[str] = frozenset(idle)
+        self._runnable_cache: dict[frozenset[str], tuple[Detector, ...]] = {}
+        # of each of those, the detectors that can finish early (see Detector.finished)
+        self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
+        self._plan_cache: dict[tuple, frozenset[str]] = {}
         self._outbox: list[Finding] = []
         self._want: Decision | None = None  # the decision held until the ranks meet
         self._want_why: str | None = None  # why this rank wants to sample faster

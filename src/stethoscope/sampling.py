@@ -60,6 +60,10 @@ class AdaptiveSampler:
         self.escalation = bool(escalate)
         self.hot_steps = hot_steps
         self._max_base = max(self.base.values(), default=1)
+        # due_set(): the distinct base intervals, and the answers seen so far, keyed by which
+        # of those intervals divide the step (a handful of keys per run)
+        self._intervals = tuple(sorted(set(self.base.values())))
+        self._due_cache: dict[tuple[bool, ...], frozenset[str]] = {}
         # Training starts hot: baselines need samples, and early steps are where runs blow
         # up. This calibration window is silent; only escalations caused by suspicion report.
         self.hot_since: int | None = 0 if self.escalation else None
@@ -86,6 +90,16 @@ class AdaptiveSampler:
         """The names of the detectors that run at ``step``, in registration order."""
         cap = self.cap(step)
         return [name for name, base in self.base.items() if step % _capped(base, cap) == 0]
+
+    def due_set(self, step: int) -> frozenset[str]:
+        """The names of the detectors that run at ``step`` (what :meth:`due` lists), from a
+        cache: the answer depends only on which of the capped intervals divide ``step``."""
+        cap = self.cap(step)
+        key = tuple(step % _capped(i, cap) == 0 for i in self._intervals)
+        hit = self._due_cache.get(key)
+        if hit is None:
+            hit = self._due_cache[key] = frozenset(self.due(step))
+        return hit
 
     @property
     def hot(self) -> bool:

@@ -17,9 +17,11 @@ from _helpers import (
     run,
     steps,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stethoscope.detectors import LossNotDecreasing, LossSpike, UnstableLoss
-from stethoscope.detectors._stats import median, robust_sigma
+from stethoscope.detectors._stats import SortedWindow, median, push, robust_sigma
 
 SEEDS = range(5)
 
@@ -404,3 +406,22 @@ def test_unstable_loss_rise_must_last_patience_steps():
     x = np.concatenate([np.full(100, 1.0), np.full(40, 2.0), np.full(100, 1.0)])
     assert run(UnstableLoss(patience=40), loss_obs(x)) == []
     assert steps(run(UnstableLoss(patience=39), loss_obs(x))) == [(163, "warning")]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    xs=st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=300),
+    size=st.integers(1, 64),
+    cut=st.integers(0, 300),
+)
+def test_sorted_window_follows_its_window(xs, size, cut):
+    # the running median equals the median of the window, also after the window is replaced
+    # (a reset or a restored checkpoint) mid-way
+    sw, window, plain = SortedWindow(), [], []
+    for i, x in enumerate(xs):
+        if i == cut:
+            window = list(window)  # what load_state_dict does: a new list, same values
+        sw.push(window, x, size)
+        push(plain, x, size)
+        assert window == plain
+        assert sw.median(window) == median(plain)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -32,3 +33,42 @@ def push(window: list[float], x: float, size: int) -> None:
 
 def is_finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
+
+
+class SortedWindow:
+    """A sorted copy of a detector's bounded window, for its median on every step.
+
+    The window itself (a plain list, oldest first) stays in the detector's state, so
+    checkpoints hold only primitives; this copy follows it through :meth:`push` and is
+    rebuilt whenever the window it follows was replaced (a reset, a restored state).
+    ``sorted()`` of a 128-loss window each step cost ~10 us; an insertion costs ~1 us.
+    """
+
+    def __init__(self) -> None:
+        self._of: list[float] | None = None
+        self._sorted: list[float] = []
+
+    def __eq__(self, other: object) -> bool:  # a copied detector equals its original
+        return isinstance(other, SortedWindow) and self._sorted == other._sorted
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def _follow(self, window: list[float]) -> list[float]:
+        if self._of is not window or len(self._sorted) != len(window):
+            self._of, self._sorted = window, sorted(window)
+        return self._sorted
+
+    def push(self, window: list[float], x: float, size: int) -> None:
+        """:func:`push` ``x`` onto ``window``, keeping the sorted copy in step."""
+        s = self._follow(window)
+        window.append(x)
+        bisect.insort(s, x)
+        while len(window) > size:
+            del s[bisect.bisect_left(s, window.pop(0))]
+
+    def median(self, window: list[float]) -> float:
+        """The median of ``window`` (non-empty), as :func:`median` gives it."""
+        s = self._follow(window)
+        n = len(s)
+        mid = n // 2
+        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stethoscope.detectors._stats import is_finite, median, push, robust_sigma
+from stethoscope.detectors._stats import SortedWindow, is_finite, push, robust_sigma
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -72,6 +72,7 @@ class LossSpike(Detector):
         self.z, self.ratio, self.min_jump = float(z), float(ratio), float(min_jump)
         self.tail, self.memory = float(tail), memory
         self.warmup, self.window = warmup, window
+        self._sorted = SortedWindow()
         super().__init__()
 
     def _initial_state(self) -> dict:
@@ -85,10 +86,10 @@ class LossSpike(Detector):
         win = st["window"]
         findings: list[Finding] = []
         if 5 <= len(win) < self.warmup:  # learn the run's healthy jumps during warm-up too
-            center = median(win)
+            center = self._sorted.median(win)
             st["envelope"] = max(st["envelope"], loss - center)
         if len(win) >= self.warmup:
-            center = median(win)
+            center = self._sorted.median(win)
             jump = loss - center
             bar = max(
                 self.tail * st["envelope"],
@@ -116,9 +117,9 @@ class LossSpike(Detector):
             else:  # only healthy jumps widen the envelope, so repeated spikes stay visible
                 decayed = st["envelope"] * (1.0 - 1.0 / self.memory)
                 st["envelope"] = max(decayed, jump)
-        push(win, float(loss), self.window)
+        self._sorted.push(win, float(loss), self.window)
         if st["initial"] is None and len(win) == self.warmup:
-            st["initial"] = median(win)
+            st["initial"] = self._sorted.median(win)
         return findings
 
 
@@ -241,6 +242,7 @@ class UnstableLoss(Detector):
         check_positive(self.name, "rise", rise)
         check_positive(self.name, "patience", patience, integer=True)
         self.window, self.rise, self.patience = window, float(rise), patience
+        self._sorted = SortedWindow()
         super().__init__()
 
     def _initial_state(self) -> dict:
@@ -251,10 +253,10 @@ class UnstableLoss(Detector):
         if not is_finite(loss):
             return []
         st = self.state
-        push(st["recent"], float(loss), self.window)
+        self._sorted.push(st["recent"], float(loss), self.window)
         if len(st["recent"]) < self.window:
             return []
-        level = median(st["recent"])
+        level = self._sorted.median(st["recent"])
         if st["initial"] is None:
             st["initial"] = level
         st["best"] = level if st["best"] is None else min(st["best"], level)
