@@ -309,12 +309,40 @@ def test_the_loss_ring_never_reaches_the_logs():
     x, y = data()
     model = mlp()
     spy = Spy({"loss"})
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[watch(spy), Logs()])
+    grads = Spy({"grads", "inputs", "outputs"})  # sampled steps: the heavy function's logs
+    grads.name = "sampled"
+    cb = watch(spy, grads, intervals={"sampled": 4})
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[cb, Logs()])
+    assert grads.seen and all(o.grad_norm is not None for o in grads.seen)
     assert seen and all(keys == {"loss"} for keys in seen)
     assert set(history.history) == {"loss"}
     logged = history.history["loss"]
     assert len(spy.seen) == 2 * N // BATCH and all(np.isfinite(o.loss) for o in spy.seen)
     assert np.mean([o.loss for o in spy.seen[-N // BATCH :]]) == pytest.approx(logged[-1], 1e-5)
+
+
+def test_what_a_sampled_step_hands_back_is_what_its_variables_hold():
+    """The heavy step returns its measurements with its logs (no read op per variable):
+    the same numbers as the probe's variables, and the learning rate a schedule gives
+    after the step."""
+    x, y = data()
+    model = mlp()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.5)
+    model.compile(
+        keras.optimizers.SGD(schedule), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    spy = Spy({"grads", "weights", "updates", "inputs", "outputs"})
+    cb = watch(spy, escalate=False, intervals={"recorder": 3})
+    steps = N // BATCH
+    fit(model, cb, x, y, steps_per_epoch=steps - 1)  # the last step is not sampled
+    assert [o.step for o in spy.seen] == list(range(0, steps - 1, 3))
+    for o in spy.seen:
+        assert o.lr == pytest.approx(float(schedule(o.step + 1)), rel=1e-6)
+    last, probe = spy.seen[-1], cb._probe
+    np.testing.assert_array_equal(last.grad_norm, probe.grad_norm.numpy())
+    np.testing.assert_array_equal(last.update_norm, probe.update_norm.numpy())
+    np.testing.assert_array_equal(last.input_sq, probe.input_sq.numpy()[:FEATURES])
+    assert np.isfinite(last.act_rms).all()
 
 
 # -- fits, executions, model styles ---------------------------------------------------------

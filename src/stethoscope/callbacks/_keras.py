@@ -12,10 +12,13 @@ buffer every step, one slot per step of an execution (``steps_per_execution``).
 The train function is traced twice. The *light* one, run on every step the sampler
 does not select, records the loss and nothing else (plus one ``cond`` that only a
 non-finite loss opens); it does not touch the layers' outputs, so TensorFlow fuses and
-schedules their kernels exactly as without the probe. The *heavy* one, run on sampled
-executions only, carries every reduction inside ``cond``s: the callback writes the step
-to sample and the probes it wants into two variables, and the graph compares them with
-the optimizer's iteration counter, so neither function is ever retraced. A non-finite
+schedules their kernels exactly as without the probe. The *heavy* one runs on sampled
+executions only. With one step per execution it is the sampled step, and it computes
+every reduction with no ``cond`` (cheaper than choosing); with several, the reductions sit
+inside ``cond``s: the callback writes the step to sample and the probes it wants into two
+variables, and the graph compares them with the optimizer's iteration counter. Neither
+function is ever retraced. The heavy step hands its measurements back with its logs
+(TensorFlow, one replica), so the host reads them without an op per variable. A non-finite
 loss turns on the gradient and weight reductions of its own step, in either function,
 so the parameter that went bad is named at once.
 Under ``tf.distribute.MirroredStrategy`` each replica runs these wrappers on its own
@@ -71,6 +74,23 @@ MAX_CLASSES = 1024
 #: The key under which the train step hands the loss ring to :meth:`GraphProbe.dispatch`,
 #: which takes it out of the logs before ``fit`` (or any other callback) sees them.
 RING_KEY = "_stethoscope_ring"
+#: The key under which the heavy train step hands back what it measured (see
+#: :meth:`GraphProbe.read`), taken out of the logs in the same way.
+PROBES_KEY = "_stethoscope_probes"
+#: The probe variables the heavy step hands back with its logs (small vectors: the host
+#: then reads none of them with an op of its own), with the learning rate and step count.
+_RETURNED = (
+    "sampled_at",
+    "grad_norm",
+    "weight_norm",
+    "update_norm",
+    "prev_weight_norm",
+    "unit_zero",
+    "input_sq",
+    "input_shape",
+    "label_hist",
+    "forward_rows",
+)
 #: Elements of the weights copied before a sampled update step (float32: 128 MiB), held
 #: in variables of the probe for the whole fit; past it, later variables go unmeasured.
 SNAPSHOT_BUDGET = 2**25
@@ -269,12 +289,23 @@ class GraphProbe:
         # train function (evaluation, prediction), else "light" or "heavy" (see the module)
         self._mode = "off"
         self.heavy = False  # the host's choice for the next execution
+        # One step per execution, in a graph: the heavy function then runs only on the
+        # sampled step, and measures every group there with no cond at all. Conditional
+        # groups cost more (an If op per group, and the host's writes of the request: ~2 ms
+        # a sampled MLP step) than the reductions a step did not plan (~1 ms).
+        self.whole = self.k == 1 and not self.eager
         self._functions: dict[str, Any] = {}
         # On TensorFlow with one replica the train step returns the loss ring with its
         # logs: the host then reads an output the step computed anyway (a few us) instead of
         # running a read op (~100 us on a busy 2-core CPU, every step).
         self._outputs = keras.backend.backend() == "tensorflow" and strategy is None
         self._ring: Any = None  # the ring the last execution returned, not yet read
+        # what the last heavy execution returned, by the id of the variable (see read())
+        self._returned: dict[int, Any] = {}
+        self._returned_name = {
+            id(v): n for v in self._own if (n := self._reduction_of[id(v)]) in _RETURNED
+        }
+        self._returned_name[id(self.optimizer.iterations)] = "iterations"
 
     def _make_variables(self) -> None:
         """The probe's variables (per replica under a strategy: created in its scope)."""
@@ -337,7 +368,7 @@ class GraphProbe:
         """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change,
         and never to cancel: a past sample step can no longer match the iteration count."""
         self.heavy = step >= 0
-        if step < 0:
+        if step < 0 or self.whole:  # the whole heavy function runs: nothing to ask for
             return current
         flags = tuple(1 if g in groups else 0 for g in GROUPS)
         want = (step, flags)
@@ -361,9 +392,14 @@ class GraphProbe:
             logs = fn(*args, **kwargs)
         finally:
             self._mode = "off"
+        self._returned = {}
         if isinstance(logs, dict) and RING_KEY in logs:
             logs = dict(logs)
             self._ring = logs.pop(RING_KEY)
+            returned = logs.pop(PROBES_KEY, None)
+            if returned:
+                self._returned = {i: returned[n] for i, n in self._returned_name.items()}
+                self._returned[id(self)] = returned.get("learning_rate")
         return logs
 
     def ring(self) -> np.ndarray:
@@ -378,7 +414,14 @@ class GraphProbe:
         20 us against 70-140 us through ``keras.ops``; it runs once per step).
 
         Under a strategy: every replica's copy, combined as :data:`REDUCTIONS` declares
-        (one bare read per replica), or the copy of ``replica`` alone."""
+        (one bare read per replica), or the copy of ``replica`` alone.
+
+        After a heavy execution on TensorFlow with one replica, the values it handed back
+        with its logs (:data:`PROBES_KEY`): the train step read them after its own writes,
+        so they are the same numbers, without a read op per variable (~80 us each)."""
+        returned = self._returned.get(id(var))
+        if returned is not None and replica is None:
+            return np.asarray(returned)
         handle = self._handles.get(id(var))
         if handle is None:
             if id(var) in self._parts:
@@ -391,6 +434,7 @@ class GraphProbe:
     def write(self, var: Any, value: np.ndarray) -> None:
         """Assign from the host (the bare op on TensorFlow, as :meth:`read`); under a
         strategy, into every replica's copy."""
+        self._returned.pop(id(var), None)
         handle = self._handles.get(id(var))
         if handle is None:
             parts = self._parts.get(id(var))
@@ -576,6 +620,8 @@ class GraphProbe:
         wrapper runs first, and shared by the others."""
         if self._mode != "heavy":
             return False
+        if self.whole:
+            return True
         if self.eager:
             due = self._py_step == self._py_sample_at
             return bool(due and any(self._py_flags[_G[g]] for g in groups))
@@ -643,9 +689,38 @@ class GraphProbe:
             if self._mode == "off" or not isinstance(logs, dict):
                 return logs
             # read after the step's own writes to the ring (automatic control dependencies)
-            return {**logs, RING_KEY: ops.convert_to_tensor(self.losses)}
+            out = {**logs, RING_KEY: ops.convert_to_tensor(self.losses)}
+            if self._mode == "heavy":
+                out[PROBES_KEY] = self._handed_back()
+            return out
 
         return train_step
+
+    def _handed_back(self) -> dict[str, Any]:
+        """The heavy step's measurements, read after its writes, for its logs."""
+        out = {
+            self._reduction_of[id(v)]: ops.convert_to_tensor(v)
+            for v in self._own
+            if id(v) in self._returned_name
+        }
+        out["iterations"] = ops.convert_to_tensor(self.optimizer.iterations)
+        # a constant, or the schedule's value at the step count (as the host would read it);
+        # an optimizer that does not expose one number leaves it to the host to ask
+        with contextlib.suppress(Exception):
+            out["learning_rate"] = ops.cast(self.optimizer.learning_rate, "float32")
+        return out
+
+    def learning_rate(self) -> float | None:
+        """The optimizer's learning rate after the last execution (None if unknown)."""
+        lr = self._returned.get(id(self))
+        if lr is not None:
+            value = float(np.asarray(lr))
+            return value if np.isfinite(value) else None
+        try:
+            value = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+        except Exception:  # a schedule or wrapper that does not expose one number
+            return None
+        return value if np.isfinite(value) else None
 
     def _apply_wrapper(self, original: Any) -> Any:
         @functools.wraps(original)
@@ -704,8 +779,7 @@ class GraphProbe:
                     lambda: self._weight_stats(tvars, False, want, forced),
                 )
 
-            on = want["weights"]
-            self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), after)
+            self._cond(_either(want["weights"], forced), after)
             if self.eager:
                 self._py_step += 1
 
@@ -745,8 +819,7 @@ class GraphProbe:
             if self.unit_layers:
                 self._cond(want["units"], lambda: self._unit_stats(grads, tvars))
 
-        on = self._want("grads", "units")
-        self._cond(on if isinstance(forced, bool) else ops.logical_or(on, forced), from_grads)
+        self._cond(_either(self._want("grads", "units"), forced), from_grads)
 
     def _call_wrapper(self, layer: Any, row: int, original: Any) -> Any:
         kind = _activation_kind(layer)
@@ -936,6 +1009,17 @@ class GraphProbe:
             (layer.name, _activation_kind(layer), _unit_layer(layer))
             for layer in self.forward_layers
         ]
+
+
+def _either(a: Any, b: Any) -> Any:
+    """``a or b`` for Python bools and bool tensors alike, folding the constants away."""
+    if a is True or b is True:
+        return True
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return ops.logical_or(a, b)
 
 
 def _feeds_activation(layer: Any) -> bool:

@@ -368,7 +368,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         obs.is_matrix = probe.is_matrix[idx]
         obs.fan_in = probe.fan_in[idx]
         obs.unoptimized = probe.unoptimized()
-        obs.lr = _learning_rate(self.model.optimizer)
+        obs.lr = probe.learning_rate()
         return idx
 
     def _forward(self, obs: Observation, plan: frozenset[str], rows: np.ndarray) -> None:
@@ -430,14 +430,6 @@ def _check_optimizer(optimizer: Any, strategy: Any) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def _learning_rate(optimizer: Any) -> float | None:
-    try:
-        lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-    except Exception:  # a schedule or wrapper that does not expose one number
-        return None
-    return lr if np.isfinite(lr) else None
 
 
 def _after_progress_line(text: str) -> None:
