@@ -281,7 +281,8 @@ class GraphProbe:
         self._py_step = 0
         # Per trace, keyed by thread: a MirroredStrategy traces each replica's step in a
         # thread of its own, interleaved with the others' at its collectives.
-        self._bad: dict[int, Any] = {}  # non-finite-loss flag, from compute_loss to apply
+        self._loss: dict[int, Any] = {}  # the step's loss, from compute_loss to apply
+        self._flag: dict[int, Any] = {}  # whether it took a non-finite record, for the ring
         self._wanted: dict[int, tuple] = {}  # (graph, group predicates, combined ones)
         self._due: dict[int, tuple] = {}  # (planned, forced), from apply to the all-reduce
         self._installed: list[tuple[Any, str]] = []
@@ -299,6 +300,10 @@ class GraphProbe:
         # logs: the host then reads an output the step computed anyway (a few us) instead of
         # running a read op (~100 us on a busy 2-core CPU, every step).
         self._outputs = keras.backend.backend() == "tensorflow" and strategy is None
+        # ... and with one step per execution the ring is no variable at all: the step hands
+        # back its loss and whether it took a non-finite record (the host reads both before
+        # the next step), which spares the light function the ring's read-modify-write
+        self.direct = self._outputs and self.k == 1
         self._ring: Any = None  # the ring the last execution returned, not yet read
         # what the last heavy execution returned, by the id of the variable (see read())
         self._returned: dict[int, Any] = {}
@@ -605,7 +610,8 @@ class GraphProbe:
     def _retrace(self) -> None:
         """Drop the model's traced functions (they may hold the wrappers, or lack them)."""
         model = self.model
-        self._bad.clear()
+        self._loss.clear()
+        self._flag.clear()
         self._wanted.clear()
         self._due.clear()
         for attr in ("train_function", "test_function", "predict_function"):
@@ -664,14 +670,11 @@ class GraphProbe:
                 return loss
             self.saw_loss = True
             value = ops.cast(ops.reshape(ops.stop_gradient(loss), ()), "float32")
-            if self.k == 1:
-                slot = ops.convert_to_tensor([0], "int32")
-            else:
-                step = ops.cast(self.optimizer.iterations, "int32")
-                slot = ops.reshape(ops.mod(step, self.k), (1,))
-            self.losses.assign(ops.slice_update(self.losses, slot, ops.reshape(value, (1,))))
-            if not self.eager:
-                self._bad[threading.get_ident()] = ops.logical_not(ops.isfinite(value))
+            if not self.direct:
+                slot = 0 if self.k == 1 else ops.mod(self.optimizer.iterations, self.k)
+                _put(self.losses, slot, value)
+            if not self.eager:  # apply tests it with the gradients, and the ring carries it
+                self._loss[threading.get_ident()] = value
 
             def data() -> None:
                 self._cond(self._want("inputs"), lambda: self._input_stats(x))
@@ -686,10 +689,19 @@ class GraphProbe:
         @functools.wraps(original)
         def train_step(*args, **kwargs):
             logs = original(*args, **kwargs)
-            if self._mode == "off" or not isinstance(logs, dict):
+            if self._mode == "off":
                 return logs
-            # read after the step's own writes to the ring (automatic control dependencies)
-            out = {**logs, RING_KEY: ops.convert_to_tensor(self.losses)}
+            thread = threading.get_ident()
+            value, flag = self._loss.pop(thread, None), self._flag.pop(thread, False)
+            if not isinstance(logs, dict):
+                return logs
+            if self.direct:
+                if value is None:  # the step never called compute_loss
+                    value = ops.convert_to_tensor(np.float32(np.nan))
+                ring = ops.stack([value, ops.cast(flag, "float32")])
+            else:  # read after the step's own writes to it (automatic control dependencies)
+                ring = ops.convert_to_tensor(self.losses)
+            out = {**logs, RING_KEY: ring}
             if self._mode == "heavy":
                 out[PROBES_KEY] = self._handed_back()
             return out
@@ -739,16 +751,22 @@ class GraphProbe:
             # its step. The gradients' sum is non-finite when one of them is (or when they
             # are past float32's range, which the norms then say): TF's fused ReLU turns
             # a NaN input into 0, leaving the loss finite and the kernel's gradient NaN.
+            # One sum of the loss and every gradient is tested, in as few ops as that takes.
+            # With the ring as an output, the host reads each record before the next step;
+            # else a record waits for the host, and a later step must not overwrite it.
             thread = threading.get_ident()
-            bad = self._bad.pop(thread, None)
+            loss = [self._loss[thread]] if thread in self._loss else []
+            if not self.direct:
+                self._loss.pop(thread, None)
             forced: Any = False
             if not self.eager:
-                parts = [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
+                parts = loss + [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
                 if parts:
-                    odd = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
-                    bad = odd if bad is None else ops.logical_or(bad, odd)
-                if bad is not None:
-                    forced = ops.logical_and(bad, ops.less(self.bad_at, 0))
+                    forced = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
+                    if self.direct:
+                        self._flag[thread] = forced
+                    else:
+                        forced = ops.logical_and(forced, ops.less(self.bad_at, 0))
             if self.strategy is not None:
                 # the all-reduced gradients exist only inside the optimizer: measured there
                 self._due[thread] = (want, forced)
@@ -881,8 +899,8 @@ class GraphProbe:
         """Say which step the non-finite record is of, and raise the flag the host reads
         with the losses."""
         self.bad_at.assign(step)
-        one = ops.convert_to_tensor([1.0], "float32")
-        self.losses.assign(ops.slice_update(self.losses, (self.k,), one))
+        if not self.direct:  # else the step hands its flag back itself
+            _put(self.losses, self.k, ops.convert_to_tensor(1.0, "float32"))
 
     def _unit_stats(self, grads: list, tvars: list) -> None:
         by_pos = {self._position.get(id(v)): g for g, v in zip(grads, tvars, strict=True)}
@@ -999,9 +1017,7 @@ class GraphProbe:
         finite = ops.cast(ops.all(ops.isfinite(t)), "float32")
         count = ops.cast(ops.size(t), "float32")
         values = ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite, count])
-        self.forward_rows.assign(
-            ops.slice_update(self.forward_rows, (row, 0), ops.reshape(values, (1, _ROW)))
-        )
+        _put(self.forward_rows, row, values)
 
     def forward_kinds(self) -> list[tuple[str, str | None, bool]]:
         """Per forward row: (layer name, tanh/sigmoid or None, whether it has units)."""
@@ -1009,6 +1025,17 @@ class GraphProbe:
             (layer.name, _activation_kind(layer), _unit_layer(layer))
             for layer in self.forward_layers
         ]
+
+
+def _put(var: Any, index: Any, value: Any) -> None:
+    """``var[index] = value`` along the first axis, with a mask: ``ops.slice_update`` is an
+    XLA op on TensorFlow, which the CPU runs through an on-demand compilation (~20 us more
+    per call, on every step for the loss ring)."""
+    n = var.shape[0]
+    hit = ops.equal(ops.arange(n, dtype="int32"), ops.cast(index, "int32"))
+    if len(var.shape) > 1:
+        hit = ops.reshape(hit, (n,) + (1,) * (len(var.shape) - 1))
+    var.assign(ops.where(hit, value, var))
 
 
 def _either(a: Any, b: Any) -> Any:
