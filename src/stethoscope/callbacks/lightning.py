@@ -301,6 +301,31 @@ class LightningStethoscope(Callback):
         batch_idx: int,
     ) -> None:
         loss = self._loss_of(outputs, trainer, pl_module)
+        if (
+            loss is not None
+            and not self._early
+            and not self._stepped
+            and loss.device.type == "cpu"
+            and not len(self._reader)
+            and (self._forward is None or not self._forward.attached)
+            and not self._dist
+        ):
+            # The unsampled CPU step, which nearly every step is: the loss alone, read at
+            # once (a CPU scalar: no device sync), with no layout to build or take apart.
+            lr = self._lr_group.get("lr") if self._lr_group is not None else None
+            lr = float(lr) if isinstance(lr, (int, float)) else None
+            value = loss.item()
+            obs = Observation(
+                step=self._planned_step,
+                epoch=trainer.current_epoch,
+                rank=self.monitor.rank,
+                lr=lr,
+                loss=value,
+            )
+            self._act(trainer, self.monitor.observe(obs))
+            if not math.isfinite(value):
+                self._look_now(trainer, (self._planned_step, trainer.current_epoch, [], [], lr))
+            return
         parts: list[tuple[str, torch.Tensor, Any]] = self._early
         self._early = []
         if self._forward is not None and self._forward.attached:
