@@ -307,6 +307,7 @@ class GraphProbe:
         self._ring: Any = None  # the ring the last execution returned, not yet read
         # what the last heavy execution returned, by the id of the variable (see read())
         self._returned: dict[int, Any] = {}
+        self._returned_lr: Any = None
         self._returned_name = {
             id(v): n for v in self._own if (n := self._reduction_of[id(v)]) in _RETURNED
         }
@@ -397,14 +398,14 @@ class GraphProbe:
             logs = fn(*args, **kwargs)
         finally:
             self._mode = "off"
-        self._returned = {}
+        self._returned, self._returned_lr = {}, None
         if isinstance(logs, dict) and RING_KEY in logs:
             logs = dict(logs)
             self._ring = logs.pop(RING_KEY)
             returned = logs.pop(PROBES_KEY, None)
             if returned:
                 self._returned = {i: returned[n] for i, n in self._returned_name.items()}
-                self._returned[id(self)] = returned.get("learning_rate")
+                self._returned_lr = returned.get("learning_rate")
         return logs
 
     def ring(self) -> np.ndarray:
@@ -724,12 +725,11 @@ class GraphProbe:
 
     def learning_rate(self) -> float | None:
         """The optimizer's learning rate after the last execution (None if unknown)."""
-        lr = self._returned.get(id(self))
-        if lr is not None:
-            value = float(np.asarray(lr))
-            return value if np.isfinite(value) else None
         try:
-            value = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+            lr = self._returned_lr
+            if lr is None:  # not handed back: ask the optimizer
+                lr = keras.ops.convert_to_numpy(self.optimizer.learning_rate)
+            value = float(np.asarray(lr))
         except Exception:  # a schedule or wrapper that does not expose one number
             return None
         return value if np.isfinite(value) else None

@@ -301,31 +301,39 @@ class LightningStethoscope(Callback):
         batch_idx: int,
     ) -> None:
         loss = self._loss_of(outputs, trainer, pl_module)
+        lr = self._lr_group.get("lr") if self._lr_group is not None else None
+        lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
         if (
             loss is not None
+            and loss.device.type == "cpu"
             and not self._early
             and not self._stepped
-            and loss.device.type == "cpu"
             and not len(self._reader)
             and (self._forward is None or not self._forward.attached)
-            and not self._dist
         ):
-            # The unsampled CPU step, which nearly every step is: the loss alone, read at
-            # once (a CPU scalar: no device sync), with no layout to build or take apart.
-            lr = self._lr_group.get("lr") if self._lr_group is not None else None
-            lr = float(lr) if isinstance(lr, (int, float)) else None
+            # The unsampled CPU step, which nearly every step is: reading a CPU scalar is no
+            # device sync, and the loss goes straight to the monitor, with no reader and no
+            # layout to build and take apart.
             value = loss.item()
+            epoch = trainer.current_epoch
             obs = Observation(
-                step=self._planned_step,
-                epoch=trainer.current_epoch,
-                rank=self.monitor.rank,
-                lr=lr,
-                loss=value,
+                step=self._planned_step, epoch=epoch, rank=self.monitor.rank, lr=lr, loss=value
             )
             self._act(trainer, self.monitor.observe(obs))
             if not math.isfinite(value):
-                self._look_now(trainer, (self._planned_step, trainer.current_epoch, [], [], lr))
-            return
+                self._look_now(trainer, (self._planned_step, epoch, [], [], lr))
+        else:
+            self._push_step(trainer, loss, lr)
+        self._drain(trainer, wait=False)
+        if self._dist:
+            step = self._planned_step
+            if trainer.global_step != step and self.monitor.meets(step):  # the optimizer stepped
+                self._meet_at_step(trainer, step)
+            self._mark = time.perf_counter()
+
+    def _push_step(self, trainer: pl.Trainer, loss: torch.Tensor | None, lr: float | None) -> None:
+        """Hand the reader what a sampled step (or a loss on a device) measured, as one
+        tensor read later without a sync, with the layout to take it apart."""
         parts: list[tuple[str, torch.Tensor, Any]] = self._early
         self._early = []
         if self._forward is not None and self._forward.attached:
@@ -351,34 +359,14 @@ class LightningStethoscope(Callback):
             self._grad_parts, self._snapshots, self._stepped = [], [], []
             self._snapped = []
             self._unit_parts, self._units = [], []
-        if loss is not None or parts:
-            lr = self._lr_group.get("lr") if self._lr_group is not None else None
-            lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
-            if loss is not None:
-                parts.insert(0, ("loss", loss.reshape(1).float(), None))
-            layout = [(key, t.numel(), extra) for key, t, extra in parts]
-            meta = (self._planned_step, trainer.current_epoch, idx, layout, lr)
-            if (
-                len(parts) == 1
-                and loss is not None
-                and loss.device.type == "cpu"
-                and not len(self._reader)
-            ):
-                # The CPU fast path: reading a CPU scalar is no device sync, and skipping the
-                # reader saves several tensor ops on the step that every step is.
-                value = loss.item()
-                self._judge(trainer, meta, (value,))
-                if not math.isfinite(value):
-                    self._look_now(trainer, meta)
-            else:
-                tensors = [t.reshape(-1).float() for _, t, _ in parts]
-                self._reader.push(meta, tensors[0] if len(tensors) == 1 else torch.cat(tensors))
-        self._drain(trainer, wait=False)
-        if self._dist:
-            step = self._planned_step
-            if trainer.global_step != step and self.monitor.meets(step):  # the optimizer stepped
-                self._meet_at_step(trainer, step)
-            self._mark = time.perf_counter()
+        if loss is not None:
+            parts.insert(0, ("loss", loss.reshape(1).float(), None))
+        if not parts:
+            return
+        layout = [(key, t.numel(), extra) for key, t, extra in parts]
+        meta = (self._planned_step, trainer.current_epoch, idx, layout, lr)
+        tensors = [t.reshape(-1).float() for _, t, _ in parts]
+        self._reader.push(meta, tensors[0] if len(tensors) == 1 else torch.cat(tensors))
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
