@@ -6,8 +6,10 @@ leaf layers (instance attributes, removed after ``fit``), so that the reductions
 run inside the traced train step, written with ``keras.ops``. Results land in
 non-trainable ``keras.Variable`` objects that belong to the probe, never to the
 model (so ``model.save()`` holds nothing of stethoscope), and the callback reads
-them only on the steps the sampler selects. The loss goes into a small ring
-buffer every step, one slot per step of an execution (``steps_per_execution``).
+them only on the steps the sampler selects. Every step's loss reaches the host: on
+TensorFlow with one replica and one step per execution as an output of the step
+(with the flag of a non-finite record); otherwise through a small ring buffer, one
+slot per step of an execution (``steps_per_execution``).
 
 The train function is traced twice. The *light* one, run on every step the sampler
 does not select, records the loss and nothing else (plus one ``cond`` that only a
