@@ -749,13 +749,12 @@ class GraphProbe:
                     if g is not None:
                         self.with_grad.add(pos)
             want = {g: self._want(g) for g in ("grads", "units", "weights", "updates")}
-            # A non-finite loss or gradient, the first since the host last looked: measure
-            # its step. The gradients' sum is non-finite when one of them is (or when they
-            # are past float32's range, which the norms then say): TF's fused ReLU turns
-            # a NaN input into 0, leaving the loss finite and the kernel's gradient NaN.
-            # One sum of the loss and every gradient is tested, in as few ops as that takes.
-            # With the ring as an output, the host reads each record before the next step;
-            # else a record waits for the host, and a later step must not overwrite it.
+            # A non-finite loss or gradient: measure its step. One sum of the loss and every
+            # gradient is tested, in as few ops as that takes; it is non-finite when one of
+            # them is (or when they are past float32's range, which the norms then say):
+            # TF's fused ReLU turns a NaN input into 0, leaving the loss finite and the
+            # kernel's gradient NaN. With a direct ring the host reads each record before
+            # the next step; else a record waits for the host, and is not overwritten.
             thread = threading.get_ident()
             loss = [self._loss[thread]] if thread in self._loss else []
             if not self.direct:

@@ -267,10 +267,11 @@ class KerasStethoscope(keras.callbacks.Callback):
             if probe.replicas > 1:  # which replica's shard made it so
                 replica_losses = probe.copies(probe.losses)
                 bad_rank = probe.bad_replica()
-            # ready for the next one (off the healthy path)
-            probe.write(probe.bad_at, np.int64(-1))
-            ring[probe.k] = 0.0
-            probe.write(probe.losses, ring)
+            if not probe.direct:  # ready for the next one (off the healthy path); a direct
+                # ring is the step's own output, and its records never wait for the host
+                probe.write(probe.bad_at, np.int64(-1))
+                ring[probe.k] = 0.0
+                probe.write(probe.losses, ring)
         for step in range(first, first + count):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
