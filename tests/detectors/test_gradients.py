@@ -134,10 +134,41 @@ def test_exploding_gradients_zero_mad_baseline_uses_the_factor():
     assert found[0].threshold == pytest.approx(20.0)  # 10x the median global norm of 2
 
 
-def test_exploding_gradients_robust_spread_raises_the_bar_on_noisy_norms():
+def _noisy_with_a_20x_jump() -> np.ndarray:
     g = healthy_grads(0, sigma=1.0)  # log10 spread ~0.43: 6 sigma is ~2.6 decades
     g[60] *= 20
-    assert run(ExplodingGradients(), grad_obs(g)) == []
+    return g
+
+
+def test_exploding_gradients_robust_spread_raises_the_bar_on_noisy_norms():
+    # 20x the median, within 6 robust sigmas: no explosion while under initial_factor
+    assert run(ExplodingGradients(initial_factor=1000), grad_obs(_noisy_with_a_20x_jump())) == []
+
+
+#: Global gradient norms of the fault suite's CNN at SGD lr 1.0 (seed 0), steps 0-8: they
+#: swing 10x from the first step, so 6 robust sigmas of them span three decades.
+DIVERGING_FROM_THE_START = [0.66, 1.06, 2.64, 0.96, 4.94, 2.02, 7.41, 15.29, 55.01]
+
+
+@pytest.mark.parametrize(
+    ("norms", "initial_factor", "expected"),
+    [
+        pytest.param(DIVERGING_FROM_THE_START, 20.0, [8], id="diverging-52x-initial"),
+        pytest.param(DIVERGING_FROM_THE_START, 60.0, [], id="diverging-under-60x-initial"),
+        # the noisy run's jump at step 60 is 52.5 = 41.2x its initial norm of 1.27
+        pytest.param(None, 41.0, [60], id="noisy-jump-past-41x-initial"),
+        pytest.param(None, 42.0, [], id="noisy-jump-under-42x-initial"),
+    ],
+)
+def test_exploding_gradients_far_above_the_initial_norm_needs_no_z_score(
+    norms, initial_factor, expected
+):
+    g = _noisy_with_a_20x_jump() if norms is None else np.asarray(norms)[:, None]
+    found = run(ExplodingGradients(initial_factor=initial_factor), grad_obs(g))
+    assert [f.step for f in found] == expected
+    for f in found:  # the bar is 10x the median of the norms before it, with no z-score
+        before = np.log10(np.linalg.norm(g[max(0, f.step - 32) : f.step], axis=1))
+        assert f.threshold == pytest.approx(10 * 10 ** np.median(before))
 
 
 def test_exploding_gradients_skips_all_zero_and_empty_gradients():

@@ -192,6 +192,35 @@ def test_small_updates_fires_at_the_expected_steps(observations, expected):
         assert_sentence(f, "raise the learning rate", "scheduler")
 
 
+FAR = 1e-9  # Adam at lr 1e-9 moves an MLP's weights by ~2e-9 of their norm (the fault suite)
+
+
+@pytest.mark.parametrize(
+    ("observations", "expected"),
+    [
+        pytest.param(small_run([FAR] * 100, every=1), [10], id="every-step-far-steps"),
+        pytest.param(small_run([FAR] * 10), [32], id="every-16-needs-patience-too"),
+        pytest.param(
+            small_run([FAR] * 8 + [1e-6] + [FAR] * 20, every=1), [19], id="far-clock-restarts"
+        ),
+        pytest.param(small_run([1e-6] * 100, every=1), [50], id="between-the-bars-min-steps"),
+        pytest.param(
+            small_run([FAR] * 100, 2.3, np.geomspace(1e-10, 1e-3, 100), every=1),
+            [],
+            id="far-during-a-warmup",
+        ),
+        pytest.param(
+            small_run([FAR] * 100, [2.3] + [1.0] * 99, every=1), [], id="far-but-converged"
+        ),
+    ],
+)
+def test_small_updates_far_below_the_bar_needs_fewer_steps(observations, expected):
+    found = run(SmallUpdates(), observations)
+    assert [f.step for f in found] == expected
+    for f in found:
+        assert "since step" in f.message
+
+
 def test_small_updates_message_names_the_step_it_started():
     (f,) = run(SmallUpdates(), small_run([HEALTHY] * 5 + [TINY] * 10))
     assert f.step == 144 and "since step 80," in f.message
@@ -294,6 +323,9 @@ def test_small_updates_state_round_trip_keeps_the_initial_loss_and_peak_lr():
         ({"loss_fraction": 1.0}, "loss_fraction=1.0"),
         ({"loss_fraction": 0}, "loss_fraction=0"),
         ({"min_steps": 0}, "min_steps=0"),
+        ({"far_threshold": 1e-4}, "far_threshold=0.0001"),
+        ({"far_steps": 51}, "far_steps=51"),
+        ({"far_steps": 0}, "far_steps=0"),
         ({"threshold": -1e-5}, "threshold=-1e-05"),
     ],
 )

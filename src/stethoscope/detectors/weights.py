@@ -106,9 +106,11 @@ class SmallUpdates(Detector):
     Rule: on sampled steps, the median update ratio ||Δw|| / ||w|| over the
     weight matrices is compared with ``threshold``. It is a warning when it has
     stayed below for at least ``min_steps`` steps (and ``patience`` sampled
-    steps) while (1) the loss is still above ``loss_fraction`` of its initial
-    level, since a converged run's updates shrink with its gradients, and (2) the
-    learning rate is at least half the highest seen so far, since a schedule
+    steps), or below ``far_threshold`` for at least ``far_steps`` steps (a ratio
+    100x under the bar needs no long look), while (1) the loss is still above
+    ``loss_fraction`` of its initial level, since a converged run's updates
+    shrink with its gradients, and (2) the learning rate is at least half the
+    highest seen so far, since a schedule
     annealing towards 0 (cosine, step decay) shrinks updates on purpose, and
     (3) the learning rate has not risen since the condition began: a warm-up
     from 0, however long, restarts the clock at each rise.
@@ -122,6 +124,8 @@ class SmallUpdates(Detector):
         min_steps: Steps the condition must hold.
         patience: Sampled steps the condition must hold.
         loss_fraction: The loss must still be above this fraction of its initial level.
+        far_threshold: Median update ratio so far below healthy that ``far_steps`` do.
+        far_steps: Steps the condition must hold below ``far_threshold``.
     """
 
     name = "small_updates"
@@ -136,18 +140,32 @@ class SmallUpdates(Detector):
         min_steps: int = 50,
         patience: int = 3,
         loss_fraction: float = 0.5,
+        far_threshold: float = 1e-7,
+        far_steps: int = 10,
     ) -> None:
         check_positive(self.name, "threshold", threshold)
         check_positive(self.name, "min_steps", min_steps, integer=True)
         check_positive(self.name, "patience", patience, integer=True)
         check_fraction(self.name, "loss_fraction", loss_fraction)
+        check_positive(self.name, "far_threshold", far_threshold)
+        check_positive(self.name, "far_steps", far_steps, integer=True)
+        if far_threshold > threshold:
+            raise ValueError(
+                f"{self.name}: far_threshold={far_threshold!r} must be <= threshold={threshold!r}"
+            )
+        if far_steps > min_steps:
+            raise ValueError(
+                f"{self.name}: far_steps={far_steps!r} must be <= min_steps={min_steps!r}"
+            )
         self.threshold, self.min_steps, self.patience = float(threshold), min_steps, patience
         self.loss_fraction = float(loss_fraction)
+        self.far_threshold, self.far_steps = float(far_threshold), far_steps
         super().__init__()
 
     def _initial_state(self) -> dict:
         return {
             "since": None,
+            "far_since": None,
             "since_lr": None,
             "count": 0,
             "initial_loss": None,
@@ -170,14 +188,21 @@ class SmallUpdates(Detector):
             and abs(obs.loss) < self.loss_fraction * st["initial_loss"]
         )
         if not (ratio < self.threshold) or annealed or converged:
-            st["since"], st["count"], st["fired"] = None, 0, False
+            st["since"], st["far_since"], st["count"], st["fired"] = None, None, 0, False
             return []
         rising = is_finite(obs.lr) and st["since_lr"] is not None and obs.lr > 1.01 * st["since_lr"]
         if st["since"] is None or rising:  # a warm-up: small updates are its first steps
-            st["since"], st["since_lr"], st["count"] = obs.step, obs.lr, 0
+            st["since"], st["since_lr"], st["count"], st["far_since"] = obs.step, obs.lr, 0, None
+        if ratio >= self.far_threshold:
+            st["far_since"] = None
+        elif st["far_since"] is None:
+            st["far_since"] = obs.step
         st["count"] += 1
         self.suspect = f"median update ratio {ratio:.2g}"
-        if st["fired"] or st["count"] < self.patience or obs.step - st["since"] < self.min_steps:
+        long_enough = obs.step - st["since"] >= self.min_steps or (
+            st["far_since"] is not None and obs.step - st["far_since"] >= self.far_steps
+        )
+        if st["fired"] or st["count"] < self.patience or not long_enough:
             return []
         st["fired"] = True
         lr = f" at a learning rate of {obs.lr:.3g}" if is_finite(obs.lr) else ""
