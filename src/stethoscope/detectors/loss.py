@@ -313,9 +313,12 @@ class Overfitting(Detector):
 
     Rule: at each validation (never the sanity check), the validation loss is
     compared with the best (lowest) one so far. It is a warning when it has been
-    more than ``min_rise`` above the best on ``patience`` validations in a row
-    while the mean training loss since the previous validation is below the one
-    at the best validation (training still improves: the model memorises).
+    more than ``min_rise`` above the best on ``patience`` validations in a row, or
+    when it has risen on ``trend`` validations in a row by more than
+    ``trend_rise`` of the best in all (a steady climb is no noise: on a plateau
+    with 2% noise, 7 values in rising order are 1 in 5040), while the mean
+    training loss since the previous validation is below the one at the best
+    validation (training still improves: the model memorises).
 
     Sources: SageMaker Debugger ``overfit`` compares validation with training
     loss ((val - train) / train > 0.1, patience 1), which fires on any healthy
@@ -325,6 +328,8 @@ class Overfitting(Detector):
     Args:
         min_rise: Relative rise above the best validation loss that counts.
         patience: Validations in a row above it that raise a warning.
+        trend: Validations in a row, each above the one before, that make a climb.
+        trend_rise: Relative rise over such a climb that raises a warning.
     """
 
     name = "overfitting"
@@ -332,15 +337,26 @@ class Overfitting(Detector):
     base_interval = 1
     advice = "early stopping, regularisation or more data"
 
-    def __init__(self, *, min_rise: float = 0.1, patience: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        min_rise: float = 0.1,
+        patience: int = 2,
+        trend: int = 6,
+        trend_rise: float = 0.05,
+    ) -> None:
         check_positive(self.name, "min_rise", min_rise)
         check_positive(self.name, "patience", patience, integer=True)
+        check_positive(self.name, "trend", trend, integer=True)
+        check_positive(self.name, "trend_rise", trend_rise)
         self.min_rise, self.patience = float(min_rise), patience
+        self.trend, self.trend_rise = trend, float(trend_rise)
         super().__init__()
 
     def _initial_state(self) -> dict:
-        # best: [val loss, train loss, epoch, validation index]; n: validations seen
-        return {"best": None, "n": 0, "streak": 0, "fired": False}
+        # best: [val loss, train loss, epoch, validation index]; n: validations seen;
+        # climb: the validation losses since the last one that did not rise (oldest first)
+        return {"best": None, "n": 0, "streak": 0, "fired": False, "climb": []}
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -348,20 +364,30 @@ class Overfitting(Detector):
         if not is_finite(val):
             return []
         st["n"] += 1
+        climb = st["climb"]
+        if climb and val <= climb[-1]:
+            climb.clear()
+        push(climb, float(val), self.trend + 1)
         best = st["best"]
         if best is None or val < best[0]:
             st["best"], st["streak"], st["fired"] = [val, train, obs.epoch, st["n"]], 0, False
             return []
-        bar = best[0] + self.min_rise * abs(best[0])  # also right for a negative loss (NLL)
+        scale = abs(best[0])  # also right for a negative loss (NLL)
+        bar = best[0] + self.min_rise * scale
         rose = val > bar if best[0] != 0 else val > 0
+        climbed = len(climb) > self.trend and val - climb[0] > self.trend_rise * scale
         train_falls = is_finite(train) and is_finite(best[1]) and train < best[1]
-        if not (rose and train_falls):
+        if not ((rose or climbed) and train_falls):
             st["streak"] = 0
             return []
-        st["streak"] += 1
+        st["streak"] = st["streak"] + 1 if rose else 0
         self.suspect = f"validation loss {val:.3g} above its best {best[0]:.3g}"
-        if st["streak"] < self.patience or st["fired"]:
+        if (st["streak"] < self.patience and not climbed) or st["fired"]:
             return []
+        how = ""
+        if st["streak"] < self.patience:  # the climb, not the level, says it
+            bar = climb[0] + self.trend_rise * scale
+            how = f", rising on each of the last {self.trend} validations,"
         st["fired"] = True
         ago = obs.epoch - best[2]
         when = (
@@ -374,7 +400,7 @@ class Overfitting(Detector):
                 obs,
                 "warning",
                 f"The model is overfitting: validation loss rose to {val:.3g} from its best "
-                f"{best[0]:.3g} ({when}) while the training loss fell from {best[1]:.3g} to "
+                f"{best[0]:.3g} ({when}){how} while the training loss fell from {best[1]:.3g} to "
                 f"{train:.3g}; keep the checkpoint of the best epoch and stop early, or add "
                 "regularisation (weight decay, dropout, augmentation) or more data.",
                 value=val,
