@@ -85,6 +85,8 @@ class Observation:
         unit_names: Layers (with units) whose per-unit gradient flags follow.
         unit_zero: Per layer, whether each output unit's weight-gradient row was
             exactly zero this step (no sample of the batch passed through it).
+        unit_samples: The samples behind those gradients (every micro-batch, every
+            rank); 0 when the adapter does not know.
         act_names: Modules whose activations were observed, in forward order.
         act_kinds: ``"tanh"`` or ``"sigmoid"`` (their inputs were observed: the
             ``activations`` probe) or ``"layer"`` (a layer with units: its output
@@ -127,6 +129,7 @@ class Observation:
     unoptimized: tuple[str, ...] = ()
     unit_names: tuple[str, ...] = ()
     unit_zero: tuple[np.ndarray, ...] | None = None
+    unit_samples: int = 0
     act_names: tuple[str, ...] = ()
     act_kinds: tuple[str, ...] = ()
     act_saturated: np.ndarray | None = None

@@ -153,6 +153,7 @@ def test_sampled_steps_carry_the_true_gradients_updates_inputs_and_labels():
         assert np.array_equal(np.bincount(obs.labels), np.bincount(y[batch]))
         assert obs.unit_names == ("hidden", "head")
         assert [len(u) for u in obs.unit_zero] == [16, CLASSES]
+        assert obs.unit_samples == BATCH  # dead_relu's look back counts samples
         assert obs.act_kinds == ("layer", "layer")
     first = spy.seen[0]
     assert first.prev_weight_norm[1] == 0.0  # the bias starts at zero
@@ -540,3 +541,15 @@ def test_eager_and_xla_train_steps_are_probed_alike(mode):
         (f.step, f.detector) for f in sink.findings
     ]
     assert_clean(model)
+
+
+def test_unit_rows_keep_their_batch_size_after_the_inputs_stop_being_probed():
+    from stethoscope.detectors import default_detectors
+
+    spy = Spy({"units"})
+    model = mlp()
+    fit(model, watch(*default_detectors(), spy), epochs=3)
+    assert len(spy.seen) == 3 * N // BATCH  # the start: every step sampled
+    # past unnormalized_input's 256 samples the inputs are no longer probed
+    assert any(o.input_count == 0 for o in spy.seen)
+    assert {o.unit_samples for o in spy.seen} == {BATCH}

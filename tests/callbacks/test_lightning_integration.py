@@ -241,3 +241,15 @@ def test_importing_stethoscope_imports_no_framework():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert hasattr(__import__("stethoscope"), "LightningStethoscope")
+
+
+@pytest.mark.parametrize(("batch_size", "accumulate", "samples"), [(16, 1, 16), (16, 2, 32)])
+def test_dead_relu_is_told_the_samples_behind_the_gradient_rows(batch_size, accumulate, samples):
+    from stethoscope.detectors import default_detectors
+    from stethoscope.testing import RecordingDetector
+
+    spy = RecordingDetector({"units"})
+    cb = LightningStethoscope(sinks=[CapturingSink()], detectors=[*default_detectors(), spy])
+    fit(TinyMLP(), steps=24, batch_size=batch_size, callback=cb, accumulate_grad_batches=accumulate)
+    assert len(spy.seen) >= 20  # every step at the start
+    assert {o.unit_samples for o in spy.seen} == {samples}  # 512 samples: no partial batch

@@ -92,6 +92,44 @@ def test_dead_relu_fires_at_the_expected_steps(faults, expected):
         assert_actionable(f, "lower the LR", "LeakyReLU", "He")
 
 
+def _sized(rows: np.ndarray, samples: int) -> list[Observation]:
+    obs = flags_obs(rows)
+    for o in obs:
+        o.unit_samples = samples
+    return obs
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        pytest.param(0, [(17, "error")], id="unknown-batch-size-8-steps"),
+        pytest.param(128, [(17, "error")], id="batch-128-8-steps-hold-1024"),
+        pytest.param(32, [(25, "error")], id="batch-32-needs-16-steps"),
+        pytest.param(8, [(73, "error")], id="batch-8-needs-64-steps"),
+        pytest.param(1, [], id="batch-1-needs-512-steps"),
+    ],
+)
+def test_dead_relu_small_batches_look_further_back(samples, expected):
+    rows = idle_rows(n=120)
+    _dead(10, UNITS)(rows)
+    found = run(DeadRelu(), _sized(rows, samples))
+    assert steps(found) == expected
+    for f in found:
+        look = f.step - 10 + 1
+        shown = f" ({look * samples} samples)" if samples else ""
+        assert f"the last {look} sampled steps{shown} (step {f.step})" in f.message
+
+
+def test_dead_relu_rarely_active_units_on_batch_8_are_not_dead():
+    # 80% of the units fire on 1% of the samples: alive by SageMaker's rule; on batches of 8,
+    # 8 zero rows in a row come often (52% per window), 64 in a row almost never
+    rng = np.random.default_rng(0)
+    active = rng.random((400, 8, UNITS)) < np.where(np.arange(UNITS) < DEAD_80, 0.01, 0.5)
+    rows = ~active.any(axis=1)
+    assert steps(run(DeadRelu(), flags_obs(rows)))  # batch size unknown: 8 steps, a false alarm
+    assert run(DeadRelu(), _sized(rows, 8)) == []
+
+
 def test_dead_relu_message_says_how_many_are_dead():
     rows = idle_rows()
     _dead(10, DEAD_80)(rows)

@@ -195,15 +195,15 @@ def test_loss_spike_fires_at_the_spike(losses, expected):
 
 def _spike_threshold(before: np.ndarray) -> float:
     """The documented bar, from the detector's state after ``before``: median + largest term
-    (z=6 robust sigmas, tail=4 envelopes, min_jump=0.1 of the initial loss, ratio 2 - 1 = 1
-    median, not below 0)."""
+    (z=6 robust sigmas, tail=4 envelopes (x sqrt(300 / jumps seen) while under 300), min_jump=0.1
+    of the initial loss, ratio 2 - 1 = 1 median, not below 0)."""
     d = LossSpike()
     run(d, loss_obs(before))
     win, st = d.state["window"], d.state
     center = median(win)
     terms = (
         6 * robust_sigma(win, center),
-        4 * st["envelope"],
+        4 * st["envelope"] * max(1.0, 300 / st["seen"]) ** 0.5,
         0.1 * abs(st["initial"]),
         max(center, 0.0),
     )
@@ -239,6 +239,32 @@ def test_loss_spike_learns_healthy_jumps_during_warmup(hard, expected):
         x[[10, 20]] = hard * 2.3  # both inside the 32-step warm-up, after its first 5 steps
     x[40] = 2.5 * 2.3
     assert steps(run(LossSpike(), loss_obs(x))) == [(s, "warning") for s in expected]
+
+
+@pytest.mark.parametrize(
+    ("at", "by", "expected"),
+    [
+        # the envelope learnt one 0.46 jump (step 20) and ~30 tiny ones: at step 60 its bar is
+        # 4 x sqrt(300 / 55) = 9.3 envelopes, so a 6-envelope jump (a loss of ~5.1) is quiet
+        pytest.param(60, 5.06 / 2.3, [], id="young-envelope-6x-is-healthy"),
+        pytest.param(60, 10.0, [60], id="young-envelope-10x-still-a-spike"),
+        pytest.param(360, 5.06 / 2.3, [360], id="mature-envelope-flags-the-same-loss"),
+    ],
+)
+def test_loss_spike_a_young_envelope_asks_for_more(at, by, expected):
+    x = noisy(0, 400, sigma=0.05)
+    x[20] = 1.2 * 2.3
+    x[at] = by * 2.3
+    assert steps(run(LossSpike(), loss_obs(x))) == [(s, "warning") for s in expected]
+
+
+def test_loss_spike_checkpoint_without_the_jump_count_is_mature():
+    d = LossSpike()
+    run(d, loss_obs(noisy(0, 100)))
+    old = {k: v for k, v in d.state_dict().items() if k != "seen"}
+    resumed = LossSpike()
+    resumed.load_state_dict(old)
+    assert resumed.state["seen"] == 300 and d.state["seen"] == 100 - 5
 
 
 def test_loss_spike_repeated_spikes_stay_visible():

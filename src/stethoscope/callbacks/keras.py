@@ -138,6 +138,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         # the execution launched last and not yet judged: (first step, sampled step, plan)
         self._pending: tuple[int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
+        self._batch_samples = 0  # samples per batch, once the inputs were probed (0: unknown)
 
     @property
     def stopped_by(self) -> Finding | None:
@@ -329,8 +330,13 @@ class KerasStethoscope(keras.callbacks.Callback):
                 ]
                 obs.unit_names = tuple(name for name, _ in parts)
                 obs.unit_zero = tuple(part for _, part in parts)
+                obs.unit_samples = self._batch_samples
         if "inputs" in plan:
             features, samples = (int(v) for v in read(probe.input_shape))
+            if samples > 0:
+                # the batch's samples (every replica's), as a unit's gradient row sees them:
+                # fit's batches keep one size, so later sampled steps reuse it
+                self._batch_samples = obs.unit_samples = samples
             if samples > 0 and 0 < features <= MAX_FEATURES:
                 obs.input_sq = read(probe.input_sq)[:features].astype(np.float64)
                 obs.input_count = samples

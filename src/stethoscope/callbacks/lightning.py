@@ -144,6 +144,7 @@ class LightningStethoscope(Callback):
         self._snapped: list[int] = []  # the parameters behind self._snapshots
         self._stepped: list[int] = []
         self._units: list[tuple[str, int]] = []  # (layer, units) behind self._unit_parts
+        self._unit_samples = 0  # the samples behind them
         self._unit_parts: list[torch.Tensor] = []
         self._early: list[tuple[str, torch.Tensor, Any]] = []  # data and hook results
         self._layers: list[tuple[str, int, Any]] = []
@@ -155,6 +156,7 @@ class LightningStethoscope(Callback):
         self._lr_group: dict[str, Any] | None = None
         # distributed runs only (see _meet)
         self._dist = False
+        self._world = 1
         self._replicas: list[torch.Tensor] = []  # the tensors replica_divergence compares
         self._replica_names: tuple[str, ...] = ()
         self._replica_buffer = np.zeros(0, dtype=bool)
@@ -184,6 +186,7 @@ class LightningStethoscope(Callback):
         self.monitor.begin(fresh=trainer.global_step == 0)
         self.monitor.distribute(rank=trainer.global_rank, world_size=trainer.world_size)
         self._dist = trainer.world_size > 1
+        self._world = trainer.world_size  # DDP averages gradients over every rank's batch
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -239,6 +242,8 @@ class LightningStethoscope(Callback):
     ) -> None:
         step = trainer.global_step
         if step == self._planned_step:
+            if "units" in self._plan:  # the gradient rows hold every micro-batch's samples
+                self._unit_samples += self._samples_in(batch)
             return  # a later micro-batch of an accumulated step: the plan is made
         self._planned_step = step
         plan = self.monitor.plan(step)
@@ -247,12 +252,20 @@ class LightningStethoscope(Callback):
         self._plan = plan
         if len(plan) > 1:  # more than the loss: a sampled step
             self._sample_data(plan, batch)
+            if "units" in plan:
+                self._unit_samples = self._samples_in(batch)
             if self._forward is not None and ({"activations", "outputs", "trace"} & plan):
                 self._forward.attach(
                     activations="activations" in plan,
                     outputs="outputs" in plan,
                     trace="trace" in plan,
                 )
+
+    def _samples_in(self, batch: Any) -> int:
+        """The samples of a batch (0: unknown), on every rank when DDP averages gradients."""
+        x = self.inputs_from(batch) if self.inputs_from is not None else split_batch(batch)[0]
+        n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
+        return n * self._world
 
     def _sample_data(self, plan: frozenset[str], batch: Any) -> None:
         """Input moments and labels of the step's first batch, kept on the device."""
@@ -355,7 +368,8 @@ class LightningStethoscope(Callback):
                     parts.append(("update_norm", updates, (len(idx), positions)))
                     parts.append(("prev_weight_norm", previous, (len(idx), positions)))
             if self._unit_parts:
-                parts.append(("unit_zero", torch.cat(self._unit_parts), tuple(self._units)))
+                units = (tuple(self._units), self._unit_samples)
+                parts.append(("unit_zero", torch.cat(self._unit_parts), units))
             self._grad_parts, self._snapshots, self._stepped = [], [], []
             self._snapped = []
             self._unit_parts, self._units = [], []
@@ -614,8 +628,9 @@ class LightningStethoscope(Callback):
                 full[list(positions)] = chunk
                 setattr(obs, key, full)
             elif key == "unit_zero":
-                obs.unit_names = tuple(name for name, _ in extra)
-                cuts = np.cumsum([units for _, units in extra])[:-1]
+                layers, obs.unit_samples = extra
+                obs.unit_names = tuple(name for name, _ in layers)
+                cuts = np.cumsum([units for _, units in layers])[:-1]
                 obs.unit_zero = tuple(part.astype(bool) for part in np.split(chunk, cuts))
             elif key == "input_sq":
                 obs.input_sq, obs.input_count = chunk, extra

@@ -16,9 +16,11 @@ class DeadRelu(Detector):
 
     Rule: a unit is dead when its weight-gradient row was exactly zero on each
     of the last ``window`` sampled steps, that is, no sample of any of those
-    batches activated it. A layer whose dead fraction exceeds ``threshold`` is
-    a warning; a layer with every unit dead is an error (nothing below it can
-    learn any more).
+    batches activated it, and those batches held at least ``min_samples``
+    samples in all (when the adapter reports batch sizes; else ``window`` steps
+    do): with small batches the look goes back further. A layer whose dead
+    fraction exceeds ``threshold`` is a warning; a layer with every unit dead is
+    an error (nothing below it can learn any more).
 
     Counting is per unit, never per value: a healthy ReLU layer has ~50% zeros
     in every batch but few dead units (0-6%). A dead unit's weight-gradient row
@@ -28,11 +30,16 @@ class DeadRelu(Detector):
 
     Sources: SageMaker Debugger ``dead_relu`` (a unit active < 1% of the time is
     dead; fire when > 50% of a layer is); CS231n: "as much as 40% of your network
-    can be dead" when the learning rate is too high.
+    can be dead" when the learning rate is too high. ``min_samples=512``: a unit
+    active on 1% of samples, alive by SageMaker's rule, has a zero row on 8
+    batches of 8 in a row with probability 0.99**64 = 52%, and over 512 samples
+    0.6%; on batch-8 SGD (the fault suite's noisy control, 12 seeds) 8 steps
+    called 52% of a layer dead where 11% of its units never fired again.
 
     Args:
         threshold: Dead fraction of a layer's units above which it is a warning.
         window: Consecutive sampled steps with a zero gradient row that make a unit dead.
+        min_samples: Samples those steps must hold in all, when batch sizes are known.
     """
 
     name = "dead_relu"
@@ -40,17 +47,33 @@ class DeadRelu(Detector):
     base_interval = 16
     advice = "lower the LR; LeakyReLU/GELU or He init"
 
-    def __init__(self, *, threshold: float = 0.5, window: int = 8) -> None:
+    def __init__(self, *, threshold: float = 0.5, window: int = 8, min_samples: int = 512) -> None:
         check_fraction(self.name, "threshold", threshold)
         check_positive(self.name, "window", window, integer=True)
-        self.threshold, self.window = float(threshold), window
+        check_positive(self.name, "min_samples", min_samples, integer=True)
+        self.threshold, self.window, self.min_samples = float(threshold), window, min_samples
         super().__init__()
 
     def _initial_state(self) -> dict:
         # per layer: for each unit, how many sampled steps in a row its row was zero
         # (int32 bytes while running, cheap to turn into an array; a list in state_dict);
-        # and the worst severity already reported for that layer (0: none)
-        return {"streaks": {}, "reported": {}}
+        # the worst severity already reported for that layer (0: none); and the samples of
+        # the recent sampled steps, newest last (0: unknown), as far back as a look goes
+        return {"streaks": {}, "reported": {}, "samples": []}
+
+    def _look(self, samples: int) -> tuple[int, int]:
+        """Record this step's samples; the sampled steps a unit must be zero on to be dead,
+        and the samples they held (0: unknown)."""
+        sizes = self.state["samples"]
+        sizes.append(int(samples))
+        total, known = 0, True
+        for steps, n in enumerate(reversed(sizes), start=1):
+            total += n
+            known = known and n > 0  # an unknown size: the steps alone decide
+            if steps >= self.window and (not known or total >= self.min_samples):
+                del sizes[: len(sizes) - steps]  # older steps will never be needed again
+                return steps, total if known else 0
+        return 2**31 - 1, 0  # not yet enough steps or samples: no unit is dead yet
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -60,17 +83,18 @@ class DeadRelu(Detector):
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         findings: list[Finding] = []
+        look, samples = self._look(obs.unit_samples)
         for layer, zero in zip(obs.unit_names, obs.unit_zero, strict=True):
             zero = np.asarray(zero, dtype=bool)
             old = st["streaks"].get(layer)
             streak = _streak(old) if old is not None else None
             if streak is None or len(streak) != len(zero):
                 streak = np.zeros(len(zero), np.int32)
-            streak = np.where(zero, np.minimum(streak + 1, self.window), 0).astype(np.int32)
+            streak = np.where(zero, np.minimum(streak + 1, 2**30), 0).astype(np.int32)
             st["streaks"][layer] = streak.tobytes()
             if len(zero) == 0:
                 continue
-            dead = float(np.mean(streak >= self.window))
+            dead = float(np.mean(streak >= look))
             if zero.mean() > self.threshold and dead <= self.threshold:
                 self.suspect = f"{zero.mean():.0%} of the units of {layer} got no gradient"
             rank = 2 if dead >= 1.0 else 1 if dead > self.threshold else 0
@@ -81,7 +105,7 @@ class DeadRelu(Detector):
                 continue  # already said; or a layer nearer the input already explains this step
             st["reported"][layer] = rank
             n = len(zero)
-            span = f"the last {self.window} sampled steps"
+            span = f"the last {look} sampled steps" + (f" ({samples} samples)" if samples else "")
             what = (
                 f"All {n} units of {layer} are dead"
                 if rank == 2
