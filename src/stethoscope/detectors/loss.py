@@ -31,7 +31,7 @@ class LossSpike(Detector):
     Lightning's ``SpikeDetection`` asks for 3x the running mean (we ask 2x, and the
     rest does the work). The envelope is ours: minibatch losses are heavy-tailed
     (a converged loss of ~0.005 jumps 10x on a hard batch; batch-8 training with
-    label noise jumps 7x), which a MAD cannot see; a spike must be three times the
+    label noise jumps 7x), which a MAD cannot see; a spike must be ``tail`` times the
     largest healthy jump of the last ~``memory`` steps. Measured on synthetic
     curves (``tests/detectors``) and real runs: ``tail=4, memory=300`` keeps every
     healthy Lightning trap quiet while catching 48/50 10x spikes on a noisy
