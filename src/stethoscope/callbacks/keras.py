@@ -335,7 +335,8 @@ class KerasStethoscope(keras.callbacks.Callback):
             features, samples = (int(v) for v in read(probe.input_shape))
             if samples > 0:
                 # the batch's samples (every replica's), as a unit's gradient row sees them:
-                # fit's batches keep one size, so later sampled steps reuse it
+                # fit's batches keep one size, so later sampled steps reuse it; this step's
+                # unit rows were read above, before the size was known
                 self._batch_samples = obs.unit_samples = samples
             if samples > 0 and 0 < features <= MAX_FEATURES:
                 obs.input_sq = read(probe.input_sq)[:features].astype(np.float64)

@@ -110,10 +110,10 @@ class SmallUpdates(Detector):
     100x under the bar needs no long look), while (1) the loss is still above
     ``loss_fraction`` of its initial level, since a converged run's updates
     shrink with its gradients, and (2) the learning rate is at least half the
-    highest seen so far, since a schedule
-    annealing towards 0 (cosine, step decay) shrinks updates on purpose, and
-    (3) the learning rate has not risen since the condition began: a warm-up
-    from 0, however long, restarts the clock at each rise.
+    highest seen so far, since a schedule annealing towards 0 (cosine, step
+    decay) shrinks updates on purpose, and (3) the learning rate has not risen
+    since the condition began: a warm-up from 0, however long, restarts the
+    clock at each rise.
 
     Sources: SageMaker Debugger ``weight_update_ratio`` (small: < 1e-8);
     DeepDiagnosis (lr·||g||/||W|| below 1e-3 / 100 = 1e-5 hints at the learning
