@@ -263,8 +263,8 @@ class KerasStethoscope(keras.callbacks.Callback):
         measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
         bad_at, bad_rank = -1, 0
         replica_losses: list[np.ndarray] = []
-        if ring[probe.k] != 0.0:  # the graph measured a step with a non-finite loss or gradient
-            bad_at = int(read(probe.bad_at))
+        if probe.flagged(ring):  # a step with a non-finite loss or gradient
+            bad_at = first if probe.direct else int(read(probe.bad_at))
             if probe.replicas > 1:  # which replica's shard made it so
                 replica_losses = probe.copies(probe.losses)
                 bad_rank = probe.bad_replica()
@@ -311,7 +311,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         if fresh and plan & {"grads", "weights", "updates", "units"}:
             idx = self._describe(obs)
             if "grads" in plan:
-                obs.grad_norm = read(probe.grad_norm)[idx].astype(np.float64)
+                obs.grad_norm = probe.grad_norms()[idx].astype(np.float64)
             if plan & {"weights", "updates"}:
                 obs.weight_norm = read(probe.weight_norm)[idx].astype(np.float64)
             if "updates" in plan:
@@ -357,10 +357,10 @@ class KerasStethoscope(keras.callbacks.Callback):
         and the mirrored weights, so the same numbers any replica would have recorded)."""
         probe = self._probe
         assert probe is not None
-        read = probe.read
         idx = self._describe(obs)
-        obs.grad_norm = read(probe.bad_grad_norm, replica)[idx].astype(np.float64)
-        obs.weight_norm = read(probe.bad_weight_norm, replica)[idx].astype(np.float64)
+        grads, weights = probe.forced_norms(replica)
+        obs.grad_norm = grads[idx].astype(np.float64)
+        obs.weight_norm = weights[idx].astype(np.float64)
 
     def _describe(self, obs: Observation) -> np.ndarray:
         """Name the parameters of a measured step; returns their positions in the probe.
