@@ -555,3 +555,25 @@ def test_unit_rows_keep_their_batch_size_after_the_inputs_stop_being_probed():
     # past unnormalized_input's 256 samples the inputs are no longer probed
     assert any(o.input_count == 0 for o in spy.seen)
     assert {o.unit_samples for o in spy.seen} == {BATCH}
+
+
+def test_a_recurrent_cell_inside_its_loop_is_probed():
+    """A GRU's cell runs inside a while loop, where a tensor cannot leave the loop's body:
+    its forward row goes through the probe's variable and is read back after the loop,
+    in the same sampled step as the other layers' rows."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 6, 3)).astype("float32")
+    y = (x[:, -1, 0] > 0).astype("int64")
+    model = keras.Sequential(
+        [keras.Input((6, 3)), keras.layers.GRU(8, name="gru"), keras.layers.Dense(2, name="head")]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    spy = Spy({"grads", "outputs", "trace"})
+    cb = watch(spy, escalate=False, intervals={"recorder": 2})
+    fit(model, cb, x, y, epochs=2)
+    assert spy.seen and cb._probe.direct
+    for obs in spy.seen:
+        assert "gru_cell" in " ".join(obs.trace_names)
+        assert obs.trace_finite.all() and np.isfinite(obs.grad_norm).all()
+    assert_clean(model)

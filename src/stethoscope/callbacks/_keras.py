@@ -293,6 +293,9 @@ class GraphProbe:
         # a direct heavy step's reductions, handed back with its logs (see _store)
         self._stored: dict[int, dict[str, Any]] = {}
         self._rows: dict[int, dict[int, Any]] = {}  # ... and its forward rows, by row
+        self._outer: dict[int, Any] = {}  # the graph of the train step being traced
+        # what a direct heavy step wrote to variables from inside a control-flow body
+        self._written: dict[int, set] = {}
         self._wanted: dict[int, tuple] = {}  # (graph, group predicates, combined ones)
         self._due: dict[int, tuple] = {}  # (planned, forced), from apply to the all-reduce
         self._installed: list[tuple[Any, str]] = []
@@ -666,6 +669,8 @@ class GraphProbe:
         self._squares.clear()
         self._stored.clear()
         self._rows.clear()
+        self._outer.clear()
+        self._written.clear()
         self._wanted.clear()
         self._due.clear()
         for attr in ("train_function", "test_function", "predict_function"):
@@ -744,10 +749,12 @@ class GraphProbe:
     def _train_step_wrapper(self, original: Any) -> Any:
         @functools.wraps(original)
         def train_step(*args, **kwargs):
+            thread = threading.get_ident()
+            if self._mode != "off":
+                self._outer[thread] = _graph()
             logs = original(*args, **kwargs)
             if self._mode == "off":
                 return logs
-            thread = threading.get_ident()
             value, squares = self._loss.pop(thread, None), self._squares.pop(thread, {})
             if not isinstance(logs, dict):
                 return logs
@@ -772,10 +779,21 @@ class GraphProbe:
             thread = threading.get_ident()
             out = self._stored.pop(thread, {})
             rows = self._rows.pop(thread, {})
-            if rows:  # NaN for a layer the step did not call
+            # what a control-flow body (a recurrent cell's loop) wrote to variables instead
+            for v in self._own:
+                if id(v) in self._written.get(thread, ()):
+                    out[self._reduction_of[id(v)]] = _value(v)
+            if rows or "forward_rows" in out:  # NaN for a layer the step did not call
                 nan = ops.convert_to_tensor(np.full(_ROW, np.nan, dtype=np.float32))
-                n = len(self.forward_layers)
-                out["forward_rows"] = ops.stack([rows.get(i, nan) for i in range(n)])
+                table = out.get("forward_rows")
+                written = self._written.get(thread, set())
+                out["forward_rows"] = ops.stack(
+                    [
+                        table[i] if (i, "row") in written else rows.get(i, nan)
+                        for i in range(len(self.forward_layers))
+                    ]
+                )
+            self._written.pop(thread, None)
         else:
             out = {
                 self._reduction_of[id(v)]: ops.convert_to_tensor(v)
@@ -946,10 +964,19 @@ class GraphProbe:
         no read of a variable: two ops fewer, each 10-50 us on a busy CPU); else it goes
         into its variable."""
         if self.direct and self._mode == "heavy":
-            stored = self._stored.setdefault(threading.get_ident(), {})
-            stored[self._reduction_of[id(var)]] = value
-        else:
-            var.assign(value)
+            thread = threading.get_ident()
+            if not self._nested(thread):
+                self._stored.setdefault(thread, {})[self._reduction_of[id(var)]] = value
+                return
+            self._written.setdefault(thread, set()).add(id(var))
+        var.assign(value)
+
+    def _nested(self, thread: int) -> bool:
+        """Whether the op being built sits in a control-flow body (a recurrent cell's while
+        loop, a cond) rather than in the train step's own graph: a tensor made there cannot
+        leave it, so it goes through its variable, read back after the loop."""
+        outer = self._outer.get(thread)
+        return outer is not None and _graph() is not outer
 
     def _grad_stats(self, grads: list, tvars: list, into: Any, scaled: bool) -> None:
         """Per-variable norms; ``scaled``: the gradients still carry the loss scale."""
@@ -1119,10 +1146,13 @@ class GraphProbe:
         finite = ops.cast(ops.all(ops.isfinite(t)), "float32")
         count = ops.cast(ops.size(t), "float32")
         values = ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite, count])
-        if self.direct:  # handed back with the logs (see _store)
-            self._rows.setdefault(threading.get_ident(), {})[row] = values
-        else:
-            _put(self.forward_rows, row, values)
+        thread = threading.get_ident()
+        if self.direct and not self._nested(thread):  # handed back with the logs (_store)
+            self._rows.setdefault(thread, {})[row] = values
+            return
+        if self.direct:  # read back after the loop (see _handed_back)
+            self._written.setdefault(thread, set()).update({id(self.forward_rows), (row, "row")})
+        _put(self.forward_rows, row, values)
 
     def forward_kinds(self) -> list[tuple[str, str | None, bool]]:
         """Per forward row: (layer name, tanh/sigmoid or None, whether it has units)."""
@@ -1149,6 +1179,16 @@ def _scalar(t: Any) -> bool:
         return len(t.shape) == 0
     except (TypeError, ValueError):  # an unknown rank
         return False
+
+
+def _graph() -> Any:
+    """The TensorFlow graph ops are being built in (None when eager, or on another
+    backend)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
 def _value(v: Any) -> Any:
