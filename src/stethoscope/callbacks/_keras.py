@@ -7,22 +7,27 @@ run inside the traced train step, written with ``keras.ops``. Results land in
 non-trainable ``keras.Variable`` objects that belong to the probe, never to the
 model (so ``model.save()`` holds nothing of stethoscope), and the callback reads
 them only on the steps the sampler selects. Every step's loss reaches the host: on
-TensorFlow with one replica and one step per execution as an output of the step
-(with the flag of a non-finite record); otherwise through a small ring buffer, one
-slot per step of an execution (``steps_per_execution``).
+TensorFlow with one replica and one step per execution (the *direct* case) as an
+output of the step, with each gradient's sum of squares; otherwise through a small ring
+buffer, one slot per step of an execution (``steps_per_execution``), and a flag.
 
-The train function is traced twice. The *light* one, run on every step the sampler
-does not select, records the loss and nothing else (plus one ``cond`` that only a
-non-finite loss opens); it does not touch the layers' outputs, so TensorFlow fuses and
-schedules their kernels exactly as without the probe. The *heavy* one runs on sampled
-executions only. With one step per execution it is the sampled step, and it computes
-every reduction with no ``cond`` (cheaper than choosing); with several, the reductions sit
-inside ``cond``s: the callback writes the step to sample and the probes it wants into two
-variables, and the graph compares them with the optimizer's iteration counter. Neither
-function is ever retraced. The heavy step hands its measurements back with its logs
-(TensorFlow, one replica), so the host reads them without an op per variable. A non-finite
-loss turns on the gradient and weight reductions of its own step, in either function,
-so the parameter that went bad is named at once.
+The train function is traced two or three times. The *light* one, run on every step the
+sampler does not select, records the loss and, in the direct case, one ``l2_loss`` per
+gradient (the host tests them for a non-finite value and takes the norms from them;
+otherwise one ``cond`` that only a non-finite loss or gradient opens records the norms
+in the graph); it does not touch the layers' outputs, so TensorFlow fuses and schedules
+their kernels exactly as without the probe. The *heavy* one runs on sampled executions
+only. With one step per execution it is the sampled step, and it computes every
+reduction with no ``cond`` (cheaper than choosing), handing them back as outputs of the
+step (no variable written or read); a third function, *updates*, adds the update norms
+(the weights read before the update, then a difference) on the steps that plan them.
+With several steps per execution the reductions sit inside ``cond``s: the callback
+writes the step to sample and the probes it wants into two variables, the graph
+compares them with the optimizer's iteration counter, and the heavy step hands the
+variables back with its logs (TensorFlow, one replica). Every op of a step costs 10-50
+us on a busy CPU whatever its size, so each of these choices is one of fewer ops. None
+of the functions is ever retraced. A non-finite loss or gradient is measured on its own
+step, in either function, so the parameter that went bad is named at once.
 Under ``tf.distribute.MirroredStrategy`` each replica runs these wrappers on its own
 shard of the batch. The probe's variables are then per-replica (``on_read``): every
 replica writes its own copy, with no collective on any step, and the host combines
@@ -93,8 +98,9 @@ _RETURNED = (
     "label_hist",
     "forward_rows",
 )
-#: Elements of the weights copied before a sampled update step (float32: 128 MiB), held
-#: in variables of the probe for the whole fit; past it, later variables go unmeasured.
+#: Elements of the weights kept from before a sampled update step (float32: 128 MiB): in
+#: variables of the probe for the whole fit, or (one step per execution) as the step's
+#: own reads, which the update copies on write; past it, later variables go unmeasured.
 SNAPSHOT_BUDGET = 2**25
 
 #: Output magnitudes that correspond to the saturation bounds on the pre-activation.
