@@ -109,6 +109,10 @@ _SATURATED_OUTPUT = {
     "sigmoid": 1.0 / (1.0 + math.exp(-SATURATION_BOUNDS["sigmoid"])),
 }
 
+#: A direct heavy step's forward row that a control-flow body wrote to the probe's
+#: variable (a tensor made there cannot leave it): read back after the loop.
+_IN_VARIABLE = object()
+
 # forward rows: saturated fraction, rms, max |x|, finite, elements (to weigh replicas)
 _ROW = 5
 
@@ -301,7 +305,7 @@ class GraphProbe:
         self._rows: dict[int, dict[int, Any]] = {}  # ... and its forward rows, by row
         self._outer: dict[int, Any] = {}  # the graph of the train step being traced
         # what a direct heavy step wrote to variables from inside a control-flow body
-        self._written: dict[int, set] = {}
+        self._written: dict[int, set[int]] = {}
         self._wanted: dict[int, tuple] = {}  # (graph, group predicates, combined ones)
         self._due: dict[int, tuple] = {}  # (planned, forced), from apply to the all-reduce
         self._installed: list[tuple[Any, str]] = []
@@ -786,20 +790,20 @@ class GraphProbe:
             out = self._stored.pop(thread, {})
             rows = self._rows.pop(thread, {})
             # what a control-flow body (a recurrent cell's loop) wrote to variables instead
+            written = self._written.pop(thread, set())
             for v in self._own:
-                if id(v) in self._written.get(thread, ()):
+                if id(v) in written:
                     out[self._reduction_of[id(v)]] = _value(v)
-            if rows or "forward_rows" in out:  # NaN for a layer the step did not call
+            if rows:  # NaN for a layer the step did not call
                 nan = ops.convert_to_tensor(np.full(_ROW, np.nan, dtype=np.float32))
-                table = out.get("forward_rows")
-                written = self._written.get(thread, set())
+                in_variable = any(r is _IN_VARIABLE for r in rows.values())
+                table = _value(self.forward_rows) if in_variable else None
                 out["forward_rows"] = ops.stack(
                     [
-                        table[i] if (i, "row") in written else rows.get(i, nan)
+                        table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan)
                         for i in range(len(self.forward_layers))
                     ]
                 )
-            self._written.pop(thread, None)
         else:
             out = {
                 self._reduction_of[id(v)]: ops.convert_to_tensor(v)
@@ -1157,7 +1161,7 @@ class GraphProbe:
             self._rows.setdefault(thread, {})[row] = values
             return
         if self.direct:  # read back after the loop (see _handed_back)
-            self._written.setdefault(thread, set()).update({id(self.forward_rows), (row, "row")})
+            self._rows.setdefault(thread, {})[row] = _IN_VARIABLE
         _put(self.forward_rows, row, values)
 
     def forward_kinds(self) -> list[tuple[str, str | None, bool]]:
