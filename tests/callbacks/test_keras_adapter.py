@@ -348,6 +348,47 @@ def test_what_a_sampled_step_hands_back_is_that_steps_own_numbers():
         assert np.isfinite(o.act_rms).all()
 
 
+def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
+    """One heavy function per set of planned probes: a step that plans the gradients alone
+    hands back no weight, unit, layer-output, input or label statistic (a steady state
+    asks for fewer probes than the calibration), and its gradient norms are still read as
+    that step's; a step that plans the inputs as well measures them too."""
+    x, y = data()
+    model = mlp()
+    grads = Spy({"grads"})
+    grads.name = "g"
+    inputs = Spy({"inputs"})
+    inputs.name = "i"
+    cb = watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+    fit(model, cb, x, y)
+    probe = cb._probe
+    handed: dict[int, set[str]] = {}
+    real = probe.dispatch
+
+    def dispatch(*args, **kwargs):
+        logs = real(*args, **kwargs)
+        if probe.heavy:
+            step = int(probe.read(probe.sampled_at))
+            handed[step] = {probe._returned_name[i] for i in probe._returned}
+        return logs
+
+    probe.dispatch = dispatch
+    fit(model, cb, x, y)
+    steps = N // BATCH
+    assert sorted(handed) == list(range(steps, 2 * steps, 2))
+    for step, names in handed.items():
+        assert names - {"sampled_at", "iterations", "input_sq", "input_shape"} == set(), step
+        assert ("input_sq" in names) == (step % 4 == 0), step
+    assert [o.step for o in grads.seen] == list(range(0, 2 * steps, 2))
+    assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
+    assert [o.step for o in inputs.seen] == list(range(0, 2 * steps, 4))
+    assert all(o.input_sq is not None for o in inputs.seen)
+    assert {k for k in probe._functions if k != "light"} == {
+        frozenset({"grads"}),
+        frozenset({"grads", "inputs"}),
+    }
+
+
 # -- fits, executions, model styles ---------------------------------------------------------
 def test_fits_in_a_row_continue_the_step_count():
     x, y = data()

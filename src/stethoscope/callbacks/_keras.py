@@ -11,16 +11,17 @@ TensorFlow with one replica and one step per execution (the *direct* case) as an
 output of the step, with each gradient's sum of squares; otherwise through a small ring
 buffer, one slot per step of an execution (``steps_per_execution``), and a flag.
 
-The train function is traced two or three times. The *light* one, run on every step the
+The train function is traced more than once. The *light* one, run on every step the
 sampler does not select, records the loss and, in the direct case, one ``l2_loss`` per
 gradient (the host tests them for a non-finite value and takes the norms from them;
 otherwise one ``cond`` that only a non-finite loss or gradient opens records the norms
 in the graph); it does not touch the layers' outputs, so TensorFlow fuses and schedules
 their kernels exactly as without the probe. The *heavy* one runs on sampled executions
-only. With one step per execution it is the sampled step, and it computes every
-reduction with no ``cond`` (cheaper than choosing), handing them back as outputs of the
-step (no variable written or read); a third function, *updates*, adds the update norms
-(the weights read before the update, then a difference) on the steps that plan them.
+only. With one step per execution it is the sampled step: one heavy function is traced
+per set of probes the sampler plans (a handful per run), and it computes exactly those,
+with no ``cond`` (cheaper than choosing), handing them back as outputs of the step (no
+variable written or read); the update norms are the weights read before the update, then
+a difference.
 With several steps per execution the reductions sit inside ``cond``s: the callback
 writes the step to sample and the probes it wants into two variables, the graph
 compares them with the optimizer's iteration counter, and the heavy step hands the
@@ -73,6 +74,25 @@ GROUPS: tuple[str, ...] = (
     "trace",
 )
 _G = {name: i for i, name in enumerate(GROUPS)}
+
+#: The planned probes that a whole heavy function (one step per execution, in a graph)
+#: is traced for: one function per set of them that the sampler asks for, each computing
+#: exactly those (no ``cond``); the others ride back with the light step's ring or are
+#: the host's own.
+WHOLE_PROBES = frozenset(
+    {"grads", "weights", "updates", "units", "inputs", "labels", "activations", "outputs", "trace"}
+)
+#: Which of those each probe group of the graph serves (the forward rows serve three).
+_SERVES = {
+    "grads": {"grads"},
+    "weights": {"weights", "updates"},
+    "updates": {"updates"},
+    "units": {"units"},
+    "inputs": {"inputs"},
+    "labels": {"labels"},
+    "forward": {"activations", "outputs", "trace"},
+    "trace": {"trace"},
+}
 
 #: Per-feature input statistics beyond this many features collapse to one number.
 MAX_FEATURES = 4096
@@ -244,11 +264,13 @@ class GraphProbe:
         self.k = max(int(steps_per_execution), 1)
         self.eager = _eager_backend()
         # One step per execution, in a graph: the heavy function then runs only on the
-        # sampled step, and measures every group there with no cond at all. Conditional
-        # groups cost more (an If op per group, and the host's writes of the request: ~2 ms
-        # a sampled MLP step) than the reductions a step did not plan (~1 ms). The update
-        # (the weights before it, then a difference) is the costliest group and has the
-        # longest interval: a third function, "updates", adds it to the heavy one.
+        # sampled step, and measures there exactly the probes the step planned, with no cond
+        # at all: one function is traced per set of planned probes (a handful per run: the
+        # calibration's, the steady state's, each with and without the update norms).
+        # Conditional groups cost more (an If op per group, and the host's writes of the
+        # request: ~2 ms a sampled MLP step) than the reductions themselves, and the
+        # reductions a step did not plan cost ~0.5 ms more again (the forward rows and data
+        # statistics, which a steady state no longer asks for).
         self.whole = self.k == 1 and not self.eager
         self.strategy = strategy
         self.replicas = int(strategy.num_replicas_in_sync) if strategy is not None else 1
@@ -313,9 +335,11 @@ class GraphProbe:
         # train function (evaluation, prediction), else "light" or "heavy" (see the module)
         self._mode = "off"
         self.heavy = False  # the host's choice for the next execution
-        self.updates = False  # ... and whether it measures the update (a snapshot first)
-        self._updates = False  # whether the function being traced or run measures it
-        self._functions: dict[str, Any] = {}
+        # ... and, for a whole heavy function, the planned probes it is traced for
+        self.probes: frozenset[str] = frozenset()
+        self._probes: frozenset[str] = frozenset()  # those of the function being traced
+        # "light", "heavy" (conditional probes), or a whole heavy function's probes
+        self._functions: dict[Any, Any] = {}
         # On TensorFlow with one replica the train step returns the loss ring with its
         # logs: the host then reads an output the step computed anyway (a few us) instead of
         # running a read op (~100 us on a busy 2-core CPU, every step).
@@ -395,12 +419,17 @@ class GraphProbe:
                 self.snapshots[id(v)] = var(v.shape, 0.0, name="snapshot")
 
     # -- host side -----------------------------------------------------------------
-    def schedule(self, step: int, groups: set[str], current: tuple) -> tuple:
-        """Ask for ``groups`` at ``step`` (-1: none). Writes the variables only on a change,
-        and never to cancel: a past sample step can no longer match the iteration count."""
+    def schedule(
+        self, step: int, groups: set[str], current: tuple, plan: frozenset[str] = frozenset()
+    ) -> tuple:
+        """Ask for ``groups`` (the probes of ``plan``) at ``step`` (-1: none). Writes the
+        variables only on a change, and never to cancel: a past sample step can no longer
+        match the iteration count."""
         self.heavy = step >= 0
-        self.updates = "updates" in groups
-        if step < 0 or self.whole:  # a whole heavy function runs: nothing to ask for
+        if step < 0:
+            return current
+        if self.whole:  # the whole heavy function traced for these probes runs: no request
+            self.probes = plan & WHOLE_PROBES
             return current
         flags = tuple(1 if g in groups else 0 for g in GROUPS)
         want = (step, flags)
@@ -417,12 +446,14 @@ class GraphProbe:
         """The train function ``fit`` calls: the heavy one when the host asked for probes
         in this execution, else the light one. Each is traced on its first call, in its
         mode; outside of them the wrappers do nothing."""
-        key = "light"
+        key: Any = "light"
         if self.heavy:
-            key = "updates" if self.whole and self.updates else "heavy"
-        fn = self._functions[key]
+            key = self.probes if self.whole else "heavy"
+        fn = self._functions.get(key)
+        if fn is None:  # a set of probes this probe has not been asked for yet
+            fn = self._functions[key] = self._make_function()
         self._mode = "light" if key == "light" else "heavy"
-        self._updates = key == "updates"
+        self._probes = key if self.whole and self.heavy else frozenset()
         try:
             logs = fn(*args, **kwargs)
         finally:
@@ -633,12 +664,20 @@ class GraphProbe:
         self._retrace()
         # A later fit of the same model reuses the functions, already traced: tracing them
         # again would cost each fit a second or more. They hold the graph, not the wrappers
-        # (which are back on while they run, for a retrace on a new input shape).
-        for mode in ("light", "heavy", "updates") if self.whole else ("light", "heavy"):
+        # (which are back on while they run, for a retrace on a new input shape). A whole
+        # heavy function is made when a step first plans its set of probes (dispatch).
+        for mode in ("light",) if self.whole else ("light", "heavy"):
             if mode not in self._functions:
-                model.make_train_function(force=True)
-                self._functions[mode] = model.train_function
+                self._functions[mode] = self._make_function()
         model.train_function = self.dispatch
+
+    def _make_function(self) -> Any:
+        """A new train function of the model (traced on its first call), leaving ``fit``
+        the dispatcher."""
+        self.model.make_train_function(force=True)
+        fn = self.model.train_function
+        self.model.train_function = self.dispatch
+        return fn
 
     def remove(self) -> None:
         """Take every wrapper off and drop the traced functions that contain them."""
@@ -696,7 +735,7 @@ class GraphProbe:
         if self._mode != "heavy":
             return False
         if self.whole:
-            return self._updates or "updates" not in groups
+            return any(self._probes & _SERVES[g] for g in groups)
         if self.eager:
             due = self._py_step == self._py_sample_at
             return bool(due and any(self._py_flags[_G[g]] for g in groups))
@@ -794,7 +833,10 @@ class GraphProbe:
             for v in self._own:
                 if id(v) in written:
                     out[self._reduction_of[id(v)]] = _value(v)
-            if rows:  # NaN for a layer the step did not call
+            if "sampled_at" not in out:  # a step that planned none of the groups storing it
+                out["sampled_at"] = ops.cast(self.optimizer.iterations, "int64") - 1
+            if self.forward_layers and (rows or self._probes & _SERVES["forward"]):
+                # NaN for a layer the step did not call, or whose row no planned probe reads
                 nan = ops.convert_to_tensor(np.full(_ROW, np.nan, dtype=np.float32))
                 in_variable = any(r is _IN_VARIABLE for r in rows.values())
                 table = _value(self.forward_rows) if in_variable else None
@@ -953,6 +995,12 @@ class GraphProbe:
             # pass that never comes, on every step (measured: +8% on an MLP step).
             seen = ops.stop_gradient(first)
             pred = self._want("forward", "trace")
+            if self.whole:  # only a row that the host reads for a planned probe
+                probes = self._probes
+                pred = "trace" in probes or bool(
+                    ("activations" in probes and kind is not None)
+                    or ("outputs" in probes and _unit_layer(layer))
+                )
             self._cond(pred, lambda: self._forward_stats(row, seen, kind, bound))
             return out
 

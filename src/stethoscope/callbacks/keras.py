@@ -234,7 +234,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         groups: set[str] = set()
         for p in plan:
             groups |= _GROUPS_OF.get(p, set())
-        self._current = probe.schedule(chosen if groups else -1, groups, self._current)
+        self._current = probe.schedule(chosen if groups else -1, groups, self._current, plan)
         self._pending = (self._next, chosen, plan)
 
     def _collect(self) -> None:
