@@ -16,9 +16,13 @@ with Keras 3 and compared step for step:
 
 How. A Keras callback cannot be switched on and off inside one ``fit`` (the
 stethoscope's reductions are part of the traced train step), so each segment is
-its own ``fit`` of ``segment + 2`` steps on the same model, continuing its training,
-with one stethoscope instance living through all of its segments (its schedule
-follows the optimizer's step count). The variants take turns ``plain, A, plain,
+its own ``fit`` of ``segment + 2`` steps on the same model, continuing its training.
+``--instances`` stethoscope instances (4) take turns at the stethoscope's segments, each
+living through all of its own (its schedule follows the optimizer's step count): each
+traces its own train functions, and a traced function's speed is a draw that lasts its
+life (the same graph traced anew runs 0-5% apart here), while the plain segments trace a
+new plain function after every stethoscope segment. The report gives each instance's
+median ratio too. The variants take turns ``plain, A, plain,
 B, ...`` with the others shuffled each round (the schedule of ``overhead.py``). A
 step is timed from one ``on_train_batch_begin`` to the next, so the first step of
 each fit (where the function is traced) and its last step are not timed: every
@@ -150,14 +154,21 @@ class BatchEndNoop(keras.callbacks.Callback):
         pass
 
 
-def run_model(spec: ModelSpec, rounds: int, segment: int, warmup: bool, log: Any) -> dict:
+def run_model(
+    spec: ModelSpec, rounds: int, segment: int, warmup: bool, log: Any, instances: int = 4
+) -> dict:
     keras.utils.set_random_seed(SEED)
     model = spec.build()
     model.compile(
         keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     x, y = synthetic(spec, POOL_BATCHES, SEED)
-    steady = KerasStethoscope(sinks=[], stop_on=None)
+    # Several instances, taking turns: each traces its own train functions, and how fast a
+    # traced function runs is a draw (the same graph traced anew runs 0-5% apart on this
+    # CPU, for the whole of its life). A plain fit after a stethoscope fit traces a new
+    # plain function each time, so the plain steps average over many draws; the
+    # stethoscope's steps must too, or the ratio measures one draw.
+    steadies = [KerasStethoscope(sinks=[], stop_on=None) for _ in range(instances)]
     clock = StepClock()
     rng = random.Random(SEED)
     preroll = 256  # past the stethoscope's calibration window, untimed
@@ -173,30 +184,28 @@ def run_model(spec: ModelSpec, rounds: int, segment: int, warmup: bool, log: Any
         every=10**9,  # no occasional variant
     )
     extra = {
-        STETHOSCOPE: [steady],
         TERMINATE: [keras.callbacks.TerminateOnNaN()],
         NOOP: [BatchEndNoop()],
     }
     times: list[tuple[Segment, list[float]]] = []
+    turns: dict[int, int] = {}  # segment index -> the stethoscope instance that ran it
     t0 = time.perf_counter()
     for i, seg in enumerate(segs):
         owner = seg.variant
-        length = seg.length if seg.round >= 0 else preroll
+        if seg.round < 0:  # the pre-roll: every instance past its calibration window
+            for steady in steadies:
+                _fit(model, spec, x, y, preroll, [clock, steady])
+            times.append((seg, []))
+            continue
+        length = seg.length
+        callbacks = [clock, *extra.get(owner, [])]
+        if owner == STETHOSCOPE:
+            turns[i] = len(turns) % instances
+            callbacks.append(steadies[turns[i]])
         if owner == NUMERICS:
             tf.debugging.enable_check_numerics()
             model.train_function = None
-        # a fit of at most POOL_BATCHES steps (the data's length); the pre-roll takes several
-        for chunk in range(0, length, POOL_BATCHES - 2):
-            model.fit(
-                x,
-                y,
-                batch_size=spec.batch_size,
-                epochs=1,
-                steps_per_epoch=min(POOL_BATCHES - 2, length - chunk) + 2,
-                shuffle=False,
-                verbose=0,
-                callbacks=[clock, *extra.get(owner, [])],
-            )
+        _fit(model, spec, x, y, length, callbacks)
         if owner == NUMERICS:
             tf.debugging.disable_check_numerics()
             model.train_function = None
@@ -206,21 +215,49 @@ def run_model(spec: ModelSpec, rounds: int, segment: int, warmup: bool, log: Any
         if i % 20 == 0:
             log(f"{spec.name}: segment {i + 1}/{len(segs)} ({time.perf_counter() - t0:.0f} s)")
     health = {
-        "findings_steady": _findings(steady),
-        "escalations_steady": steady.monitor.sampler.escalations,
+        "findings_steady": _findings(*steadies),
+        "escalations_steady": sum(s.monitor.sampler.escalations for s in steadies),
     }
+    out = summarise(times)
+    # each instance's own median ratio: the spread of the draws
+    ratios = out["variants"][STETHOSCOPE].pop("ratios")
+    per_instance = [
+        statistics.median([r for (i, r) in ratios if turns[i] == k])
+        for k in range(instances)
+        if any(turns[i] == k for i, _ in ratios)
+    ]
+    out["variants"][STETHOSCOPE]["per_instance"] = per_instance
+    for key in VARIANTS:
+        out["variants"][key].pop("ratios", None)
     return {
         "model": spec.name,
         "title": spec.title,
         "rounds": rounds,
-        **summarise(times),
+        "instances": instances,
+        **out,
         "stethoscope_health": health,
     }
 
 
-def _findings(cb: KerasStethoscope) -> dict[str, int]:
+def _fit(model: keras.Model, spec: ModelSpec, x: Any, y: Any, steps: int, callbacks: list) -> None:
+    """Train ``steps`` timed steps, in fits of at most POOL_BATCHES steps (the data's
+    length); each fit runs two more, untimed (the first and the last)."""
+    for chunk in range(0, steps, POOL_BATCHES - 2):
+        model.fit(
+            x,
+            y,
+            batch_size=spec.batch_size,
+            epochs=1,
+            steps_per_epoch=min(POOL_BATCHES - 2, steps - chunk) + 2,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+
+def _findings(*cbs: KerasStethoscope) -> dict[str, int]:
     out: dict[str, int] = {}
-    for s in cb.summaries:
+    for s in (s for cb in cbs for s in cb.summaries):
         for row in s.rows:
             if row.status in ("warning", "error"):
                 out[row.detector] = out.get(row.detector, 0) + row.count
@@ -245,8 +282,10 @@ def summarise(times: Sequence[tuple[Segment, list[float]]]) -> dict[str, Any]:
                 before, after = times[i - 1], times[i + 1]
                 assert before[0].variant == after[0].variant == PLAIN
                 ref = statistics.fmean([statistics.fmean(before[1]), statistics.fmean(after[1])])
-                ratios.append(statistics.fmean(ms) / ref)
-            entry["ratio_of_means"] = {**_quartiles(ratios), "ci95": _median_ci(ratios)}
+                ratios.append((i, statistics.fmean(ms) / ref))
+            values = [r for _, r in ratios]
+            entry["ratio_of_means"] = {**_quartiles(values), "ci95": _median_ci(values)}
+            entry["ratios"] = ratios
         out["variants"][key] = entry
     null = []
     for i, seg, ms in measured:
@@ -291,6 +330,8 @@ def markdown(results: list[dict[str, Any]], wall_s: float, segment: int) -> str:
     for res in results:
         null = res.get("plain_vs_plain")
         h = res["stethoscope_health"]
+        draws = ", ".join(f"{r:.3f}x" for r in res["variants"][STETHOSCOPE]["per_instance"])
+        notes.append(f"{res['model']}: each stethoscope instance's median ratio: {draws}.")
         if null:
             notes.append(
                 f"{res['model']}: noise floor (plain vs plain two segments away) "
@@ -306,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", choices=("mlp", "cnn", "both"), default="both")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--segment", type=int, default=32, help="timed steps per fit")
+    p.add_argument("--instances", type=int, default=4, help="stethoscope instances taking turns")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -320,7 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for m in models:
         rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS[m])
-        results.append(run_model(MODELS[m], rounds, args.segment, not args.quick, log))
+        results.append(
+            run_model(MODELS[m], rounds, args.segment, not args.quick, log, args.instances)
+        )
     wall = time.perf_counter() - t0
     print(markdown(results, wall, args.segment))
     if args.json:
