@@ -389,6 +389,31 @@ def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
     }
 
 
+def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
+    """A new set of planned probes traces a new heavy function only while fewer than
+    MAX_WHOLE_FUNCTIONS are traced; past that it runs the smallest traced function that
+    measures them all (or, with none, one that measures every probe)."""
+    from stethoscope.callbacks import _keras
+
+    monkeypatch.setattr(_keras, "MAX_WHOLE_FUNCTIONS", 1)
+    x, y = data()
+    model = mlp()
+    grads = Spy({"grads"})
+    grads.name = "g"
+    inputs = Spy({"inputs"})
+    inputs.name = "i"
+    cb = watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+    fit(model, cb, x, y, epochs=2)
+    # step 0 planned both (traced first); steps 2, 6, ... the gradients alone: the cap is
+    # reached, and the traced superset measured them
+    assert {k for k in cb._probe._functions if k != "light"} == {frozenset({"grads", "inputs"})}
+    assert [o.step for o in grads.seen] == list(range(0, 2 * N // BATCH, 2))
+    assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
+    assert [o.step for o in inputs.seen] == list(range(0, 2 * N // BATCH, 4))
+    probe = cb._probe
+    assert probe._whole_key(frozenset({"units"})) == _keras.WHOLE_PROBES
+
+
 # -- fits, executions, model styles ---------------------------------------------------------
 def test_fits_in_a_row_continue_the_step_count():
     x, y = data()

@@ -82,6 +82,11 @@ _G = {name: i for i, name in enumerate(GROUPS)}
 WHOLE_PROBES = frozenset(
     {"grads", "weights", "updates", "units", "inputs", "labels", "activations", "outputs", "trace"}
 )
+#: Whole heavy functions traced per probe at most: each is a trace of the whole train
+#: step (seconds on a large model), so past this many a step whose set of probes is new
+#: runs the smallest traced function that measures them all (a superset), or else one
+#: that measures every probe.
+MAX_WHOLE_FUNCTIONS = 8
 #: Which of those each probe group of the graph serves (the forward rows serve three).
 _SERVES = {
     "grads": {"grads"},
@@ -448,7 +453,7 @@ class GraphProbe:
         mode; outside of them the wrappers do nothing."""
         key: Any = "light"
         if self.heavy:
-            key = self.probes if self.whole else "heavy"
+            key = self._whole_key(self.probes) if self.whole else "heavy"
         fn = self._functions.get(key)
         if fn is None:  # a set of probes this probe has not been asked for yet
             fn = self._functions[key] = self._make_function()
@@ -469,6 +474,15 @@ class GraphProbe:
                 }
                 self._returned_lr = returned.get("learning_rate")
         return logs
+
+    def _whole_key(self, probes: frozenset[str]) -> frozenset[str]:
+        """The probes of the whole heavy function that serves ``probes``: their own one,
+        unless :data:`MAX_WHOLE_FUNCTIONS` are traced and none of them is it."""
+        traced = [k for k in self._functions if isinstance(k, frozenset)]
+        if probes in self._functions or len(traced) < MAX_WHOLE_FUNCTIONS:
+            return probes
+        supersets = [k for k in traced if probes <= k]
+        return min(supersets, key=len) if supersets else WHOLE_PROBES
 
     def ring(self) -> np.ndarray:
         """The loss ring after the last execution: the losses of its steps, then the flag;
