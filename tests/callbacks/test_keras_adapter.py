@@ -348,6 +348,16 @@ def test_what_a_sampled_step_hands_back_is_that_steps_own_numbers():
         assert np.isfinite(o.act_rms).all()
 
 
+def gradients_every_2_inputs_every_4():
+    """Two spies, one planning the gradients every 2 steps and one the inputs every 4,
+    and a callback with only them, at fixed intervals."""
+    grads = Spy({"grads"})
+    grads.name = "g"
+    inputs = Spy({"inputs"})
+    inputs.name = "i"
+    return grads, inputs, watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+
+
 def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
     """One heavy function per set of planned probes: a step that plans the gradients alone
     hands back no weight, unit, layer-output, input or label statistic (a steady state
@@ -355,11 +365,7 @@ def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
     that step's; a step that plans the inputs as well measures them too."""
     x, y = data()
     model = mlp()
-    grads = Spy({"grads"})
-    grads.name = "g"
-    inputs = Spy({"inputs"})
-    inputs.name = "i"
-    cb = watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+    grads, inputs, cb = gradients_every_2_inputs_every_4()
     fit(model, cb, x, y)
     probe = cb._probe
     handed: dict[int, set[str]] = {}
@@ -398,11 +404,7 @@ def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
     monkeypatch.setattr(_keras, "MAX_WHOLE_FUNCTIONS", 1)
     x, y = data()
     model = mlp()
-    grads = Spy({"grads"})
-    grads.name = "g"
-    inputs = Spy({"inputs"})
-    inputs.name = "i"
-    cb = watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+    grads, inputs, cb = gradients_every_2_inputs_every_4()
     fit(model, cb, x, y, epochs=2)
     # step 0 planned both (traced first); steps 2, 6, ... the gradients alone: the cap is
     # reached, and the traced superset measured them
