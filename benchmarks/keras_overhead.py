@@ -20,7 +20,7 @@ its own ``fit`` of ``segment + 2`` steps on the same model, continuing its train
 ``--instances`` stethoscope instances (4) take turns at the stethoscope's segments, each
 living through all of its own (its schedule follows the optimizer's step count): each
 traces its own train functions, and a traced function's speed is a draw that lasts its
-life (the same graph traced anew runs 0-5% apart here), while the plain segments trace a
+life (the same graph traced anew runs up to ~6% apart here), while the plain segments trace a
 new plain function after every stethoscope segment. The report gives each instance's
 median ratio too. The variants take turns ``plain, A, plain,
 B, ...`` with the others shuffled each round (the schedule of ``overhead.py``). A
@@ -163,11 +163,8 @@ def run_model(
         keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     x, y = synthetic(spec, POOL_BATCHES, SEED)
-    # Several instances, taking turns: each traces its own train functions, and how fast a
-    # traced function runs is a draw (the same graph traced anew runs 0-5% apart on this
-    # CPU, for the whole of its life). A plain fit after a stethoscope fit traces a new
-    # plain function each time, so the plain steps average over many draws; the
-    # stethoscope's steps must too, or the ratio measures one draw.
+    # several instances take turns, so the stethoscope's steps average over several traces
+    # as the plain ones do (a traced function's speed is a draw: see the module docstring)
     steadies = [KerasStethoscope(sinks=[], stop_on=None) for _ in range(instances)]
     clock = StepClock()
     rng = random.Random(SEED)
@@ -197,7 +194,6 @@ def run_model(
                 _fit(model, spec, x, y, preroll, [clock, steady])
             times.append((seg, []))
             continue
-        length = seg.length
         callbacks = [clock, *extra.get(owner, [])]
         if owner == STETHOSCOPE:
             turns[i] = len(turns) % instances
@@ -205,7 +201,7 @@ def run_model(
         if owner == NUMERICS:
             tf.debugging.enable_check_numerics()
             model.train_function = None
-        _fit(model, spec, x, y, length, callbacks)
+        _fit(model, spec, x, y, seg.length, callbacks)
         if owner == NUMERICS:
             tf.debugging.disable_check_numerics()
             model.train_function = None
@@ -218,23 +214,12 @@ def run_model(
         "findings_steady": _findings(*steadies),
         "escalations_steady": sum(s.monitor.sampler.escalations for s in steadies),
     }
-    out = summarise(times)
-    # each instance's own median ratio: the spread of the draws
-    ratios = out["variants"][STETHOSCOPE].pop("ratios")
-    per_instance = [
-        statistics.median([r for (i, r) in ratios if turns[i] == k])
-        for k in range(instances)
-        if any(turns[i] == k for i, _ in ratios)
-    ]
-    out["variants"][STETHOSCOPE]["per_instance"] = per_instance
-    for key in VARIANTS:
-        out["variants"][key].pop("ratios", None)
     return {
         "model": spec.name,
         "title": spec.title,
         "rounds": rounds,
         "instances": instances,
-        **out,
+        **summarise(times, turns),
         "stethoscope_health": health,
     }
 
@@ -264,7 +249,11 @@ def _findings(*cbs: KerasStethoscope) -> dict[str, int]:
     return out
 
 
-def summarise(times: Sequence[tuple[Segment, list[float]]]) -> dict[str, Any]:
+def summarise(
+    times: Sequence[tuple[Segment, list[float]]], turns: dict[int, int]
+) -> dict[str, Any]:
+    """Per variant, step times and ratios to the plain segments around each segment;
+    ``turns`` (segment index -> stethoscope instance) adds each instance's median ratio."""
     out: dict[str, Any] = {"variants": {}}
     measured = [(i, seg, ms) for i, (seg, ms) in enumerate(times) if seg.round >= 1]
     for key in VARIANTS:
@@ -282,10 +271,15 @@ def summarise(times: Sequence[tuple[Segment, list[float]]]) -> dict[str, Any]:
                 before, after = times[i - 1], times[i + 1]
                 assert before[0].variant == after[0].variant == PLAIN
                 ref = statistics.fmean([statistics.fmean(before[1]), statistics.fmean(after[1])])
-                ratios.append((i, statistics.fmean(ms) / ref))
-            values = [r for _, r in ratios]
-            entry["ratio_of_means"] = {**_quartiles(values), "ci95": _median_ci(values)}
-            entry["ratios"] = ratios
+                ratios.append(statistics.fmean(ms) / ref)
+            entry["ratio_of_means"] = {**_quartiles(ratios), "ci95": _median_ci(ratios)}
+            if key == STETHOSCOPE:  # each instance's own median: the spread of the draws
+                by_instance: dict[int, list[float]] = {}
+                for (i, _), r in zip(mine, ratios, strict=True):
+                    by_instance.setdefault(turns[i], []).append(r)
+                entry["per_instance"] = [
+                    statistics.median(by_instance[k]) for k in sorted(by_instance)
+                ]
         out["variants"][key] = entry
     null = []
     for i, seg, ms in measured:
