@@ -12,9 +12,10 @@ import pytest
 
 from stethoscope.detectors import DETECTORS, Detector
 from stethoscope.findings import FIELDS, Finding
-from stethoscope.observation import PROBES, Observation
+from stethoscope.observation import Observation
+from stethoscope.statistics import STATISTICS
 
-#: The stable detector names of DESIGN.md ("Detector names (stable)").
+#: The stable detector names (docs/detectors.md): findings, configs and stop_on use them.
 STABLE_NAMES = (
     "nonfinite_loss",
     "nonfinite_gradients",
@@ -255,7 +256,7 @@ def test_registry_is_keyed_by_name_and_covers_every_stable_name():
 def test_class_attributes(cls):
     assert cls.name in STABLE_NAMES
     assert re.fullmatch(r"[a-z]+(_[a-z]+)*", cls.name)
-    assert cls.needs and set(cls.needs) <= set(PROBES)
+    assert cls.needs and set(cls.needs) <= set(STATISTICS)
     assert isinstance(cls.base_interval, int) and cls.base_interval >= 1
     assert cls.advice and isinstance(cls.advice, str)
     assert "Rule:" in cls.__doc__

@@ -1,24 +1,38 @@
-"""The framework-free half of distributed runs: packets, reductions, and monitors that meet.
+"""The framework-free half of distributed runs: packets, reductions, and ranks that meet.
 
-Several :class:`Monitor` instances stand for the ranks of one run; :func:`meet` does what
-the adapter's all-gather does (stack every rank's packet) and hands the result to each.
+Several :class:`Monitor` instances stand for the ranks of one run, each with its
+:class:`RankMeeting`; a :class:`World` joins them with a real all-gather across threads
+(each rank's call waits for every rank's packet and returns them stacked, as the
+framework's collective does).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import numpy as np
 import pytest
 
 from stethoscope.detectors import Detector, default_detectors
-from stethoscope.distributed import MAIL_BYTES, REDUCTIONS, SYNC_EVERY, Gathered, Letter, Packet
+from stethoscope.distributed import (
+    FLAGS,
+    MAIL_BYTES,
+    SYNC_EVERY,
+    Entry,
+    Gathered,
+    Letter,
+    Packet,
+    RankMeeting,
+)
 from stethoscope.findings import Finding
 from stethoscope.monitor import SAMPLER, Monitor
-from stethoscope.observation import RANK_PROBES, REPLICATED_PROBES, Observation
-from stethoscope.testing import CapturingSink
+from stethoscope.observation import Observation
+from stethoscope.statistics import GATHERED, REPLICATED
+from stethoscope.testing import CapturingSink, RecordingDetector
 
 NAN = float("nan")
 
@@ -30,7 +44,46 @@ def finding(step: int = 3, rank: int = 1, **kw) -> Finding:
     return Finding(**{**base, **kw})
 
 
-def ranks(n: int, script=None, **kw) -> tuple[list[Monitor], list[CapturingSink]]:
+class World:
+    """The ranks of one run: a monitor, a capturing sink and a meeting each, the meetings
+    joined by an all-gather across threads."""
+
+    def __init__(self, monitors: list[Monitor], sinks: list[CapturingSink]) -> None:
+        self.monitors, self.sinks = monitors, sinks
+        self.capacity = MAIL_BYTES
+        self._slots: list[np.ndarray | None] = [None] * len(monitors)
+        self._barrier = threading.Barrier(len(monitors), timeout=10)
+        self.meetings = [RankMeeting(m, self._gather(r)) for r, m in enumerate(monitors)]
+
+    def _gather(self, rank: int):
+        def all_gather(packet: np.ndarray) -> np.ndarray:
+            self._slots[rank] = packet
+            self._barrier.wait()  # every rank has put its packet
+            out = np.stack(self._slots)
+            self._barrier.wait()  # every rank has read them all
+            return out
+
+        return all_gather
+
+    def due(self, step: int) -> bool:
+        answers = {meeting.due(step) for meeting in self.meetings}
+        assert len(answers) == 1, f"ranks disagree on meeting at step {step}"
+        return answers.pop()
+
+    def meet(self, step: int, shared=None, *, capacity: int = MAIL_BYTES):
+        """Every rank meets at ``step`` (each in its own thread); their decisions."""
+        shared = shared or [None] * len(self.meetings)
+        for meeting in self.meetings:
+            meeting.mail_bytes = capacity
+        with ThreadPoolExecutor(len(self.meetings)) as pool:
+            futures = [
+                pool.submit(meeting.meet, step, 0, shared[r])
+                for r, meeting in enumerate(self.meetings)
+            ]
+            return [f.result() for f in futures]
+
+
+def ranks(n: int, script=None, **kw) -> World:
     """``n`` monitors joined as the ranks of one run, each with its own capturing sink and
     the default detectors, plus a :class:`Scripted` one running ``script[rank]``."""
     sinks = [CapturingSink() for _ in range(n)]
@@ -41,21 +94,7 @@ def ranks(n: int, script=None, **kw) -> tuple[list[Monitor], list[CapturingSink]
     ]
     for r, m in enumerate(monitors):
         m.distribute(rank=r, world_size=n)
-    return monitors, sinks
-
-
-def meet(monitors: list[Monitor], step: int, stats=None, *, capacity: int = MAIL_BYTES):
-    """One meeting: every rank's packet, stacked as an all-gather returns them, agreed on."""
-    parts = [m.outgoing(capacity) for m in monitors]
-    extra = stats or [{}] * len(monitors)
-    sizes = {k: 1 for k in parts[0][0]} | {k: len(v) for k, v in extra[0].items()}
-    packet = Packet(sizes, mail_bytes=capacity)
-    gathered = packet.unpack(
-        np.stack(
-            [packet.pack({**flags, **extra[r]}, body) for r, (flags, body) in enumerate(parts)]
-        )
-    )
-    return [m.agree(step, 0, gathered) for m in monitors], gathered
+    return World(monitors, sinks)
 
 
 def loss_obs(step: int, loss: float, rank: int) -> Observation:
@@ -85,43 +124,64 @@ class Scripted(Detector):
 
 
 # -- packets ----------------------------------------------------------------------------------
-def test_every_declared_reduction():
-    p = Packet({"stop": 1, "backlog": 1, "val_sum": 1, "busy": 1, "checksums": 3})
+def test_every_reduction():
+    p = Packet(
+        {
+            "stop": Entry(1, "any"),
+            "backlog": Entry(1, "max"),
+            "val_loss": Entry(2, "sum"),
+            "rank_busy": Entry(1, "rank"),
+            "replica_sums": Entry(3, "rank", "int64"),
+        }
+    )
     rows = [
-        {"stop": 0, "backlog": 2, "val_sum": 1.5, "busy": 0.1, "checksums": [1, 2**62, -3]},
-        {"stop": 1, "backlog": 7, "val_sum": 2.5, "busy": 0.3, "checksums": [1, 2**62 + 1, -3]},
-        {"stop": 0, "backlog": 7, "val_sum": 0.0, "busy": 0.2, "checksums": [1, 2**62, -3]},
+        {"stop": 0, "backlog": 2, "val_loss": [1.5, 1], "rank_busy": 0.1},
+        {"stop": 1, "backlog": 7, "val_loss": [2.5, 1], "rank_busy": 0.3},
+        {"stop": 0, "backlog": 7, "val_loss": [0.0, 0], "rank_busy": 0.2},
     ]
-    g = p.unpack(np.stack([p.pack(r) for r in rows]))
+    sums = [[1, 2**62, -3], [1, 2**62 + 1, -3], [1, 2**62, -3]]
+    g = p.unpack(
+        np.stack([p.pack({**r, "replica_sums": c}) for r, c in zip(rows, sums, strict=True)])
+    )
     assert g.reduced("stop") is True and g.ranks("stop") == [1]
     assert g.reduced("backlog") == 7 and g.ranks("backlog") == [1, 2]
-    assert g.reduced("val_sum") == 4.0
-    assert g.reduced("busy")[:, 0].tolist() == [0.1, 0.3, 0.2]
+    assert g.reduced("val_loss").tolist() == [4.0, 2.0] and g.mean_of("val_loss") == 2.0
+    assert g.reduced("rank_busy")[:, 0].tolist() == [0.1, 0.3, 0.2]
     # checksums travel as int64, bit for bit, never through a float
-    assert g.per_rank["checksums"].dtype == np.int64
-    assert g.per_rank["checksums"][1, 1] - g.per_rank["checksums"][0, 1] == 1
-    assert set(REDUCTIONS.values()) <= {"sum", "mean", "max", "any", "rank"}
+    assert g.per_rank["replica_sums"].dtype == np.int64
+    assert g.per_rank["replica_sums"][1, 1] - g.per_rank["replica_sums"][0, 1] == 1
+    assert set(FLAGS.values()) <= {"max", "any"}
 
 
-def test_a_global_mean_from_per_rank_sums():
-    p = Packet({"val_sum": 1, "val_count": 1})
-    g = p.unpack(np.stack([p.pack({"val_sum": 3.0, "val_count": 1}), p.pack({"val_count": 0})]))
-    assert g.mean_of("val_sum", "val_count") == 3.0  # the rank that had none does not count
+def test_a_pooled_mean_counts_only_the_ranks_that_had_one():
+    p = Packet({"val_loss": Entry(2, "sum")})
+    g = p.unpack(np.stack([p.pack({"val_loss": [3.0, 1]}), p.pack({"val_loss": [0.0, 0]})]))
+    assert g.mean_of("val_loss") == 3.0
     g = p.unpack(np.stack([p.pack({}), p.pack({})]))
-    assert g.mean_of("val_sum", "val_count") is None
+    assert g.mean_of("val_loss") is None
 
 
 @pytest.mark.parametrize(
-    ("sizes", "match"),
-    [({"stpo": 1}, "'stpo' is not declared"), ({"stop": -1}, "size of 'stop' is -1")],
+    ("entries", "match"),
+    [
+        ({"stop": Entry(-1, "any")}, "size of 'stop' is -1"),
+        ({"stop": Entry(1, "mean")}, "op of 'stop' is 'mean'"),
+        ({"stop": Entry(1, "any", "int8")}, "dtype of 'stop' is 'int8'"),
+    ],
 )
-def test_a_bad_layout_is_refused(sizes, match):
+def test_a_bad_layout_is_refused(entries, match):
     with pytest.raises(ValueError, match=match):
-        Packet(sizes)
+        Packet(entries)
+
+
+def test_a_meeting_refuses_a_field_no_rank_gathers_or_pools():
+    world = ranks(2)
+    with pytest.raises(ValueError, match=r"'grad_norm' is not a field of a statistic.*rank_busy"):
+        world.meetings[0].meet(0, 0, {"grad_norm": 1.0})
 
 
 def test_a_value_of_the_wrong_size_or_a_letter_too_long_is_refused():
-    p = Packet({"busy": 1}, mail_bytes=16)
+    p = Packet({"busy": Entry(1, "rank")}, mail_bytes=16)
     with pytest.raises(ValueError, match="'busy' has 2 elements"):
         p.pack({"busy": [1.0, 2.0]})
     with pytest.raises(ValueError, match="exceeds 16"):
@@ -154,9 +214,10 @@ def test_a_full_letter_carries_what_fits_and_cuts_a_giant():
 # -- a single process ---------------------------------------------------------------------------
 def test_a_single_process_never_meets_and_leaves_the_rank_detectors_idle():
     m = Monitor()
-    assert not any(m.meets(t) for t in range(200))
-    assert all(m.shared_probes(t) == frozenset() for t in range(200))
-    assert all(not (m.plan(t) & RANK_PROBES) for t in range(200))
+    meeting = RankMeeting(m, all_gather=lambda packet: packet[None])
+    assert not any(meeting.due(t) for t in range(200))
+    assert all(meeting.gathers(t) == frozenset() for t in range(200))
+    assert all(not (m.plan(t) & GATHERED) for t in range(200))
     assert {"replica_divergence", "straggler"} <= m._idle
     assert "straggler" not in m.summary(0).quiet
 
@@ -175,33 +236,35 @@ def test_distribute_validates_and_sets_who_emits():
 
 # -- who judges what ------------------------------------------------------------------------------
 def test_off_rank_zero_the_shared_statistics_are_neither_planned_nor_judged():
-    (zero, one), _ = ranks(2, escalate=False)
-    assert zero.plan(0) >= REPLICATED_PROBES
-    assert not (one.plan(0) & REPLICATED_PROBES)
+    world = ranks(2, escalate=False)
+    zero, one = world.monitors
+    assert zero.plan(0) >= REPLICATED - {"distributions"}  # no default detector reads those
+    assert not (one.plan(0) & REPLICATED)
     assert {"loss", "inputs", "labels", "activations"} <= one.plan(0)
-    replicated = {d.name for d in default_detectors() if d.needs <= REPLICATED_PROBES}
+    replicated = {d.name for d in default_detectors() if d.needs <= REPLICATED}
     assert replicated == set(one._idle)
-    assert zero.shared_probes(0) == RANK_PROBES
+    assert world.meetings[0].gathers(0) == GATHERED
 
 
 def test_with_sharded_parameters_every_rank_judges_its_own():
     m = Monitor()
     m.distribute(rank=1, world_size=2, replicated=False)
-    assert m.plan(0) >= REPLICATED_PROBES and not m._idle and m.judges_replicated
+    assert m.plan(0) >= REPLICATED - {"distributions"} and not m._idle and m.judges_replicated
     m.distribute(rank=1, world_size=2)
     assert not m.judges_replicated
 
 
 # -- held decisions, agreed ------------------------------------------------------------------------
 def test_a_nan_on_rank_one_is_held_then_every_rank_stops_at_the_next_meeting():
-    monitors, sinks = ranks(2, escalate=False)
+    world = ranks(2, escalate=False)
+    monitors, sinks = world.monitors, world.sinks
     stops = {0: [], 1: []}
     for t in range(60):
         for r, m in enumerate(monitors):
             loss = NAN if (r == 1 and t == 37) or t >= 38 else 2.3  # NaN spreads at the all-reduce
             assert not m.observe(loss_obs(t, loss, r)).stop, "no rank stops on its own"
-        if monitors[0].meets(t):
-            decisions, _ = meet(monitors, t)
+        if world.due(t):
+            decisions = world.meet(t)
             for r, d in enumerate(decisions):
                 if d.stop:
                     stops[r].append(t)
@@ -217,27 +280,27 @@ def test_a_nan_on_rank_one_is_held_then_every_rank_stops_at_the_next_meeting():
 
 def test_raise_wins_over_stop_on_every_rank():
     script = {0: {5: ("warning", "x")}, 1: {3: ("warning", "y")}}
-    monitors, _ = ranks(2, script, escalate=False, stop_on="warning", raise_on={"scripted"})
+    world = ranks(2, script, escalate=False, stop_on="warning", raise_on={"scripted"})
     for t in range(8):
-        for r, m in enumerate(monitors):
+        for r, m in enumerate(world.monitors):
             m.observe(loss_obs(t, 2.3, r))
-    decisions, _ = meet(monitors, 16)
+    decisions = world.meet(16)
     assert all(d.raise_ and d.reason.step == 3 for d in decisions)
 
 
 def test_suspicion_on_one_rank_escalates_every_rank_at_the_meeting():
-    monitors, sinks = ranks(2, {1: {70: ("suspect", "odd loss")}}, hot_steps=8)
+    world = ranks(2, {1: {70: ("suspect", "odd loss")}}, hot_steps=8)
+    monitors, sinks = world.monitors, world.sinks
     for t in range(100):
         for r, m in enumerate(monitors):
             m.observe(loss_obs(t, 2.3, r))
-        assert monitors[0].meets(t) == monitors[1].meets(t)
-        if monitors[0].meets(t):
-            meet(monitors, t)
+        if world.due(t):
+            world.meet(t)
     # calibration ends at 8 * log2(32) = 40; from there the ranks meet every 16 steps, so
     # rank 1's suspicion at 70 is agreed at 80, where both start sampling every step
     assert monitors[0].sampler.state_dict() == monitors[1].sampler.state_dict()
     assert monitors[0].sampler.hot_since == 80
-    assert all(monitors[0].meets(t) for t in range(80, 88))
+    assert all(world.due(t) for t in range(80, 88))
     notes = [f for f in sinks[0].findings if f.detector == SAMPLER]
     assert notes[0].step == 80 and "rank 1: scripted: odd loss" in notes[0].message
     assert not sinks[1].findings
@@ -248,7 +311,8 @@ def test_every_rank_meets_on_the_same_steps_whatever_each_one_sees(seed):
     """The no-deadlock invariant: suspicions, spikes and NaNs on some ranks only never
     make the ranks disagree on where they meet next."""
     rng = np.random.default_rng(seed)
-    monitors, _ = ranks(3, hot_steps=8, stop_on=None)
+    world = ranks(3, hot_steps=8, stop_on=None)
+    monitors = world.monitors
     for t in range(600):
         for r, m in enumerate(monitors):
             loss = 2.3 * rng.lognormal(0, 0.05)
@@ -257,26 +321,26 @@ def test_every_rank_meets_on_the_same_steps_whatever_each_one_sees(seed):
             if rng.random() < 0.003:
                 loss = NAN
             m.observe(loss_obs(t, loss, r))
-        due = {m.meets(t) for m in monitors}
-        assert len(due) == 1, f"ranks disagree on meeting at step {t}"
-        if due.pop():
-            meet(monitors, t)
+        if world.due(t):  # asserts that every rank gives the same answer
+            world.meet(t)
             states = [json.dumps(m.sampler.state_dict()) for m in monitors]
             assert len(set(states)) == 1
 
 
 def test_findings_that_do_not_fit_wait_and_nothing_is_lost():
     script = {1: {5: [("warning", f"layer{i}") for i in range(30)]}}
-    monitors, sinks = ranks(2, script, escalate=False, stop_on=None)
+    world = ranks(2, script, escalate=False, stop_on=None)
+    monitors, sinks = world.monitors, world.sinks
     for t in range(6):
         for r, m in enumerate(monitors):
             m.observe(loss_obs(t, 2.3, r))
     assert monitors[1].backlog == 30
     rounds = 0
     while True:  # what the adapter does at an epoch end
-        _, g = meet(monitors, 16, capacity=1024)
+        world.meet(16, capacity=1024)
         rounds += 1
-        if not g.reduced("backlog"):
+        if not world.meetings[0].pending:
+            assert not world.meetings[1].pending
             break
     assert rounds > 1 and monitors[1].backlog == 0
     got = [f.where for f in sinks[0].findings if f.detector == "scripted"]
@@ -285,7 +349,8 @@ def test_findings_that_do_not_fit_wait_and_nothing_is_lost():
 
 
 def test_shared_facts_are_acted_on_at_once_and_not_forwarded():
-    monitors, sinks = ranks(2)
+    world = ranks(2)
+    monitors, sinks = world.monitors, world.sinks
     sums = np.array([[1, 2, 3], [1, 5, 3]], dtype=np.int64)
     obs = Observation(
         step=0,
@@ -302,15 +367,66 @@ def test_shared_facts_are_acted_on_at_once_and_not_forwarded():
 
 
 def test_the_same_problem_on_another_rank_is_not_a_repeat():
-    monitors, sinks = ranks(2, escalate=False, stop_on=None)
+    world = ranks(2, escalate=False, stop_on=None)
+    monitors, sinks = world.monitors, world.sinks
     for t in (10, 11):
         for r, m in enumerate(monitors):
             m.observe(loss_obs(t, NAN, r))
-    meet(monitors, 16)
+    world.meet(16)
     got = [(f.step, f.rank) for f in sinks[0].findings if f.detector == "nonfinite_loss"]
     assert got == [(10, 0), (10, 1)]  # 11 repeats 10 on each rank; rank 1 is news
 
 
 def test_gathered_reductions_on_an_empty_world_are_not_needed():
-    g = Gathered(per_rank={"stop": np.zeros((2, 1))}, letters=[Letter(), Letter()])
+    g = Gathered(per_rank={"stop": np.zeros((2, 1))}, letters=[Letter(), Letter()], ops=FLAGS)
     assert g.world_size == 2 and g.ranks("stop") == [] and g.reduced("stop") is False
+
+
+# -- statistics the meeting carries ---------------------------------------------------------------
+def spies(n: int, needs: set[str]) -> tuple[World, list[RecordingDetector]]:
+    """``n`` ranks whose only detector records what it is shown."""
+    seen = [RecordingDetector(needs) for _ in range(n)]
+    sinks = [CapturingSink() for _ in range(n)]
+    monitors = [Monitor(detectors=[d], sinks=[s]) for d, s in zip(seen, sinks, strict=True)]
+    for r, m in enumerate(monitors):
+        m.distribute(rank=r, world_size=n)
+    return World(monitors, sinks), seen
+
+
+def test_gathered_statistics_reach_every_rank_side_by_side():
+    world, seen = spies(2, {"replicas", "ranks"})
+    names, buffer = ("a", "b"), np.array([False, True])
+    shared = [
+        {"rank_busy": 0.1 * (r + 1), "replica_sums": np.array([7, 8 + r], np.int64)}
+        | {"replica_names": names, "replica_buffer": buffer}
+        for r in range(2)
+    ]
+    world.meet(0, shared)
+    for spy in seen:
+        (obs,) = spy.seen
+        assert obs.rank_busy.tolist() == [0.1, 0.2]  # a number per rank: a vector
+        assert obs.replica_sums.tolist() == [[7, 8], [7, 9]]  # a vector per rank: a matrix
+        assert obs.replica_sums.dtype == np.int64
+        assert obs.replica_names == names and obs.replica_buffer is buffer
+
+
+def test_a_validation_is_pooled_over_the_ranks_and_closes_each_training_window():
+    world, seen = spies(2, {"val"})
+    for r, m in enumerate(world.monitors):
+        for t in range(4):
+            m.observe(loss_obs(t, 1.0 + r, r))
+    shared = []
+    for r, m in enumerate(world.monitors):
+        total, count = m.train_loss_since_validation()
+        shared.append({"val_loss": (2.0 + 2 * r, 1), "train_loss": (total, count)})
+    world.meet(3, shared)
+    for spy, m in zip(seen, world.monitors, strict=True):
+        (obs,) = spy.seen
+        assert (obs.val_loss, obs.train_loss) == (3.0, 1.5)
+        assert m.train_loss_since_validation() == (0.0, 0)
+
+
+def test_a_validation_no_rank_had_is_not_judged():
+    world, seen = spies(2, {"val"})
+    world.meet(3, [{"val_loss": (0.0, 0), "train_loss": (4.0, 2)}] * 2)
+    assert all(spy.seen == [] for spy in seen)

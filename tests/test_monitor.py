@@ -14,8 +14,9 @@ from rich.console import Console
 from stethoscope.detectors import DETECTORS, Detector, LossSpike, default_detectors
 from stethoscope.findings import Finding
 from stethoscope.monitor import SAMPLER, Monitor
-from stethoscope.observation import EVENT_PROBES, PROBES, RANK_PROBES, Observation
+from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
+from stethoscope.statistics import EVENT, GATHERED, STATISTICS
 from stethoscope.summary import EpochSummary
 from stethoscope.testing import CapturingSink
 
@@ -23,11 +24,13 @@ NAMES = ("blocks[0].w", "blocks[0].b", "head.w", "head.b")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])
 
 
-#: What a sampled step of the default detectors asks for: every planned probe (the rank
-#: probes come from the collective of a distributed run, never from a step's plan).
-SAMPLED = frozenset(PROBES) - EVENT_PROBES - RANK_PROBES - {"trace"}
+#: What a sampled step of the default detectors asks for: every planned statistic (the
+#: gathered ones come from the collective of a distributed run, never from a step's plan)
+#: but the trace (requested after a non-finite loss) and the distributions (which no
+#: default detector reads).
+SAMPLED = frozenset(STATISTICS) - EVENT - GATHERED - {"trace", "distributions"}
 #: The detectors a single process runs: all but those that compare ranks.
-LOCAL = tuple(n for n, cls in DETECTORS.items() if not cls.needs & RANK_PROBES)
+LOCAL = tuple(n for n, cls in DETECTORS.items() if not cls.needs & GATHERED)
 
 
 def make_obs(step: int, loss: float | None = 2.3, probes=("grads", "weights", "updates"), **kw):

@@ -8,12 +8,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
-from stethoscope.distributed import MAIL_BYTES, SYNC_EVERY, Gathered, Letter
+from stethoscope.distributed import Held
 from stethoscope.findings import Finding, Severity
-from stethoscope.observation import EVENT_PROBES, RANK_PROBES, REPLICATED_PROBES, Observation
+from stethoscope.observation import Observation
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
-from stethoscope.sinks.base import Sink
+from stethoscope.sinks.base import RunContext, Sink
+from stethoscope.statistics import EVENT, GATHERED, REPLICATED
 from stethoscope.summary import EpochSummary, SummaryRow
 
 __all__ = ["SAMPLER", "Monitor"]
@@ -35,10 +36,11 @@ class Monitor:
 
     In a distributed run (:meth:`distribute`) each rank judges its own observations,
     but holds what it decides (stop, raise, sample faster) and, off rank zero, the
-    findings it raises, until the ranks meet (:meth:`meets`): there every rank sends
-    them (:meth:`outgoing`), and every rank acts on what all of them sent in the same
-    way on the same step (:meth:`agree`). Facts gathered from every rank are judged
-    with :meth:`observe_shared`, identically everywhere, and acted on at once.
+    findings it raises, in :attr:`held`, until the ranks meet
+    (:class:`~stethoscope.distributed.RankMeeting`): there every rank sends them, and
+    every rank acts on what all of them sent in the same way on the same step. Facts
+    gathered from every rank are judged with :meth:`observe_shared`, identically
+    everywhere, and acted on at once.
 
     Args:
         detectors: Detector instances (default: every detector with defaults).
@@ -112,18 +114,14 @@ class Monitor:
         self._deep: set[str] = set()  # deeper probes detectors asked for
         self._all = frozenset(names)  # a forced observation: every detector
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
-        # distributed runs: detectors beyond the every-step loss decide where ranks meet
-        self._sampled = frozenset(
-            d.name for d in self.detectors if d.needs - {"loss"} - EVENT_PROBES
-        )
         self.distribute(rank=0, world_size=1)
         self.emit = emit
         self._new_epoch()
 
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
-        """The probes the adapter should compute at ``step``."""
-        due = self._due(step)
+        """The statistics the adapter should measure at ``step``."""
+        due = self.due(step)
         run = self._runnable(due)
         # the answer depends on the schedule and on which detectors have finished: a handful
         # of keys per run, so each is worked out once (plan() runs on every step)
@@ -134,12 +132,13 @@ class Monitor:
             for d in run:
                 if not d.finished(step):
                     wanted |= d.needs | d.wants
-            probes = self._plan_cache[key] = frozenset(wanted - EVENT_PROBES - RANK_PROBES)
+            probes = self._plan_cache[key] = frozenset(wanted - EVENT - GATHERED)
         if self._deep:
-            probes = probes | (self._deep - EVENT_PROBES - RANK_PROBES)
+            probes = probes | (self._deep - EVENT - GATHERED)
         return probes
 
-    def _due(self, step: int) -> frozenset[str]:
+    def due(self, step: int) -> frozenset[str]:
+        """The names of the detectors the schedule runs at ``step``."""
         # plan() and observe() ask for the same step: compute the schedule once. The cache
         # is keyed on the sampler's state too, since an escalation changes the answer.
         key = (step, self.sampler.hot_since)
@@ -192,7 +191,7 @@ class Monitor:
             notes.append(self._sampler_finding(obs.step, obs.epoch, back))
         suspects: list[str] = []
         step, has = obs.step, obs.has
-        every = self._runnable(self._all) if forced else self._runnable(self._due(step))
+        every = self._runnable(self._all) if forced else self._runnable(self.due(step))
         for d in every:
             if d.finished(step):
                 continue
@@ -210,7 +209,9 @@ class Monitor:
         if self._deep:
             self._deep -= {p for p in self._deep if has(p)}
         loss = obs.loss
-        if obs.val_loss is None and loss is not None and math.isfinite(loss):
+        if obs.val_loss is not None:
+            self._train_sum, self._train_n = 0.0, 0  # a validation closes the window
+        elif loss is not None and math.isfinite(loss):
             self._train_sum += loss
             self._train_n += 1
         self._epoch_steps.add(step)
@@ -224,7 +225,7 @@ class Monitor:
         if alarming or suspects:
             reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
             if hold:
-                self._want_why = self._want_why or reason
+                self.held.why = self.held.why or reason
             else:
                 msg = self.sampler.escalate(obs.step, reason)
                 if msg:
@@ -235,42 +236,34 @@ class Monitor:
             self._record(f)
         decision = decide(findings, self.stop_on, self.raise_on)
         if hold:
-            held = self._want
+            held = self.held.decision
             if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
-                self._want = decision
+                self.held.decision = decision
             return Decision()
-        if decision.stop and self.stopped_by is None:
-            self.stopped_by = decision.reason
+        if decision.stop:
+            self.note_stop(decision.reason)
         return decision
 
-    def observe_validation(
-        self,
-        step: int,
-        epoch: int,
-        val_loss: float,
-        rank: int = 0,
-        *,
-        train_loss: float | None = None,
-        shared: bool = False,
-    ) -> Decision:
-        """Judge a validation loss against the mean training loss since the last one.
+    def note_stop(self, reason: Finding | None) -> None:
+        """Remember ``reason`` as what stopped the run, unless something already did."""
+        if self.stopped_by is None:
+            self.stopped_by = reason
 
-        Args:
-            train_loss: That mean, when the adapter computed it (over every rank);
-                default: this monitor's own.
-            shared: Every rank judges these same numbers (reduced across ranks), so the
-                decision is acted on at once (see :meth:`observe_shared`).
-        """
-        if train_loss is None:
-            train_loss = self._train_sum / self._train_n if self._train_n else None
-        self._train_sum, self._train_n = 0.0, 0
+    def observe_validation(self, step: int, epoch: int, val_loss: float) -> Decision:
+        """Judge a validation loss against the mean training loss since the last one (a
+        single process; the ranks of a distributed run pool theirs where they meet)."""
         obs = Observation(
-            step=step, epoch=epoch, rank=rank, val_loss=val_loss, train_loss=train_loss
+            step=step,
+            epoch=epoch,
+            rank=self.rank,
+            val_loss=val_loss,
+            train_loss=self._train_sum / self._train_n if self._train_n else None,
         )
-        return self.observe_shared(obs) if shared else self.observe(obs)
+        return self.observe(obs)
 
     def train_loss_since_validation(self) -> tuple[float, int]:
-        """The sum and the number of finite training losses seen since the last validation."""
+        """The sum and the number of finite training losses seen since the last validation
+        (what a rank pools with the others' at a validation)."""
         return self._train_sum, self._train_n
 
     def escalate(self, step: int, epoch: int, reason: str) -> None:
@@ -287,6 +280,13 @@ class Monitor:
             self._record(f)
         return decide(findings, self.stop_on, self.raise_on)
 
+    def receive(self, findings: Iterable[Finding]) -> None:
+        """Record findings that other ranks raised from their own data (rank zero writes
+        them; the other ranks leave them to it)."""
+        if self.emit:
+            for f in findings:
+                self._record(f)
+
     # -- distributed runs -------------------------------------------------------------
     def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
         """Take part in a run of ``world_size`` processes as ``rank`` (1: a single process).
@@ -298,7 +298,7 @@ class Monitor:
             rank: This process's rank.
             world_size: How many processes train together.
             replicated: Whether every rank holds the same gradients and weights
-                (:data:`~stethoscope.observation.REPLICATED_PROBES`), as under DDP: then
+                (:data:`~stethoscope.statistics.REPLICATED`), as under DDP: then
                 off rank zero the detectors that judge only those do not run, and rank
                 zero judges them for everyone. ``False`` (sharded parameters): every
                 rank judges its own.
@@ -313,9 +313,9 @@ class Monitor:
         #: when every rank holds the same ones).
         self.judges_replicated = world_size == 1 or rank == 0 or not replicated
         if world_size == 1:
-            idle = {d.name for d in self.detectors if d.needs & RANK_PROBES}
+            idle = {d.name for d in self.detectors if d.needs & GATHERED}
         elif rank != 0 and replicated:
-            idle = {d.name for d in self.detectors if d.needs <= REPLICATED_PROBES}
+            idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
         else:
             idle = set()
         self._idle: frozenset[str] = frozenset(idle)
@@ -323,91 +323,13 @@ class Monitor:
         # of each of those, the detectors that can finish early (see Detector.finished)
         self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plan_cache: dict[tuple, frozenset[str]] = {}
-        self._outbox: list[Finding] = []
-        self._want: Decision | None = None  # the decision held until the ranks meet
-        self._want_why: str | None = None  # why this rank wants to sample faster
-
-    def meets(self, step: int) -> bool:
-        """Whether the ranks meet at ``step``: a sampled step of the agreed schedule, or
-        every :data:`~stethoscope.distributed.SYNC_EVERY` steps. Never in a single process.
-
-        The schedule depends only on the step and on the sampler's state, which changes
-        only in :meth:`agree` and :meth:`observe_shared` (the same on every rank), so
-        every rank gives the same answer: no rank waits in a collective the others skip.
-        """
-        if self.world_size == 1:
-            return False
-        if step % SYNC_EVERY == 0:
-            return True
-        return not self._sampled.isdisjoint(self._due(step))
-
-    def shared_probes(self, step: int) -> frozenset[str]:
-        """The probes gathered from every rank at ``step`` (when the ranks meet there)."""
-        if self.world_size == 1:
-            return frozenset()
-        due = self._due(step)
-        return frozenset(p for d in self.detectors if d.name in due for p in d.needs & RANK_PROBES)
-
-    def outgoing(self, capacity: int = MAIL_BYTES) -> tuple[dict[str, float], bytes]:
-        """This rank's part of a meeting: its held decisions as the flags that
-        :data:`~stethoscope.distributed.REDUCTIONS` declares, and its letter of at most
-        ``capacity`` bytes. The findings the letter carries leave the outbox; those that
-        did not fit are counted in the ``backlog`` flag and wait for the next meeting.
-        """
-        want = self._want
-        letter = Letter(
-            findings=self._outbox,
-            reason=want.reason if want is not None else None,
-            why=self._want_why,
-        )
-        body, sent = letter.encode(capacity)
-        del self._outbox[:sent]
-        flags = {
-            "stop": float(want is not None),
-            "raise": float(want is not None and want.raise_),
-            "escalate": float(self._want_why is not None),
-            "backlog": float(len(self._outbox)),
-        }
-        return flags, body
+        #: What this rank holds until the ranks next meet (a distributed run only).
+        self.held = Held()
 
     @property
     def backlog(self) -> int:
-        """Findings waiting in this rank's outbox for the next meeting."""
-        return len(self._outbox)
-
-    def agree(self, step: int, epoch: int, gathered: Gathered) -> Decision:
-        """Act on a meeting at ``step``: the same decision on every rank.
-
-        Rank zero reports the other ranks' findings. If any rank wanted to sample
-        faster, every rank escalates from ``step``; if any wanted to stop (or raise),
-        every rank does, for the earliest of their reasons (by step, then rank).
-        """
-        self._want, self._want_why = None, None
-        if self.emit:
-            for r, letter in enumerate(gathered.letters):
-                if r != self.rank:
-                    for f in letter.findings:
-                        self._record(f)
-        hot = gathered.ranks("escalate")
-        if hot:
-            r = hot[0]
-            msg = self.sampler.escalate(step, f"rank {r}: {gathered.letters[r].why}")
-            if msg:
-                self._record(self._sampler_finding(step, epoch, msg))
-        for flag in ("raise", "stop"):
-            reasons = [
-                gathered.letters[r].reason
-                for r in gathered.ranks(flag)
-                if gathered.letters[r].reason is not None
-            ]
-            if reasons:
-                # the earliest: a NaN on one rank spreads to every replica at the next
-                # all-reduce, and the rank it began on is the one to look at
-                reason = min(reasons, key=lambda f: (f.step, f.rank))
-                if self.stopped_by is None:
-                    self.stopped_by = reason
-                return Decision(stop=True, raise_=flag == "raise", reason=reason)
-        return Decision()
+        """Findings this rank holds for rank zero until the ranks next meet."""
+        return len(self.held.findings)
 
     # -- per epoch --------------------------------------------------------------
     def end_epoch(self, epoch: int) -> EpochSummary:
@@ -552,7 +474,7 @@ class Monitor:
             return  # an identical finding went out recently: count it, do not flood the sinks
         self._last_sent[key] = f.step
         if forward and not self.emit:
-            self._outbox.append(f)
+            self.held.findings.append(f)
         else:
             self._call_sinks("emit", f)
 
@@ -608,6 +530,11 @@ class Monitor:
         self._last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
 
+    def start(self, context: RunContext) -> None:
+        """Hand every sink the run's context (its printer, the framework's log dir and
+        MLflow run): training is starting."""
+        self._call_sinks("start", context)
+
     def begin(self, *, fresh: bool) -> None:
         """Start a training run: reopen after a previous run's close, forget its stop.
 
@@ -632,6 +559,5 @@ class Monitor:
         self._last_sent.clear()
         self.stopped_by = None
         self.last_step = -1
-        self._outbox.clear()
-        self._want, self._want_why = None, None
+        self.held = Held()
         self._new_epoch()

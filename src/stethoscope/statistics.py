@@ -1,0 +1,452 @@
+"""Every statistic an adapter can measure, declared once.
+
+A *statistic* is what a detector asks for in ``needs`` (``"grads"``, ``"labels"`` …):
+a few :class:`~stethoscope.Observation` fields measured together, by one reduction
+in each framework's adapter. Its declaration here says everything the framework-free
+core needs to know about it:
+
+- ``fields``: the :class:`~stethoscope.Observation` fields it fills (the observation
+  class is built from these declarations; see :mod:`stethoscope.observation`);
+- ``cadence``: when it is measured: every step, on the steps the sampler selects, with
+  an event (a validation), or where the ranks of a distributed run meet;
+- ``across_ranks``: how the ranks of a distributed (DDP) run combine it;
+- ``across_replicas``: how the replicas of one process (Keras' ``MirroredStrategy``)
+  combine it.
+
+From these the monitor plans each step's probes, idles the detectors a rank need not
+run, and lays out what the ranks exchange when they meet. Adding a statistic is one
+:class:`Statistic` here, one reduction per framework adapter (measuring it on the
+device and decoding it into its fields, side by side), and the detector that reads
+it; ``docs/design.md`` walks through one such change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "CORE_FIELDS",
+    "DISTRIBUTION_BINS",
+    "DISTRIBUTION_EDGES",
+    "EVENT",
+    "EVERY_STEP",
+    "GATHERED",
+    "MAX_FEATURES",
+    "PLANNED",
+    "REPLICATED",
+    "SATURATION_BOUNDS",
+    "STATISTICS",
+    "AcrossRanks",
+    "AcrossReplicas",
+    "Cadence",
+    "Field",
+    "Statistic",
+]
+
+
+class Cadence(str, Enum):
+    """When a statistic is measured."""
+
+    #: On every step (the cheap sentinel: the loss).
+    STEP = "step"
+    #: On the steps the sampler selects for a detector that needs it.
+    SAMPLED = "sampled"
+    #: With an event (a validation), never planned per step.
+    EVENT = "event"
+    #: Gathered from every rank where the ranks of a distributed run meet; a single
+    #: process never has it.
+    MEETING = "meeting"
+
+
+class AcrossRanks(str, Enum):
+    """How the ranks of a distributed run combine a statistic."""
+
+    #: Each rank measures and judges its own (its batch, its loss).
+    OWN = "own"
+    #: The same on every rank of a data-parallel run (DDP all-reduces the gradients
+    #: before the optimizer step, so every replica holds the global gradient and takes
+    #: the same step): rank zero judges it for everyone, the other ranks skip it.
+    REPLICATED = "replicated"
+    #: Pooled over every rank's batches (each field travels as a sum and a count), so
+    #: every rank judges the same global value.
+    POOLED = "pooled"
+    #: Every rank's value side by side, for the detectors that compare ranks.
+    GATHERED = "gathered"
+
+
+class AcrossReplicas(str, Enum):
+    """How the replicas of one process (Keras' ``MirroredStrategy``) combine a statistic,
+    each replica having measured its own shard of the batch."""
+
+    #: The replicas' shares add up (Keras divides each replica's loss by their number).
+    SUM = "sum"
+    #: Measured on what every replica holds alike (the all-reduced gradients, the
+    #: mirrored weights): any replica's copy.
+    SAME = "same"
+    #: Pooled over the replicas' samples: a mean weighted by the samples behind each.
+    POOLED = "pooled"
+    #: Counts (a histogram): summed.
+    COUNTS = "counts"
+    #: Not measured by replicas (an event, or a fact of distributed processes).
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of :class:`~stethoscope.Observation`.
+
+    Args:
+        name: The attribute name.
+        annotation: Its type, as written in an annotation.
+        doc: One or two sentences for the observation's docstring.
+        default: Its value when the statistic was not measured; ``None`` marks a field
+            whose presence says the statistic was measured (see ``Observation.has``);
+            ``dataclasses.MISSING``: a required argument.
+        dtype: The element type a distributed run sends it as (``"int64"`` for values
+            compared bit for bit, never rounded as floats).
+    """
+
+    name: str
+    annotation: str
+    doc: str
+    default: Any = None
+    dtype: str = "float64"
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """The declaration of one statistic (see the module docstring).
+
+    Args:
+        name: The stable name detectors ask for in ``needs`` and ``wants``.
+        doc: What it measures, in one sentence.
+        fields: The observation fields it fills. The first whose default is ``None``
+            is present exactly when the statistic was measured.
+        cadence: When it is measured.
+        across_ranks: How the ranks of a distributed run combine it.
+        across_replicas: How the replicas of one process combine it.
+    """
+
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+    cadence: Cadence = Cadence.SAMPLED
+    across_ranks: AcrossRanks = AcrossRanks.OWN
+    across_replicas: AcrossReplicas = AcrossReplicas.SAME
+
+    @property
+    def marker(self) -> str:
+        """The field that is present exactly when the statistic was measured."""
+        return next(f.name for f in self.fields if f.default is None)
+
+
+_ARRAY = "np.ndarray | None"
+
+#: Fields every observation has, whatever was measured: where and when it was taken,
+#: and (with any per-parameter statistic) which parameters its arrays describe.
+CORE_FIELDS: tuple[Field, ...] = (
+    Field("step", "int", "Global optimizer step (0-based).", default=MISSING),
+    Field("epoch", "int", "Training epoch (0-based).", default=0),
+    Field(
+        "rank",
+        "int",
+        "Process rank (under Keras' ``MirroredStrategy``: the replica; see ``Finding``).",
+        default=0,
+    ),
+    Field("lr", "float | None", "The learning rate of the first parameter group, if known."),
+    Field(
+        "names",
+        "tuple[str, ...]",
+        "Parameter names, in registration order (input side first); the per-parameter "
+        "arrays below are aligned with them.",
+        default=(),
+    ),
+    Field("numel", _ARRAY, "Number of elements of each parameter."),
+    Field(
+        "is_matrix",
+        _ARRAY,
+        "Whether each parameter has two or more dimensions (a weight matrix or kernel "
+        "rather than a bias or norm scale).",
+    ),
+    Field(
+        "fan_in",
+        _ARRAY,
+        "Inputs per output unit of each parameter that is the weight of a layer with units "
+        "(dense, convolution); NaN for every other parameter.",
+    ),
+    Field(
+        "unoptimized",
+        "tuple[str, ...]",
+        "Parameters that require grad but that no optimizer updates.",
+        default=(),
+    ),
+)
+
+#: The fields of the forward probes: ``activations`` and ``outputs`` fill the same
+#: rows, told apart by ``act_kinds``.
+_FORWARD_FIELDS: tuple[Field, ...] = (
+    Field("act_rms", _ARRAY, "Root mean square of each observed tensor."),
+    Field("act_names", "tuple[str, ...]", "Modules observed, in forward order.", default=()),
+    Field(
+        "act_kinds",
+        "tuple[str, ...]",
+        '``"tanh"`` or ``"sigmoid"`` (their inputs were observed: the ``activations`` '
+        'statistic) or ``"layer"`` (a layer with units: its output was observed, the '
+        "``outputs`` statistic).",
+        default=(),
+    ),
+    Field(
+        "act_saturated",
+        _ARRAY,
+        "Fraction of each activation's inputs beyond ``SATURATION_BOUNDS`` (NaN for layers).",
+    ),
+    Field("act_max", _ARRAY, "Largest absolute value of each observed tensor (0: all zero)."),
+)
+
+#: The edges of the magnitude bins of the ``distributions`` statistic. A histogram
+#: counts, in order: exact zeros; |x| in (0, 1e-12]; each half-decade up to (10**3.5,
+#: 1e4]; (1e4, inf); then non-finite values: :data:`DISTRIBUTION_BINS` numbers.
+#: Half-decades resolve what matters for a gradient's flow (a layer sliding from 1e-3 to
+#: 1e-6) in a few dozen numbers per parameter, whatever its size, and fixed edges make
+#: histograms of different steps and layers comparable as they are.
+DISTRIBUTION_EDGES: tuple[float, ...] = tuple(10.0 ** (k / 2) for k in range(-24, 9))
+#: Bins of each histogram of the ``distributions`` statistic (see the edges above).
+DISTRIBUTION_BINS = len(DISTRIBUTION_EDGES) + 3
+
+STATISTICS: dict[str, Statistic] = {
+    s.name: s
+    for s in (
+        Statistic(
+            "loss",
+            "The training loss of each step: the every-step sentinel.",
+            (
+                Field(
+                    "loss", "float | None", "The loss of the batch (NaN and Inf kept as they are)."
+                ),
+            ),
+            cadence=Cadence.STEP,
+            across_replicas=AcrossReplicas.SUM,
+        ),
+        Statistic(
+            "grads",
+            "Each parameter's gradient norm.",
+            (Field("grad_norm", _ARRAY, "L2 norm of each parameter's gradient, before clipping."),),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
+            "weights",
+            "Each parameter's norm after the optimizer step.",
+            (Field("weight_norm", _ARRAY, "L2 norm of each parameter after the optimizer step."),),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
+            "updates",
+            "How far the optimizer step moved each parameter.",
+            (
+                Field(
+                    "update_norm",
+                    _ARRAY,
+                    "L2 norm of each parameter's change made by the step (NaN for a "
+                    "parameter not measured this step: large models take turns).",
+                ),
+                Field(
+                    "prev_weight_norm",
+                    _ARRAY,
+                    "L2 norm of each parameter before the step (present with "
+                    "``update_norm``; at step 0, the initialisation).",
+                ),
+            ),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
+            "units",
+            "Which output units of each dense or convolution layer got no gradient.",
+            (
+                Field(
+                    "unit_zero",
+                    "tuple[np.ndarray, ...] | None",
+                    "Per layer, whether each output unit's weight-gradient row was exactly "
+                    "zero this step (no sample of the batch passed through it).",
+                ),
+                Field(
+                    "unit_names",
+                    "tuple[str, ...]",
+                    "Layers (with units) whose per-unit gradient flags follow.",
+                    default=(),
+                ),
+                Field(
+                    "unit_samples",
+                    "int",
+                    "The samples behind those gradients (every micro-batch, every rank); 0 "
+                    "when the adapter does not know.",
+                    default=0,
+                ),
+            ),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
+            "activations",
+            "How saturated the inputs of tanh and sigmoid activations are.",
+            _FORWARD_FIELDS,
+            across_replicas=AcrossReplicas.POOLED,
+        ),
+        Statistic(
+            "outputs",
+            "The scale of each dense or convolution layer's output.",
+            _FORWARD_FIELDS,
+            across_replicas=AcrossReplicas.POOLED,
+        ),
+        Statistic(
+            "inputs",
+            "The scale of the batch's input features.",
+            (
+                Field(
+                    "input_sq",
+                    _ARRAY,
+                    "Per-feature mean of the batch's squared inputs (per channel for images).",
+                ),
+                Field("input_count", "int", "Samples behind ``input_sq``.", default=0),
+            ),
+            across_replicas=AcrossReplicas.POOLED,
+        ),
+        Statistic(
+            "labels",
+            "The batch's class labels.",
+            (Field("labels", _ARRAY, "The batch's integer class labels, flattened."),),
+            across_replicas=AcrossReplicas.COUNTS,
+        ),
+        Statistic(
+            "val",
+            "A validation loss, with the mean training loss since the last one.",
+            (
+                Field("val_loss", "float | None", "A validation loss (set only on a validation)."),
+                Field(
+                    "train_loss",
+                    "float | None",
+                    "Mean training loss since the previous validation.",
+                ),
+            ),
+            cadence=Cadence.EVENT,
+            across_ranks=AcrossRanks.POOLED,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+        Statistic(
+            "trace",
+            "Which modules' outputs were finite, in forward order (where a NaN began).",
+            (
+                Field(
+                    "trace_finite",
+                    _ARRAY,
+                    "Whether each of those modules' outputs was entirely finite.",
+                ),
+                Field(
+                    "trace_names",
+                    "tuple[str, ...]",
+                    "Modules in the order their forward ran.",
+                    default=(),
+                ),
+            ),
+            across_replicas=AcrossReplicas.POOLED,
+        ),
+        Statistic(
+            "distributions",
+            "A histogram of each parameter's weights and gradients by magnitude.",
+            (
+                Field(
+                    "weight_hist",
+                    _ARRAY,
+                    "Per parameter, a histogram of its weights' magnitudes after the step, "
+                    "shape ``(parameters, DISTRIBUTION_BINS)``: exact zeros, the magnitude "
+                    "bins of ``DISTRIBUTION_EDGES``, then non-finite values.",
+                ),
+                Field(
+                    "grad_hist",
+                    _ARRAY,
+                    "The same histogram of each parameter's gradient (before clipping).",
+                ),
+            ),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
+            "replicas",
+            "An exact checksum of every replica's weights, per rank.",
+            (
+                Field(
+                    "replica_sums",
+                    _ARRAY,
+                    "Checksum of each compared tensor on each rank, shape ``(world_size, "
+                    "len(replica_names))``: the int64 sum of the tensor's bit patterns, so any "
+                    "change to any element changes it, exactly.",
+                    dtype="int64",
+                ),
+                Field(
+                    "replica_names",
+                    "tuple[str, ...]",
+                    "The tensors compared across ranks: every parameter, then the buffers "
+                    "DDP does not re-broadcast each step.",
+                    default=(),
+                ),
+                Field(
+                    "replica_buffer",
+                    _ARRAY,
+                    "Whether each of those is a buffer (True) or a parameter.",
+                ),
+            ),
+            cadence=Cadence.MEETING,
+            across_ranks=AcrossRanks.GATHERED,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+        Statistic(
+            "ranks",
+            "How long each rank spent alone per batch.",
+            (
+                Field(
+                    "rank_busy",
+                    _ARRAY,
+                    "Mean seconds per batch each rank spent alone since they were last "
+                    "gathered (data loading and forward pass: the part of a step no "
+                    "collective waits in), shape ``(world_size,)``; NaN for a rank that "
+                    "timed no batch.",
+                ),
+            ),
+            cadence=Cadence.MEETING,
+            across_ranks=AcrossRanks.GATHERED,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+    )
+}
+
+#: Pre-activation magnitudes past which an activation counts as saturated: where its
+#: local gradient falls below 1/5000 of its peak (tanh'(5) = 1.8e-4; the logistic
+#: sigmoid is tanh at half the input, so its bound is twice as far). DeepDiagnosis uses
+#: |x| >= 5; SageMaker Debugger's ±9.5 / (-23, 17) only flags float32 saturation to
+#: exactly 1, far past the point where learning has stopped.
+SATURATION_BOUNDS: dict[str, float] = {"tanh": 5.0, "sigmoid": 10.0}
+
+
+#: Per-feature input statistics beyond this many features collapse to one number (a
+#: wider input is judged as a whole): a bound on what a sampled step sends to the host.
+MAX_FEATURES = 4096
+
+
+def _names(*, cadence: Cadence | None = None, ranks: AcrossRanks | None = None) -> frozenset:
+    return frozenset(
+        s.name
+        for s in STATISTICS.values()
+        if (cadence is None or s.cadence is cadence) and (ranks is None or s.across_ranks is ranks)
+    )
+
+
+#: Statistics measured on every step (the sentinel).
+EVERY_STEP: frozenset[str] = _names(cadence=Cadence.STEP)
+#: Statistics that arrive with an event (a validation), never planned per step.
+EVENT: frozenset[str] = _names(cadence=Cadence.EVENT)
+#: Statistics gathered from every rank where the ranks meet: a single process never has
+#: them, so the detectors that need them stay idle there.
+GATHERED: frozenset[str] = _names(cadence=Cadence.MEETING)
+#: Statistics every rank of a data-parallel run holds alike: rank zero judges them.
+REPLICATED: frozenset[str] = _names(ranks=AcrossRanks.REPLICATED)
+#: Statistics an adapter measures on the steps it is asked to (every step or sampled).
+PLANNED: frozenset[str] = frozenset(STATISTICS) - EVENT - GATHERED
