@@ -359,6 +359,7 @@ def test_options_are_keyword_only(cls: type[Sink]) -> None:
 def test_package_exports() -> None:
     assert set(stethoscope.sinks.__all__) == {
         "Sink",
+        "RunContext",
         "ConsoleSink",
         "CSVSink",
         "JSONLSink",

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from stethoscope.detectors.base import Detector
 from stethoscope.findings import Severity
-from stethoscope.sinks.base import Sink
+from stethoscope.sinks.base import RunContext, Sink
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
@@ -55,6 +55,7 @@ class CapturingSink(Sink):
         summaries: Every epoch summary received, in order.
         flush_count: How many times ``flush`` was called.
         closed: Whether ``close`` was called.
+        context: The run's context from the last ``start``, if any.
 
     Raises:
         ValueError: ``min_severity`` is not a severity.
@@ -87,15 +88,20 @@ class CapturingSink(Sink):
     """
 
     def __init__(self, *, min_severity: Severity | str = "info") -> None:
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         self.findings: list[Finding] = []
         self.summaries: list[EpochSummary] = []
         self.flush_count = 0
         self.closed = False
+        self.context: RunContext | None = None
+
+    def start(self, context: RunContext) -> None:
+        """Keep the run's context."""
+        self.context = context
 
     def emit(self, finding: Finding) -> None:
         """Keep ``finding`` if it is at or above ``min_severity``."""
-        if finding.severity >= self.min_severity:
+        if self.accepts(finding):
             self.findings.append(finding)
 
     def epoch_end(self, summary: EpochSummary) -> None:

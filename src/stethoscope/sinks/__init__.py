@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from stethoscope.sinks.base import Sink
+from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.sinks.console import ConsoleSink
 from stethoscope.sinks.csv import CSVSink
 from stethoscope.sinks.jsonl import JSONLSink
@@ -24,6 +24,7 @@ __all__ = [
     "JSONLSink",
     "LoggingSink",
     "MLflowSink",
+    "RunContext",
     "Sink",
     "TensorBoardSink",
 ]

@@ -37,7 +37,7 @@ class _FileSink(_Buffered):
     ) -> None:
         name = type(self).__name__
         self.path = _as_path(path, sink=name)
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         if not isinstance(append, bool):
             raise TypeError(f"{name}: append={append!r} must be True or False")
         self.append = append
@@ -63,7 +63,7 @@ class _FileSink(_Buffered):
         If the write fails, the line waits in memory (up to ``max_buffer`` findings) and
         is retried at the next :meth:`flush`.
         """
-        if finding.severity < self.min_severity:
+        if not self.accepts(finding):
             return
         self._deliver(self._format(finding).encode("utf-8", errors="backslashreplace"))
 

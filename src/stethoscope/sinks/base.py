@@ -2,29 +2,83 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from stethoscope.findings import Severity
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
     from stethoscope.summary import EpochSummary
 
-__all__ = ["Sink"]
+__all__ = ["RunContext", "Sink"]
+
+
+def _unknown() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a sink may want to know about the run it writes for, handed to
+    :meth:`Sink.start` when training starts (on rank zero, the only rank that writes).
+
+    The framework's destinations are looked up only when a sink asks, because asking can
+    create them (a Lightning ``MLFlowLogger`` starts its run when its id is first read).
+
+    Args:
+        framework: ``"lightning"``, ``"keras"``, or ``""`` outside a callback.
+        rank: This process's rank.
+        world_size: How many processes train together.
+        printer: Prints a line without tearing the framework's progress bar (Lightning's
+            ``ProgressBar.print``, or below Keras' progress line); ``None``: print as
+            usual.
+        tensorboard_log_dir: Returns the directory the framework's own TensorBoard
+            logger writes to, or ``None`` when it has none.
+        mlflow_run: Returns ``(run_id, tracking_uri)`` of the framework's own MLflow
+            logger's run, or ``None`` when it has none.
+    """
+
+    framework: str = ""
+    rank: int = 0
+    world_size: int = 1
+    printer: Callable[[str], None] | None = None
+    tensorboard_log_dir: Callable[[], str | None] = _unknown
+    mlflow_run: Callable[[], tuple[str, str | None] | None] = _unknown
 
 
 class Sink:
     """Base class for sinks: every method is a no-op by default.
 
-    The monitor calls ``emit`` for each finding, ``epoch_end`` with the epoch's
-    summary, ``flush`` at epoch and train end, and ``close`` once at the end.
-    Subclasses override what they need; ``close`` must be idempotent. The monitor
-    isolates every call: an exception raised here is warned about once per sink
-    and never stops training.
+    The monitor calls ``start`` with the run's :class:`RunContext` when training starts,
+    ``emit`` for each finding, ``epoch_end`` with the epoch's summary, ``flush`` at epoch
+    and train end, and ``close`` once at the end. Subclasses override what they need;
+    ``close`` must be idempotent. The monitor isolates every call: an exception raised
+    here is warned about once per sink and never stops training.
 
     A sink that cannot always write (a full disk, a server that is down) should keep
     what failed, bounded, retry it at the next ``flush``, and count what it had to
     give up in :attr:`dropped`; the monitor reports that count in the epoch summary.
     The built-in file, TensorBoard and MLflow sinks do.
+
+    Args:
+        min_severity: Findings below this are dropped (:meth:`accepts` says which):
+            ``"info"``, ``"warning"`` or ``"error"``.
+
+    Raises:
+        ValueError: ``min_severity`` is not a severity.
     """
+
+    #: What a subclass that does not call ``Sink.__init__`` accepts: everything.
+    min_severity: Severity = Severity.INFO
+
+    def __init__(self, *, min_severity: Severity | str = "info") -> None:
+        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+
+    def accepts(self, finding: Finding) -> bool:
+        """Whether ``finding`` is at or above :attr:`min_severity`."""
+        return finding.severity >= self.min_severity
 
     @property
     def dropped(self) -> int:
@@ -33,6 +87,9 @@ class Sink:
         The default is 0: a sink that never gives up on a finding need not override it.
         """
         return 0
+
+    def start(self, context: RunContext) -> None:
+        """Training starts: take what the sink needs from the run's context."""
 
     def emit(self, finding: Finding) -> None:
         """Record one finding."""

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from stethoscope.findings import Severity
-from stethoscope.sinks.base import Sink
+from stethoscope.sinks.base import RunContext, Sink
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -34,7 +34,7 @@ class ConsoleSink(Sink):
     garbles them. So the sink renders everything to a string (ANSI colours
     included, at the width of the target console) and hands it to a printer: by
     default the target console, and during training the progress bar's own print,
-    which the callbacks install with :meth:`use_printer`.
+    which the run's context brings (:meth:`start`).
 
     Args:
         min_severity: Drop findings below this: ``"info"``, ``"warning"`` or ``"error"``.
@@ -62,7 +62,7 @@ class ConsoleSink(Sink):
         show_summary: bool = True,
         console: Console | None = None,
     ) -> None:
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         if not isinstance(show_summary, bool):
             raise TypeError(f"ConsoleSink: show_summary={show_summary!r} must be True or False")
         if console is not None and not isinstance(console, Console):
@@ -80,10 +80,14 @@ class ConsoleSink(Sink):
         # that process's console, and rich's global one follows sys.stdout.
         return self._console if self._console is not None else rich.get_console()
 
+    def start(self, context: RunContext) -> None:
+        """Print through the run's printer (the progress bar's) until :meth:`close`."""
+        self.use_printer(context.printer)
+
     def use_printer(self, fn: Callable[[str], None] | None) -> None:
         """Send rendered output to ``fn`` instead of the console, or back with ``None``.
 
-        The callbacks pass the progress bar's print (Lightning's
+        :meth:`start` passes the run's printer: the progress bar's print (Lightning's
         ``ProgressBar.print``), which prints above the bar instead of through it.
 
         Args:
@@ -100,7 +104,7 @@ class ConsoleSink(Sink):
 
     def emit(self, finding: Finding) -> None:
         """Print one line for ``finding`` if it is at or above ``min_severity``."""
-        if finding.severity < self.min_severity:
+        if not self.accepts(finding):
             return
         self._print(_line(finding))
 

@@ -81,12 +81,12 @@ class LoggingSink(Sink):
             raise TypeError(
                 f"LoggingSink: logger={logger!r} must be a logger name (str) or a logging.Logger"
             )
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         self.logger = logger if isinstance(logger, logging.Logger) else logging.getLogger(name)
 
     def emit(self, finding: Finding) -> None:
         """Log ``finding`` if it is at or above ``min_severity``."""
-        if finding.severity < self.min_severity:
+        if not self.accepts(finding):
             return
         d = finding.to_dict(json_safe=True)
         extra: dict[str, Any] = {k: v for k, v in d.items() if k != "message"}

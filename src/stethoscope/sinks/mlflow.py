@@ -18,6 +18,7 @@ from stethoscope.sinks.jsonl import _json_line
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
+    from stethoscope.sinks.base import RunContext
     from stethoscope.summary import EpochSummary
 
 __all__ = ["MLflowSink"]
@@ -123,7 +124,7 @@ class MLflowSink(_Background):
             )
         self.experiment = experiment
         self.run_name = run_name
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         self._options = {"run_id": run_id, "tracking_uri": tracking_uri}
         self._init_background(
             max_buffer=max_buffer, flush_timeout=flush_timeout, close_timeout=close_timeout
@@ -162,11 +163,18 @@ class MLflowSink(_Background):
             and self._options["tracking_uri"] is None
         )
 
+    def start(self, context: RunContext) -> None:
+        """Join the framework's MLflow run when the run has one and the sink names no
+        run itself (:attr:`follows_logger`): one run, not two."""
+        if self.follows_logger and (run := context.mlflow_run()) is not None:
+            run_id, tracking_uri = run
+            self.use_run(run_id, tracking_uri=tracking_uri)
+
     def use_run(self, run_id: str, *, tracking_uri: str | None = None) -> None:
         """Log to the existing run ``run_id`` from now on.
 
-        The Lightning callback calls this at train start with an ``MLFlowLogger``'s run
-        when the sink names no run itself (:attr:`follows_logger`).
+        :meth:`start` calls this with the run of the Trainer's ``MLFlowLogger`` when
+        the sink names no run itself.
 
         Args:
             run_id: The run's id.
@@ -187,7 +195,7 @@ class MLflowSink(_Background):
 
     def emit(self, finding: Finding) -> None:
         """Queue ``finding`` for the run if it is at or above ``min_severity``; never waits."""
-        if finding.severity < self.min_severity:
+        if not self.accepts(finding):
             return
         self._resolve()
         self._spool.append("findings.jsonl", _json_line(finding))

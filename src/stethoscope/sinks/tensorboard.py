@@ -16,6 +16,7 @@ from stethoscope.sinks._buffer import MAX_BUFFER, _Buffered, _write_all
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
+    from stethoscope.sinks.base import RunContext
 
 __all__ = ["TensorBoardSink"]
 
@@ -75,7 +76,7 @@ class TensorBoardSink(_Buffered):
         max_buffer: int = MAX_BUFFER,
     ) -> None:
         _protos()  # fail now, with the extra to install, not at the first finding
-        self.min_severity = Severity.parse(min_severity, argument="min_severity")
+        super().__init__(min_severity=min_severity)
         self._init_buffer(max_buffer=max_buffer)
         self._log_dir = None if log_dir is None else _as_dir(log_dir)
         self.follows_logger = log_dir is None
@@ -93,11 +94,18 @@ class TensorBoardSink(_Buffered):
         """The event file written now, or ``None`` before the first write."""
         return self._file_path
 
+    def start(self, context: RunContext) -> None:
+        """Write into the framework's TensorBoard log dir when the run has one and the
+        sink was made without a directory of its own (:attr:`follows_logger`): findings
+        then sit beside the run's own curves."""
+        if self.follows_logger and (log_dir := context.tensorboard_log_dir()) is not None:
+            self.use_log_dir(log_dir)
+
     def use_log_dir(self, log_dir: str | os.PathLike[str]) -> None:
         """Write to ``log_dir`` from now on, in a new event file there.
 
-        The Lightning callback calls this at train start with the ``TensorBoardLogger``'s
-        ``log_dir`` when the sink was made without one (:attr:`follows_logger`).
+        :meth:`start` calls this with the run's log dir (a Lightning
+        ``TensorBoardLogger``'s ``log_dir``) when the sink was made without one.
 
         Raises:
             TypeError: ``log_dir`` is not a str or a path.
@@ -110,7 +118,7 @@ class TensorBoardSink(_Buffered):
 
     def emit(self, finding: Finding) -> None:
         """Write ``finding`` as a scalar and a text event if it is at or above ``min_severity``."""
-        if finding.severity < self.min_severity:
+        if not self.accepts(finding):
             return
         self._deliver(_record(_event(finding)))
 
