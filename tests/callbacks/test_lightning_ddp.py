@@ -21,6 +21,7 @@ import torch
 from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
+from stethoscope.distributed import RankMeeting
 from stethoscope.testing import CapturingSink
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
@@ -161,9 +162,9 @@ def test_a_single_process_never_meets(monkeypatch):
 
     sink = CapturingSink()
     callback = LightningStethoscope(sinks=[sink])
-    monkeypatch.setattr(callback, "_meet", no_collective)
+    monkeypatch.setattr(RankMeeting, "meet", no_collective)
     trainer, _ = fit(TinyMLP(), steps=40, callback=callback)
     assert trainer.global_step == 40 and not sink.findings
-    assert not callback._packets
+    assert callback._meeting is None
     summary = callback.summaries[-1]
     assert "straggler" not in summary.quiet and "replica_divergence" not in summary.quiet

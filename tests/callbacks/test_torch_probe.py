@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from _models import TinyMLP, fit
 from torch import nn
 
 from stethoscope import LightningStethoscope
-from stethoscope.callbacks import _torch
-from stethoscope.callbacks import lightning as lightning_cb
-from stethoscope.callbacks._torch import ForwardProbe, HostReader, ParameterProbe, _stack_norms
+from stethoscope.callbacks._lightning import parameters, reductions
+from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.parameters import (
+    ParameterProbe,
+    _stack_norms,
+    magnitude_histograms,
+)
+from stethoscope.callbacks._lightning.reader import HostReader
+from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 from stethoscope.testing import CapturingSink
 
 
@@ -60,7 +67,8 @@ def test_parameter_probe_update_norms_equal_the_optimizer_step():
     expected_updates = [0.1 * p.grad.norm() for p in probe.params]
     opt.step()
     previous = torch.stack([b.norm() for b in before])
-    weights, updates, prev = probe.weight_and_update_norms(idx, before)
+    weights = probe.weight_norms(idx)
+    updates, prev = probe.update_norms(before, idx)
     assert torch.allclose(prev, previous)
     assert torch.allclose(grads, torch.stack([p.grad.norm() for p in probe.params]))
     assert torch.allclose(weights, torch.stack([p.detach().norm() for p in probe.params]))
@@ -84,31 +92,27 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
 
     def spy(name, original):
         def wrapper(self, *args, **kwargs):
-            calls[name].append(cb._planned_step)
+            calls[name].append(cb._record.step)
             return original(self, *args, **kwargs)
 
         return wrapper
 
     monkeypatch.setattr(ParameterProbe, "grad_norms", spy("grad_norms", ParameterProbe.grad_norms))
     monkeypatch.setattr(ParameterProbe, "snapshot", spy("snapshot", ParameterProbe.snapshot))
-    monkeypatch.setattr(
-        ParameterProbe,
-        "weight_and_update_norms",
-        spy("weights", ParameterProbe.weight_and_update_norms),
-    )
+    monkeypatch.setattr(ParameterProbe, "weight_norms", spy("weights", ParameterProbe.weight_norms))
     monkeypatch.setattr(ForwardProbe, "attach", spy("attach", ForwardProbe.attach))
     for fn in ("zero_rows", "input_moments", "class_labels"):  # module functions, called bare
-        original = getattr(lightning_cb, fn)
+        original = getattr(reductions, fn)
         monkeypatch.setattr(
-            lightning_cb,
+            reductions,
             fn,
-            lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._planned_step) or _orig(*a),
+            lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._record.step) or _orig(*a),
         )
-    original_stack = _torch._stack_norms
+    original_stack = parameters._stack_norms
     monkeypatch.setattr(
-        _torch,
+        parameters,
         "_stack_norms",
-        lambda tensors: steps_seen.append(cb._planned_step) or original_stack(tensors),
+        lambda tensors: steps_seen.append(cb._record.step) or original_stack(tensors),
     )
     planned: list[int] = []
     planned_updates: list[int] = []
@@ -179,3 +183,20 @@ def test_frozen_weights_found_when_snapshots_take_turns():
         (f.where, f.step) for f in found
     ]
     assert sink.at_least("warning") == found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_magnitude_histograms_count_every_element_in_its_bin(dtype, monkeypatch):
+    edges = np.array(DISTRIBUTION_EDGES)
+    values = torch.tensor(
+        [0.0, -0.0, 1e-13, 1e-12, 3e-4, -3e-4, 0.5, 2.0, -7.0, 1e5, float("nan"), float("inf")]
+    )
+    monkeypatch.setattr(parameters, "_HISTOGRAM_CHUNK", 5)  # chunks add up to the whole
+    (hist,) = magnitude_histograms([values.to(dtype)]).numpy()
+    assert len(hist) == DISTRIBUTION_BINS
+    assert hist.sum() == values.numel() and hist[0] == 2 and hist[-1] == 2
+    finite = values[torch.isfinite(values) & (values != 0)].to(dtype).double().abs().numpy()
+    for x in finite:  # (0, e0] is bin 1 ... (e_last, inf) is bin len(edges) + 1
+        assert hist[1 + np.searchsorted(edges, x, side="left")] > 0, x
+    expected = np.bincount(1 + np.searchsorted(edges, finite, side="left"), minlength=len(hist))
+    assert hist[1:-1].tolist() == expected[1:-1].tolist()

@@ -18,6 +18,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "tensorflow-cpu"
     ) from exc
 
+from stethoscope.callbacks._base import StethoscopeBase
 from stethoscope.callbacks._keras import (
     GROUPS,
     MAX_CLASSES,
@@ -26,12 +27,9 @@ from stethoscope.callbacks._keras import (
     distribution,
 )
 from stethoscope.detectors import Detector
-from stethoscope.findings import Finding, TrainingProblem
-from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
-from stethoscope.policy import Decision, StopOn
-from stethoscope.sinks import ConsoleSink, Sink
-from stethoscope.summary import EpochSummary
+from stethoscope.policy import StopOn
+from stethoscope.sinks import RunContext, Sink
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
 
@@ -53,7 +51,7 @@ _GROUPS_OF = {
 _IDLE = (-1, (0,) * len(GROUPS))
 
 
-class KerasStethoscope(keras.callbacks.Callback):
+class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     """Watches a Keras 3 ``model.fit`` and stops it when something is wrong.
 
     At the start of ``fit`` it wraps the model's ``compute_loss``, its optimizer's
@@ -120,16 +118,15 @@ class KerasStethoscope(keras.callbacks.Callback):
                 f"not KERAS_BACKEND={backend!r}: its train step is a pure function, so the "
                 "in-graph probes have no state to write to. Use tensorflow or torch."
             )
-        self.monitor = Monitor(
+        self._build_monitor(
             detectors=detectors,
-            sinks=[ConsoleSink()] if sinks is None else list(sinks),
+            sinks=sinks,
             stop_on=stop_on,
             raise_on=raise_on,
             intervals=intervals,
             escalate=escalate,
             hot_steps=hot_steps,
         )
-        self.summaries: list[EpochSummary] = []
         self._probe: GraphProbe | None = None
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
@@ -139,11 +136,6 @@ class KerasStethoscope(keras.callbacks.Callback):
         self._pending: tuple[int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
         self._batch_samples = 0  # samples per batch, once the inputs were probed (0: unknown)
-
-    @property
-    def stopped_by(self) -> Finding | None:
-        """The finding that stopped (or raised in) the run, if any."""
-        return self.monitor.stopped_by
 
     # -- set-up / tear-down -----------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -186,24 +178,16 @@ class KerasStethoscope(keras.callbacks.Callback):
         self._probe = probe
         verbose = self.params.get("verbose", 1) if isinstance(self.params, dict) else 1
         printer = _after_progress_line if verbose in (1, "auto") else None
-        for sink in self.monitor.sinks:
-            if isinstance(sink, ConsoleSink):
-                sink.use_printer(printer)
+        self.monitor.start(RunContext(framework="keras", printer=printer))
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._collect()
         self._detach()
         self.monitor.flush()
-        stopped = self.monitor.stopped_by
-        if stopped is not None:
-            _after_progress_line(
-                f"stethoscope stopped training at step {stopped.step}: {stopped.detector} "
-                f"({stopped.severity}) — {stopped.message}"
-            )
+        message = self._stop_message()
+        if message is not None:
+            _after_progress_line(message)
         self.monitor.close()
-        for sink in self.monitor.sinks:
-            if isinstance(sink, ConsoleSink):
-                sink.use_printer(None)
 
     def remove(self) -> None:
         """Take the wrappers off the model now (``fit`` does this itself when it ends;
@@ -299,8 +283,7 @@ class KerasStethoscope(keras.callbacks.Callback):
         val = (logs or {}).get("val_loss")
         if isinstance(val, (int, float, np.floating)) and self._probe is not None:
             self._act(self.monitor.observe_validation(max(self._next - 1, 0), epoch, float(val)))
-        summary = self.monitor.end_epoch(epoch)
-        self.summaries.append(summary)
+        self._end_epoch(epoch)
 
     # -- reading the graph's variables -------------------------------------------------
     def _read(self, obs: Observation, plan: frozenset[str], *, fresh: bool) -> None:
@@ -400,13 +383,12 @@ class KerasStethoscope(keras.callbacks.Callback):
             obs.trace_finite = rows[:, 3] != 0.0  # NaN: a layer this step did not call
 
     # -- decisions ------------------------------------------------------------------------
-    def _act(self, decision: Decision) -> None:
-        if decision.raise_:
-            self._detach()  # Keras calls no callback when fit raises: leave the model clean
-            self.monitor.close()
-            raise TrainingProblem(decision.reason)
-        if decision.stop:
-            self.model.stop_training = True
+    def _stop_training(self) -> None:
+        self.model.stop_training = True
+
+    def _before_raise(self) -> None:
+        self._detach()  # Keras calls no callback when fit raises: leave the model clean
+        self.monitor.close()
 
 
 def _first_nonfinite(replica_losses: list[np.ndarray], slot: int) -> int:

@@ -1,0 +1,83 @@
+"""What both callbacks share: the monitor they build, and how a decision becomes an act."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from stethoscope.detectors import Detector
+from stethoscope.findings import Finding, TrainingProblem
+from stethoscope.monitor import Monitor
+from stethoscope.policy import Decision, StopOn
+from stethoscope.sinks import ConsoleSink, Sink
+from stethoscope.summary import EpochSummary
+
+__all__ = ["StethoscopeBase"]
+
+
+class StethoscopeBase:
+    """The framework-free half of a stethoscope callback (a mixin before the framework's
+    ``Callback``): it builds the :class:`Monitor`, keeps the epoch summaries, and acts
+    on decisions through the two framework acts a subclass provides,
+    :meth:`_stop_training` and :meth:`_before_raise`."""
+
+    monitor: Monitor
+    summaries: list[EpochSummary]
+
+    def _build_monitor(
+        self,
+        *,
+        detectors: Sequence[Detector] | None,
+        sinks: Sequence[Sink] | None,
+        stop_on: StopOn,
+        raise_on: StopOn,
+        intervals: Mapping[str, int] | None,
+        escalate: bool,
+        hot_steps: int,
+    ) -> None:
+        """Make the monitor (which validates every argument); a console by default."""
+        self.monitor = Monitor(
+            detectors=detectors,
+            sinks=[ConsoleSink()] if sinks is None else list(sinks),
+            stop_on=stop_on,
+            raise_on=raise_on,
+            intervals=intervals,
+            escalate=escalate,
+            hot_steps=hot_steps,
+        )
+        self.summaries = []
+
+    @property
+    def stopped_by(self) -> Finding | None:
+        """The finding that stopped (or raised in) the run, if any."""
+        return self.monitor.stopped_by
+
+    def _act(self, decision: Decision) -> None:
+        """Do what ``decision`` says: raise :class:`TrainingProblem`, or stop gracefully."""
+        if decision.raise_:
+            self._before_raise()
+            raise TrainingProblem(decision.reason)
+        if decision.stop:
+            self._stop_training()
+
+    def _stop_training(self) -> None:
+        """Ask the framework to stop after this step."""
+        raise NotImplementedError
+
+    def _before_raise(self) -> None:
+        """Tidy up before :class:`TrainingProblem` leaves the framework's loop."""
+
+    def _end_epoch(self, epoch: int) -> EpochSummary:
+        """Close the monitor's epoch; keep and return its summary."""
+        summary = self.monitor.end_epoch(epoch)
+        self.summaries.append(summary)
+        return summary
+
+    def _stop_message(self) -> str | None:
+        """One line on what stopped training, for the end of the run; None if nothing did."""
+        f = self.monitor.stopped_by
+        if f is None:
+            return None
+        return (
+            f"stethoscope stopped training at step {f.step}: {f.detector} ({f.severity}) — "
+            f"{f.message}"
+        )

@@ -1,0 +1,69 @@
+"""The model inputs and class labels of a batch, reduced on the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stethoscope.statistics import MAX_FEATURES
+
+__all__ = ["INPUT_KEYS", "LABEL_KEYS", "class_labels", "input_moments", "split_batch"]
+
+#: Keys of a dict batch that hold the inputs, and the labels, in order of preference.
+INPUT_KEYS = ("x", "input", "inputs", "features", "image", "images", "pixel_values")
+LABEL_KEYS = ("labels", "label", "y", "target", "targets")
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """The (inputs, labels) of a batch: ``(x, y, ...)`` sequences or dicts with usual keys."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0], batch[1] if len(batch) > 1 else None
+    if isinstance(batch, dict):
+        x = next((batch[k] for k in INPUT_KEYS if k in batch), None)
+        y = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+        return x, y
+    return None, None
+
+
+def input_moments(x: Any) -> tuple[torch.Tensor, int] | None:
+    """Per-feature mean of x^2 (channels for images, last dim for sequences), and the samples."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 or not len(x):
+        return None
+    with torch.no_grad():
+        x = x.detach()
+        if x.dim() == 1:
+            flat = x.reshape(-1, 1)
+        elif x.dim() == 2:
+            flat = x
+        elif x.dim() == 3:
+            flat = x.reshape(-1, x.shape[-1])
+        else:
+            flat = x.transpose(0, 1).reshape(x.shape[1], -1).T
+        if flat.shape[1] > MAX_FEATURES:
+            flat = flat.reshape(-1, 1)
+        norms = torch.linalg.vector_norm(flat, dim=0, dtype=torch.float32)  # one fused pass
+        return norms.square() / max(flat.shape[0], 1), int(x.shape[0])
+
+
+def class_labels(y: Any) -> torch.Tensor | None:
+    """Integer class labels of a batch as float32 (exact below 2**24), then a validity flag.
+
+    One-hot or soft labels (rows of probabilities) become their argmax; the last
+    element is 1.0 when the labels are class labels and 0.0 when a float target
+    turned out not to be rows of probabilities (decided on the host, no sync).
+    """
+    if not isinstance(y, torch.Tensor) or y.numel() == 0:
+        return None
+    with torch.no_grad():
+        y = y.detach()
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y.reshape(-1)
+        if y.dim() == 1 and not y.is_floating_point() and y.dtype != torch.bool:
+            return torch.cat([y.float(), y.new_ones(1, dtype=torch.float32)])
+        if y.dim() == 2 and y.is_floating_point() and y.shape[1] >= 2:
+            rows = ((y.sum(1) - 1).abs() < 1e-3).all() & (y >= 0).all()
+            return torch.cat([y.argmax(1).float(), rows.float().reshape(1)])
+    return None

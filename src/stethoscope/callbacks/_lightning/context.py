@@ -1,0 +1,86 @@
+"""The run's context for the sinks, from a Lightning Trainer.
+
+A user with ``MLFlowLogger`` and ``MLflowSink()`` expects one run, not two; with
+``TensorBoardLogger`` and ``TensorBoardSink()``, one log dir; with a progress bar, lines
+that do not tear it. The context offers each sink the Trainer's destinations, looked up
+only when a sink asks for them (reading ``MLFlowLogger.run_id`` starts the logger's
+run). Only public API is used: ``MLFlowLogger.run_id``, ``MLFlowLogger.experiment`` (an
+``MlflowClient``, whose ``tracking_uri`` is public), ``TensorBoardLogger.log_dir`` and
+``ProgressBar.print``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.callbacks import RichProgressBar
+
+from stethoscope.sinks.base import RunContext
+
+__all__ = ["run_context"]
+
+
+def run_context(trainer: Any) -> RunContext:
+    """The context of ``trainer``'s run, for the sinks."""
+    return RunContext(
+        framework="lightning",
+        rank=trainer.global_rank,
+        world_size=trainer.world_size,
+        printer=progress_printer(trainer),
+        tensorboard_log_dir=lambda: _ask(trainer, "TensorBoardLogger", _log_dir),
+        mlflow_run=lambda: _ask(trainer, "MLFlowLogger", _mlflow_run),
+    )
+
+
+def progress_printer(trainer: Any) -> Callable[[str], None] | None:
+    """Print through the progress bar so that its line is not torn: ``tqdm.write`` for
+    TQDM. A RichProgressBar draws on rich's global console, which places output above
+    the live bar itself (its stdout proxy would wrap already-wrapped lines a second time):
+    then, and without a bar, print as usual (``None``)."""
+    bar = trainer.progress_bar_callback
+    enabled = bar is not None and bar.is_enabled
+    return bar.print if enabled and not isinstance(bar, RichProgressBar) else None
+
+
+def _ask(trainer: Any, kind: str, lookup: Callable[[Any], Any]) -> Any:
+    """``lookup`` of the first logger of class ``kind``; None without one. Never raises:
+    a logger that cannot say where it writes leaves the sink on its own default."""
+    from lightning.pytorch import loggers
+
+    cls = getattr(loggers, kind)
+    for logger in trainer.loggers:
+        if isinstance(logger, cls):
+            try:
+                return lookup(logger)
+            except Exception as exc:  # a sink must never cost the run, nor must lending to one
+                warnings.warn(
+                    f"stethoscope: could not send findings to {type(logger).__name__}'s run "
+                    f"({exc!r}); the sinks keep their own destination",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return None
+    return None
+
+
+def _log_dir(logger: Any) -> str | None:
+    return logger.log_dir
+
+
+def _mlflow_run(logger: Any) -> tuple[str, str | None] | None:
+    run_id = logger.run_id  # creates the logger's run if it has none yet
+    return (run_id, _tracking_uri(logger)) if run_id else None
+
+
+def _tracking_uri(logger: Any) -> str | None:
+    """The logger's tracking URI through public API: its client's ``tracking_uri``."""
+    uri = getattr(logger.experiment, "tracking_uri", None)
+    if isinstance(uri, str) and uri:
+        return uri
+    # MlflowClient before it had the property: the logger sets MLflow's global URI to
+    # its own when it makes its client, which ``logger.run_id`` above has done.
+    import mlflow
+
+    return mlflow.get_tracking_uri()

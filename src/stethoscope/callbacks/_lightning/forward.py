@@ -1,0 +1,119 @@
+"""Forward hooks, attached for one sampled step and removed at its end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stethoscope.statistics import SATURATION_BOUNDS
+
+__all__ = ["SATURATING", "ForwardProbe"]
+
+#: Activation modules whose inputs are checked for saturation.
+SATURATING: dict[type[torch.nn.Module], str] = {torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid"}
+
+
+class ForwardProbe:
+    """Forward hooks attached for one step only, then removed.
+
+    ``activations`` mode watches the inputs of tanh / sigmoid modules (the fraction
+    beyond the saturation bound) and the outputs of layers with units (RMS, max);
+    ``trace`` mode records, for every leaf module in the order its forward runs,
+    whether its output is entirely finite. Each module is recorded on its first
+    call of the step only. Every statistic stays on the device.
+    """
+
+    def __init__(self, module: torch.nn.Module, layers: Sequence[tuple[str, int, Any]]) -> None:
+        self._bounds = SATURATION_BOUNDS
+        named = list(module.named_modules())
+        self._act_targets = [
+            (name, SATURATING[type(m)], m) for name, m in named if type(m) in SATURATING
+        ]
+        self._out_targets = [(name, "layer", m) for name, _, m in layers]
+        self._leaves = [(n or type(m).__name__, m) for n, m in named if not any(m.children())]
+        self._handles: list[Any] = []
+        self.names: list[str] = []
+        self.kinds: list[str] = []
+        self.values: list[torch.Tensor] = []
+        self._seen: set[str] = set()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, *, activations: bool, outputs: bool = False, trace: bool = False) -> None:
+        self.detach()
+        self.names, self.kinds, self.values, self._seen = [], [], [], set()
+        targets = (self._act_targets if activations else []) + (
+            self._out_targets if outputs else []
+        )
+        for name, kind, mod in targets:
+            self._handles.append(mod.register_forward_hook(self._act_hook(name, kind)))
+        if trace:
+            for name, mod in self._leaves:
+                self._handles.append(mod.register_forward_hook(self._trace_hook(name)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _act_hook(self, name: str, kind: str):
+        def hook(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            key = f"act|{name}"
+            x = out if kind == "layer" else (args[0] if args else None)
+            if key in self._seen or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return
+            self._seen.add(key)
+            with torch.no_grad():
+                x = x.detach()
+                n = max(x.numel(), 1)
+                # fused norms: no temporaries the size of the activation
+                rms = torch.linalg.vector_norm(x, dtype=torch.float32) / n**0.5
+                peak = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+                if kind == "layer":
+                    sat = torch.full((), float("nan"), device=x.device)
+                else:
+                    sat = torch.count_nonzero(x.abs() >= self._bounds[kind]) / n
+                stats = torch.stack([sat.float(), rms, peak])
+            self.names.append(name)
+            self.kinds.append(kind)
+            self.values.append(stats)
+
+        return hook
+
+    def _trace_hook(self, name: str):
+        def hook(mod: torch.nn.Module, args: tuple, out: Any) -> None:
+            key = f"trace|{name}"
+            if key in self._seen:
+                return
+            tensors = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [
+                    t
+                    for t in (out if isinstance(out, (tuple, list)) else ())
+                    if isinstance(t, torch.Tensor)
+                ]
+            )
+            tensors = [t for t in tensors if t.is_floating_point()]
+            if not tensors:
+                return
+            self._seen.add(key)
+            with torch.no_grad():
+                finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
+            self.names.append(name)
+            self.kinds.append("trace")
+            self.values.append(finite.float().reshape(1))
+
+        return hook
+
+    def collect(self) -> tuple[list[str], list[str], torch.Tensor | None]:
+        """What the hooks recorded this step (names, kinds, values), and detach them."""
+        self.detach()
+        if not self.values:
+            return [], [], None
+        flat = torch.cat([v.reshape(-1) for v in self.values])
+        return self.names, self.kinds, flat

@@ -1,0 +1,229 @@
+"""Fused reductions over the model's parameters, on the device they live on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from stethoscope.observation import Observation
+from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
+
+__all__ = [
+    "UNIT_LAYERS",
+    "ParameterProbe",
+    "checksums",
+    "magnitude_histograms",
+    "unit_layers",
+    "zero_rows",
+]
+
+
+class ParameterProbe:
+    """Fused reductions over a fixed, ordered set of named parameters.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs in registration order; only
+            those that require grad are watched.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        snapshot_budget: int = 2**25,
+    ) -> None:
+        pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
+        self.snapshot_budget = snapshot_budget
+        self._rotation = 0
+        self.names: tuple[str, ...] = tuple(n for n, _ in pairs)
+        self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
+        self.is_matrix = np.array([p.dim() >= 2 for p in self.params], dtype=bool)
+        #: Inputs per output unit of each weight of a layer with units; NaN elsewhere
+        #: (see :meth:`watch_layers`).
+        self.fan_in = np.full(len(self.params), np.nan)
+        #: Watched parameters that no optimizer updates (known at train start).
+        self.unoptimized: tuple[str, ...] = ()
+
+    def indices_of(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        """Indices of the watched parameters this optimizer updates."""
+        seen = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = self.index.get(id(p))
+                if i is not None:
+                    seen.append(i)
+        return seen
+
+    def with_grad(self, indices: Sequence[int]) -> list[int]:
+        """The indices whose parameter has a gradient this step."""
+        return [i for i in indices if self.params[i].grad is not None]
+
+    def grad_norms(self, indices: Sequence[int]) -> torch.Tensor:
+        """L2 norm of each gradient, as one float32 tensor on the device."""
+        return _stack_norms([self.params[i].grad.detach() for i in indices])
+
+    def snapshot(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """Copies of these parameters, to measure the optimizer's update against."""
+        return torch._foreach_mul([self.params[i].detach() for i in indices], 1.0)
+
+    def choose(self, indices: Sequence[int]) -> list[int]:
+        """The parameters to snapshot this sampled step: at most ``snapshot_budget`` elements.
+
+        A snapshot copies the weights, so an unbounded one would double a large model's
+        parameter memory on every sampled step. Past the budget, successive sampled steps
+        take turns through the parameters, so each is measured every few samples.
+        """
+        if not indices:
+            return []
+        n = len(indices)
+        start = self._rotation % n
+        chosen, used = [], 0
+        for k in range(n):
+            i = indices[(start + k) % n]
+            size = int(self.numel[i])
+            if chosen and used + size > self.snapshot_budget:
+                self._rotation = start + k
+                break
+            chosen.append(i)
+            used += size
+        else:
+            self._rotation = start
+        return sorted(chosen)
+
+    def weight_norms(self, indices: Sequence[int]) -> torch.Tensor:
+        """L2 norm of each parameter now, as one float32 tensor on the device."""
+        return _stack_norms([self.params[i].detach() for i in indices])
+
+    def update_norms(
+        self, before: list[torch.Tensor], snapped: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms of the change of the parameters ``snapped`` since their snapshots
+        ``before``, and of ``before`` itself. The snapshots' memory is reused for the
+        differences: they are spent."""
+        previous = _stack_norms(before)
+        torch._foreach_sub_(before, [self.params[i].detach() for i in snapped])
+        return _stack_norms(before), previous
+
+    def describe(self, obs: Observation, indices: Sequence[int]) -> None:
+        """Name the parameters behind ``obs``'s per-parameter arrays: ``indices``."""
+        obs.names = tuple(self.names[i] for i in indices)
+        obs.numel = self.numel[indices]
+        obs.is_matrix = self.is_matrix[indices]
+        obs.fan_in = self.fan_in[indices]
+        obs.unoptimized = self.unoptimized
+
+
+def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """All L2 norms in one fused kernel, accumulated in float32, stacked into one tensor.
+
+    Accumulating in float32 keeps an fp16/bf16 tensor of large but finite values from
+    reporting an infinite norm (which would read as a non-finite gradient).
+    """
+    if all(t.dtype != torch.float64 for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    # float64 cannot be narrowed inside the norm: take those apart, keep the order
+    out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
+    rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
+    for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
+        if idx:
+            norms = torch._foreach_norm([tensors[i] for i in idx], 2, **kw)
+            for i, n in zip(idx, norms, strict=True):
+                out[i] = n.float()
+    return torch.stack(out)
+
+
+#: The integer type of each element size, to read a tensor's bit patterns as integers.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An exact checksum of each tensor: the int64 sum of its elements' bit patterns.
+
+    Integer addition does not depend on the order of the sum, so identical tensors give
+    identical checksums on any rank and any kernel, and changing any element changes it
+    (floats would round, and a norm cannot see a sign flip or a permutation within a
+    row either). One int64 tensor on the device; no copy of any tensor is made.
+    """
+    out = []
+    for t in tensors:
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        bits = t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+        out.append(bits.sum(dtype=torch.int64))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+#: Layers whose weight has one row per output unit (dim 0): dense and convolution layers.
+UNIT_LAYERS: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+)
+
+
+def unit_layers(
+    module: torch.nn.Module, probe: ParameterProbe
+) -> list[tuple[str, int, torch.nn.Module]]:
+    """``(module name, index of its weight in probe, module)`` for each watched layer with units."""
+    out = []
+    for name, mod in module.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, UNIT_LAYERS) and isinstance(w, torch.Tensor) and id(w) in probe.index:
+            out.append((name or type(mod).__name__, probe.index[id(w)], mod))
+    return out
+
+
+def zero_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """For each gradient, 1.0 for every output unit (row) that is zero, else 0.0.
+
+    The row's L2 norm, accumulated in float32, is zero exactly when every entry is
+    (or under ~1e-19, where a square underflows): on the CPU it is ~10x faster than
+    the max-abs norm, and it leaves no temporary the size of the gradient.
+    """
+    return torch.cat(
+        [
+            (
+                torch.linalg.vector_norm(g.detach().flatten(1), 2, dim=1, dtype=torch.float32) == 0
+            ).float()
+            for g in grads
+        ]
+    )
+
+
+#: Elements histogrammed at once: bounds the temporaries of one large tensor.
+_HISTOGRAM_CHUNK = 2**24
+
+
+def magnitude_histograms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """For each tensor, how many of its elements fall in each magnitude bin: exact zeros,
+    then ``(0, e0]``, ``(e0, e1]`` … up to ``(e_last, inf)`` for the edges of
+    :data:`~stethoscope.statistics.DISTRIBUTION_EDGES`, then non-finite values.
+
+    One float32 tensor ``(len(tensors), DISTRIBUTION_BINS)`` on the device (counts are
+    exact below 2**24 per bin). Large tensors are taken in chunks, so the temporaries
+    stay a few times :data:`_HISTOGRAM_CHUNK` elements whatever the model.
+    """
+    bins = DISTRIBUTION_BINS
+    if not tensors:
+        return torch.zeros((0, bins))
+    device = tensors[0].device
+    edges = torch.tensor(DISTRIBUTION_EDGES, dtype=torch.float32, device=device)
+    rows = []
+    with torch.no_grad():
+        for t in tensors:
+            counts = torch.zeros(bins, dtype=torch.int64, device=device)
+            for chunk in t.detach().reshape(-1).split(_HISTOGRAM_CHUNK):
+                a = chunk.abs().float()
+                index = torch.bucketize(a, edges) + 1  # (0, e0] -> 1 … (e_last, inf) -> bins - 2
+                index = torch.where(a == 0, 0, index)
+                index = torch.where(torch.isfinite(a), index, bins - 1)
+                counts += torch.bincount(index, minlength=bins)
+            rows.append(counts)
+    return torch.stack(rows).float()

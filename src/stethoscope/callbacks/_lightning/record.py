@@ -1,0 +1,93 @@
+"""One training step's measurements, kept on the device until they are read in one go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Reading", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a record hands the host reader: where its numbers go, and the numbers.
+
+    Args:
+        step: The optimizer step measured.
+        epoch: Its epoch.
+        lr: The learning rate of the first parameter group then, if known.
+        params: The watched parameters the per-parameter statistics describe, in order.
+        layout: ``(statistic, elements, contexts)`` for each statistic measured, in the
+            order of the tensor: ``contexts`` holds what decoding needs, one per part.
+        values: Every statistic's numbers, flattened into one float32 tensor.
+    """
+
+    step: int
+    epoch: int
+    lr: float | None
+    params: tuple[int, ...]
+    layout: tuple[tuple[str, int, tuple[Any, ...]], ...]
+    values: torch.Tensor
+
+
+@dataclass
+class StepRecord:
+    """What the hooks of one optimizer step measured, by statistic, still on the device.
+
+    The hooks fill it (see :mod:`stethoscope.callbacks._lightning.reductions`); at each
+    batch end the callback takes what was measured since the last take as one
+    :class:`Reading`, which crosses to the host in one transfer.
+
+    Args:
+        step: The optimizer step (``trainer.global_step`` when it began).
+        epoch: Its epoch.
+        plan: The statistics the monitor asked for.
+    """
+
+    step: int
+    epoch: int
+    plan: frozenset[str]
+    #: The watched parameters an optimizer stepped this step (with a gradient), in the
+    #: order the per-parameter statistics were measured.
+    params: list[int] = field(default_factory=list)
+    #: Samples behind this step's gradients: every micro-batch, every rank (0: unknown).
+    samples: int = 0
+    #: Snapshots of the parameters ``snapped`` before the update (the ``updates`` probe).
+    snapshots: list[torch.Tensor] = field(default_factory=list)
+    snapped: list[int] = field(default_factory=list)
+    #: Whether forward hooks are attached for this step.
+    forward: bool = False
+    _parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _contexts: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the plan asks for more than the every-step loss."""
+        return len(self.plan) > 1
+
+    @property
+    def pending(self) -> bool:
+        """Whether anything measured waits to be read (or forward hooks to be collected)."""
+        return bool(self._parts) or self.forward
+
+    def add(self, statistic: str, tensor: torch.Tensor, context: Any = None) -> None:
+        """Keep ``tensor`` (flattened, float32) as a part of ``statistic``'s reading, with
+        what its decoding needs to know."""
+        self._parts.setdefault(statistic, []).append(tensor.reshape(-1).float())
+        self._contexts.setdefault(statistic, []).append(context)
+
+    def take(self, lr: float | None) -> Reading | None:
+        """What was measured since the last take, as one reading (None: nothing)."""
+        if not self._parts:
+            return None
+        layout = []
+        tensors = []
+        for name, parts in self._parts.items():
+            tensors.extend(parts)
+            n = sum(t.numel() for t in parts)
+            layout.append((name, n, tuple(self._contexts[name])))
+        self._parts, self._contexts = {}, {}
+        values = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return Reading(self.step, self.epoch, lr, tuple(self.params), tuple(layout), values)

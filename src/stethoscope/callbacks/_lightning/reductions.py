@@ -1,0 +1,375 @@
+"""The Lightning adapter's reduction of each statistic: what the hooks measure on the
+device, and how the host's copy becomes observation fields, side by side.
+
+Each :class:`Reduction` serves a statistic of :mod:`stethoscope.statistics` (the forward
+hooks serve three at once). It measures at the hooks it needs, on the steps whose plan
+names its statistic, and hands the tensors to the step's :class:`StepRecord`:
+
+- :meth:`~Reduction.at_start`: the step's first batch, before its forward pass;
+- :meth:`~Reduction.micro_batch`: each later micro-batch of the step (accumulation);
+- :meth:`~Reduction.before_step`: before an optimizer steps the watched parameters
+  ``indices`` (their gradients complete);
+- :meth:`~Reduction.at_end`: after a batch, and so after the optimizer step on the
+  step's last micro-batch.
+
+:meth:`~Reduction.decode` turns the statistic's numbers back into fields; per-parameter
+arrays follow ``record.params``, the parameters the optimizers stepped, in order.
+
+The statistics gathered from every rank where the ranks meet are not per step: their
+reductions (:class:`ReplicaChecksums`, :class:`RankTiming`) hand the meeting this rank's
+values instead (``shared``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from stethoscope.callbacks._lightning.batch import class_labels, input_moments
+from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.parameters import (
+    ParameterProbe,
+    checksums,
+    magnitude_histograms,
+    zero_rows,
+)
+from stethoscope.callbacks._lightning.record import StepRecord
+from stethoscope.observation import Observation
+from stethoscope.statistics import DISTRIBUTION_BINS
+
+__all__ = [
+    "ClassLabels",
+    "Distributions",
+    "ForwardStatistics",
+    "GradNorms",
+    "InputScale",
+    "Loss",
+    "RankTiming",
+    "Reduction",
+    "ReplicaChecksums",
+    "UnitRows",
+    "UpdateNorms",
+    "WeightNorms",
+]
+
+
+class Reduction:
+    """The measuring and decoding of one statistic (or a few that share a probe)."""
+
+    #: The statistics it serves.
+    statistics: ClassVar[frozenset[str]] = frozenset()
+    #: The name its parts carry in a step's record (its statistic's, or its probe's).
+    name: ClassVar[str] = ""
+    #: Whether it measures the parameters an optimizer steps (the callback then tells the
+    #: record which ones, in :meth:`before_step`'s order).
+    per_parameter: ClassVar[bool] = False
+
+    def at_start(self, record: StepRecord, batch: Any) -> None:
+        """The step's first batch, before its forward pass."""
+
+    def micro_batch(self, record: StepRecord, batch: Any) -> None:
+        """A later micro-batch of the same step."""
+
+    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+        """Before an optimizer steps the watched parameters ``indices``."""
+
+    def at_end(self, record: StepRecord) -> None:
+        """After a batch (after the optimizer step, on the step's last micro-batch)."""
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        """Fill ``obs`` from this statistic's numbers and the contexts of its parts."""
+        raise NotImplementedError
+
+
+class Loss(Reduction):
+    """The batch's training loss, every step (the callback measures it at batch end)."""
+
+    statistics = frozenset({"loss"})
+    name = "loss"
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.loss = float(values[0])
+
+
+class GradNorms(Reduction):
+    """Each gradient's L2 norm, in one fused kernel per optimizer."""
+
+    statistics = frozenset({"grads"})
+    name = "grads"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+        record.add("grads", self.probe.grad_norms(indices))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.grad_norm = values
+
+
+class WeightNorms(Reduction):
+    """Each parameter's L2 norm after the optimizer step."""
+
+    statistics = frozenset({"weights"})
+    name = "weights"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def at_end(self, record: StepRecord) -> None:
+        if record.params:
+            record.add("weights", self.probe.weight_norms(record.params))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.weight_norm = values
+
+
+class UpdateNorms(Reduction):
+    """How far the optimizer step moved each parameter: a snapshot before it (bounded by
+    the probe's budget: large models take turns), the norm of the difference after."""
+
+    statistics = frozenset({"updates"})
+    name = "updates"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+        chosen = self.probe.choose(indices)
+        record.snapshots.extend(self.probe.snapshot(chosen))
+        record.snapped.extend(chosen)
+
+    def at_end(self, record: StepRecord) -> None:
+        if not record.snapshots:
+            return
+        updates, previous = self.probe.update_norms(record.snapshots, record.snapped)
+        where = {i: k for k, i in enumerate(record.params)}
+        positions = tuple(where[i] for i in record.snapped)
+        record.add("updates", torch.cat([updates, previous]), (len(record.params), positions))
+        record.snapshots, record.snapped = [], []
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        ((size, positions),) = contexts
+        updates, previous = np.split(values, 2)
+        obs.update_norm = np.full(size, np.nan)  # measured on a subset: NaN for the others
+        obs.update_norm[list(positions)] = updates
+        obs.prev_weight_norm = np.full(size, np.nan)
+        obs.prev_weight_norm[list(positions)] = previous
+
+
+class UnitRows(Reduction):
+    """Which output units of each dense or convolution layer got an exactly-zero
+    gradient row, and the samples behind those gradients.
+
+    Args:
+        probe: The watched parameters.
+        layers: ``(name, index of its weight, module)`` of each layer with units.
+        samples: ``batch -> samples in it`` on every rank (0: unknown).
+    """
+
+    statistics = frozenset({"units"})
+    name = "units"
+    per_parameter = True
+
+    def __init__(
+        self,
+        probe: ParameterProbe,
+        layers: Sequence[tuple[str, int, Any]],
+        samples: Callable[[Any], int],
+    ) -> None:
+        self.probe, self.layers, self.samples = probe, layers, samples
+
+    def at_start(self, record: StepRecord, batch: Any) -> None:
+        record.samples = self.samples(batch)
+
+    def micro_batch(self, record: StepRecord, batch: Any) -> None:
+        record.samples += self.samples(batch)  # the gradient rows hold every micro-batch
+
+    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+        chosen = set(indices)
+        layers = [(name, i) for name, i, _ in self.layers if i in chosen]
+        if layers:
+            grads = [self.probe.params[i].grad for _, i in layers]
+            units = tuple((name, g.shape[0]) for (name, _), g in zip(layers, grads, strict=True))
+            # every micro-batch of the step has started by now: the samples are complete
+            record.add("units", zero_rows(grads), (units, record.samples))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        layers = [layer for units, _ in contexts for layer in units]
+        obs.unit_samples = contexts[-1][1]
+        obs.unit_names = tuple(name for name, _ in layers)
+        cuts = np.cumsum([units for _, units in layers])[:-1]
+        obs.unit_zero = tuple(part.astype(bool) for part in np.split(values, cuts))
+
+
+class InputScale(Reduction):
+    """The per-feature mean square of the step's first batch of inputs."""
+
+    statistics = frozenset({"inputs"})
+    name = "inputs"
+
+    def __init__(self, inputs_of: Callable[[Any], Any]) -> None:
+        self.inputs_of = inputs_of
+
+    def at_start(self, record: StepRecord, batch: Any) -> None:
+        moments = input_moments(self.inputs_of(batch))
+        if moments is not None:
+            record.add("inputs", moments[0], moments[1])
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.input_sq, obs.input_count = values, contexts[0]
+
+
+class ClassLabels(Reduction):
+    """The step's first batch of class labels, with a validity flag decided on the device
+    (a float target that is not rows of probabilities holds no class labels)."""
+
+    statistics = frozenset({"labels"})
+    name = "labels"
+
+    def __init__(self, labels_of: Callable[[Any], Any]) -> None:
+        self.labels_of = labels_of
+
+    def at_start(self, record: StepRecord, batch: Any) -> None:
+        labels = class_labels(self.labels_of(batch))
+        if labels is not None:
+            record.add("labels", labels)
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        if values[-1] == 1.0:  # the validity flag: class labels after all
+            obs.labels = values[:-1].astype(np.int64)
+
+
+class ForwardStatistics(Reduction):
+    """Forward hooks for one step: the inputs of tanh and sigmoid activations
+    (``activations``), the outputs of layers with units (``outputs``), and whether each
+    module's output was finite, in the order they ran (``trace``)."""
+
+    statistics = frozenset({"activations", "outputs", "trace"})
+    name = "forward"
+
+    def __init__(self, forward: ForwardProbe) -> None:
+        self.forward = forward
+
+    def at_start(self, record: StepRecord, batch: Any) -> None:
+        plan = record.plan
+        self.forward.attach(
+            activations="activations" in plan, outputs="outputs" in plan, trace="trace" in plan
+        )
+        record.forward = True
+
+    def at_end(self, record: StepRecord) -> None:
+        if not record.forward:
+            return
+        record.forward = False
+        names, kinds, values = self.forward.collect()
+        if values is not None:
+            record.add("forward", values, (tuple(names), tuple(kinds)))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        ((names, kinds),) = contexts
+        acts = [i for i, k in enumerate(kinds) if k != "trace"]
+        offsets = np.cumsum([0] + [1 if k == "trace" else 3 for k in kinds])
+        if acts:
+            rows = np.stack([values[offsets[i] : offsets[i] + 3] for i in acts])
+            obs.act_names = tuple(names[i] for i in acts)
+            obs.act_kinds = tuple(kinds[i] for i in acts)
+            obs.act_saturated, obs.act_rms, obs.act_max = rows[:, 0], rows[:, 1], rows[:, 2]
+        traced = [i for i, k in enumerate(kinds) if k == "trace"]
+        if traced:
+            obs.trace_names = tuple(names[i] for i in traced)
+            obs.trace_finite = np.array([values[offsets[i]] for i in traced]) == 1.0
+
+
+class Distributions(Reduction):
+    """A magnitude histogram of each gradient (before the optimizer step) and of each
+    parameter (after it), on the bins of ``DISTRIBUTION_EDGES``."""
+
+    statistics = frozenset({"distributions"})
+    name = "distributions"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+        grads = [self.probe.params[i].grad for i in indices]
+        record.add("distributions", magnitude_histograms(grads), ("grads", len(indices)))
+
+    def at_end(self, record: StepRecord) -> None:
+        if record.params:
+            weights = [self.probe.params[i] for i in record.params]
+            hist = magnitude_histograms(weights)
+            record.add("distributions", hist, ("weights", len(record.params)))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        rows = values.reshape(-1, DISTRIBUTION_BINS)
+        parts: dict[str, list[np.ndarray]] = {"grads": [], "weights": []}
+        at = 0
+        for kind, n in contexts:  # gradients per optimizer, then the weights
+            parts[kind].append(rows[at : at + n])
+            at += n
+        if parts["grads"]:
+            obs.grad_hist = np.concatenate(parts["grads"])
+        if parts["weights"]:
+            obs.weight_hist = np.concatenate(parts["weights"])
+
+
+class ReplicaChecksums:
+    """Under DDP: an exact checksum of every replica's parameters (and of the buffers DDP
+    does not re-broadcast), for the meeting to compare across ranks."""
+
+    statistics = frozenset({"replicas"})
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]], buffers: int) -> None:
+        self.tensors = [t for _, t in named]
+        self.names = tuple(n for n, _ in named)
+        self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
+
+    def shared(self) -> dict[str, Any]:
+        return {
+            "replica_sums": checksums(self.tensors).cpu().numpy(),
+            "replica_names": self.names,
+            "replica_buffer": self.buffer,
+        }
+
+
+class RankTiming:
+    """Under DDP: how long this rank spent alone per batch (data loading and the forward
+    pass, which no collective waits in) since the ranks last compared."""
+
+    statistics = frozenset({"ranks"})
+
+    def __init__(self) -> None:
+        self.mark: float | None = None  # when this rank last finished a batch
+        self.busy, self.batches = 0.0, 0
+
+    def batch_done(self) -> None:
+        self.mark = time.perf_counter()
+
+    def before_backward(self) -> None:
+        if self.mark is not None:
+            self.busy += time.perf_counter() - self.mark
+            self.batches += 1
+
+    def pause(self) -> None:
+        """The next batch comes after an epoch start or a validation: not timed."""
+        self.mark = None
+
+    def shared(self) -> dict[str, Any]:
+        busy = self.busy / self.batches if self.batches else math.nan
+        self.busy, self.batches = 0.0, 0
+        return {"rank_busy": busy}
+
+
+def planned(reductions: Iterable[Reduction], plan: frozenset[str]) -> tuple[Reduction, ...]:
+    """The reductions that serve a statistic of ``plan``."""
+    return tuple(r for r in reductions if not r.statistics.isdisjoint(plan))
