@@ -94,7 +94,7 @@ FAULT_KINDS = (
     "zero_lr_group",
 )
 
-#: The detector names the library registers (DESIGN.md's stable names, which
+#: The detector names the library registers (the stable names of docs/detectors.md, which
 #: ``tests/test_contract.py`` holds the library to): ``expect`` and ``collateral`` use them.
 DETECTOR_NAMES = frozenset(DETECTORS)
 

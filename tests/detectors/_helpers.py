@@ -109,7 +109,7 @@ def assert_actionable(finding: Finding, *fix_words: str) -> None:
         assert word.lower() in fix, (word, msg)
 
 
-# -- healthy sequences (REFERENCES.md, "Calibration facts for healthy runs") ------------------
+# -- healthy sequences (docs/detectors.md, "What healthy runs do") -----------------------------
 def decaying_loss(seed: int, n: int = 2000, hard: float = 2.0, p_hard: float = 0.01):
     """Exponential decay 2.3 → 0.005, lognormal(σ=0.3) noise, ``p_hard`` batches ``hard``x."""
     rng = np.random.default_rng(seed)

@@ -60,7 +60,7 @@ def negative_decreasing(seed: int) -> np.ndarray:
 
 
 def converged_then_up_1_5x(seed: int) -> np.ndarray:
-    """Converges 2.3 → 0.005 in 500 steps, then drifts up to 0.0075 (healthy, per REFERENCES)."""
+    """Converges 2.3 → 0.005 in 500 steps, then drifts up to 0.0075 (healthy: docs/detectors.md)."""
     level = np.concatenate(
         [2.3 * (0.005 / 2.3) ** (np.arange(500) / 499), 0.005 * (1 + 0.5 * np.arange(500) / 499)]
     )
@@ -83,7 +83,7 @@ TRAPS = {
 #   step 22) and on batch-8 mixture noise in 4/100 (all at steps 20-26);
 # - loss_not_decreasing fired at step 200 on "batch8-decaying" in 12/100 seeds (seed 4: 1.7%
 #   progress), because batch-8 noise moves a 50-step mean by ~9% of a 10% bar.
-# "decaying-hard-batches" models the healthy run the product claims silence on (README: "a loss
+# "decaying-hard-batches" models a healthy run that must stay silent (docs/detectors.md: "a loss
 # converging to ~0.005 (hard batches jump 10x there)"; LossSpike's docstring): lognormal(0.3)
 # minibatch noise and 1% hard batches at 2x. It is not quiet on every seed: 1/100 false alarm
 # remains; seeds 0-4 are not among them by measurement, not by choice (the trap kept its seeds).

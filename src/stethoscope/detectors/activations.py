@@ -30,11 +30,8 @@ class DeadRelu(Detector):
 
     Sources: SageMaker Debugger ``dead_relu`` (a unit active < 1% of the time is
     dead; fire when > 50% of a layer is); CS231n: "as much as 40% of your network
-    can be dead" when the learning rate is too high. ``min_samples=512``: a unit
-    active on 1% of samples, alive by SageMaker's rule, has a zero row on 8
-    batches of 8 in a row with probability 0.99**64 = 52%, and over 512 samples
-    0.6%; on batch-8 SGD (the fault suite's noisy control, 12 seeds) 8 steps
-    called 52% of a layer dead where 11% of its units never fired again.
+    can be dead" when the learning rate is too high. Why ``min_samples=512``:
+    docs/detectors.md.
 
     Args:
         threshold: Dead fraction of a layer's units above which it is a warning.

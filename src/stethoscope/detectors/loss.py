@@ -32,15 +32,8 @@ class LossSpike(Detector):
     rest does the work). The envelope is ours: minibatch losses are heavy-tailed
     (a converged loss of ~0.005 jumps 10x on a hard batch; batch-8 training with
     label noise jumps 7x), which a MAD cannot see; a spike must be ``tail`` times the
-    largest healthy jump of the last ~``memory`` steps. Measured on synthetic
-    curves (``tests/detectors``) and real runs: ``tail=4, memory=300`` keeps every
-    healthy Lightning trap quiet while catching 48/50 10x spikes on a noisy
-    decaying loss; ``tail=2`` or a shorter memory cried wolf on real converged runs,
-    and ``tail=3`` on batch-8 SGD with 20% label noise. On that run (12 seeds) the
-    largest jump over the envelope came in the first 200 steps in 9 seeds, up to 7x
-    it at step 62 (a batch with most of its labels wrong, before the envelope had
-    seen one), while after step 300 it stayed under 3.7x; hence the young
-    envelope's wider bar. The fault suite's single-batch faults jump 8.5-55x it.
+    largest healthy jump of the last ~``memory`` steps. How ``tail``, ``memory`` and
+    the young envelope's wider bar were calibrated: docs/detectors.md.
 
     Args:
         z: Robust z-score above the window median.
@@ -236,13 +229,10 @@ class UnstableLoss(Detector):
     steps in a row: warning. When the level is above twice the initial loss for
     as long: error, training has diverged.
 
-    Sources: thresholds scale with the run's own initial loss because a
-    converged loss of ~0.005 can rise 1.5x between windows on a healthy run;
-    ``rise=0.4`` because batch-8 SGD with 20% label noise wanders: its 50-step
-    level rose 21-35% of the initial loss above its best in 10 of 10 healthy runs
-    (1 of them for 20 steps past the 6-standard-error noise bar, which 0.25 let through);
-    Megatron and PaLM treat a loss that stays far above its running level as a
-    reason to roll back.
+    Sources: Megatron and PaLM treat a loss that stays far above its running level
+    as a reason to roll back. Thresholds scale with the run's own initial loss, not
+    with the current level, because a converged loss of ~0.005 can rise 1.5x between
+    windows on a healthy run. Why ``rise=0.4``: docs/detectors.md.
 
     Args:
         window: Steps per windowed median.
