@@ -14,7 +14,7 @@ from stethoscope.observation import Observation
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import EVENT, GATHERED, REPLICATED
+from stethoscope.statistics import EVENT, GATHERED, REPLICATED, with_requirements
 from stethoscope.summary import EpochSummary, SummaryRow
 
 __all__ = ["SAMPLER", "Monitor"]
@@ -132,9 +132,10 @@ class Monitor:
             for d in run:
                 if not d.finished(step):
                     wanted |= d.needs | d.wants
-            probes = self._plan_cache[key] = frozenset(wanted - EVENT - GATHERED)
+            probes = with_requirements(wanted) - EVENT - GATHERED
+            self._plan_cache[key] = probes
         if self._deep:
-            probes = probes | (self._deep - EVENT - GATHERED)
+            probes = probes | (with_requirements(self._deep) - EVENT - GATHERED)
         return probes
 
     def due(self, step: int) -> frozenset[str]:

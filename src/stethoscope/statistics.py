@@ -43,6 +43,7 @@ __all__ = [
     "Cadence",
     "Field",
     "Statistic",
+    "with_requirements",
 ]
 
 
@@ -127,6 +128,7 @@ class Statistic:
         cadence: When it is measured.
         across_ranks: How the ranks of a distributed run combine it.
         across_replicas: How the replicas of one process combine it.
+        requires: Statistics measured whenever it is (what its fields mean only beside).
     """
 
     name: str
@@ -135,6 +137,7 @@ class Statistic:
     cadence: Cadence = Cadence.SAMPLED
     across_ranks: AcrossRanks = AcrossRanks.OWN
     across_replicas: AcrossReplicas = AcrossReplicas.SAME
+    requires: frozenset[str] = frozenset()
 
     @property
     def marker(self) -> str:
@@ -259,6 +262,7 @@ STATISTICS: dict[str, Statistic] = {
                 ),
             ),
             across_ranks=AcrossRanks.REPLICATED,
+            requires=frozenset({"weights"}),  # an update is judged against the weights
         ),
         Statistic(
             "units",
@@ -450,3 +454,14 @@ GATHERED: frozenset[str] = _names(cadence=Cadence.MEETING)
 REPLICATED: frozenset[str] = _names(ranks=AcrossRanks.REPLICATED)
 #: Statistics an adapter measures on the steps it is asked to (every step or sampled).
 PLANNED: frozenset[str] = frozenset(STATISTICS) - EVENT - GATHERED
+
+
+def with_requirements(names: frozenset[str] | set[str]) -> frozenset[str]:
+    """``names`` and every statistic they require, transitively."""
+    out = set(names)
+    todo = list(out)
+    while todo:
+        for required in STATISTICS[todo.pop()].requires - out:
+            out.add(required)
+            todo.append(required)
+    return frozenset(out)

@@ -254,10 +254,10 @@ def test_after_fit_the_model_trains_without_the_probe():
     cb = watch()
     fit(model, cb, x, y)
     assert_clean(model)
-    probe = cb._probe
-    before = probe.losses.numpy().copy()
+    losses = cb._probe.variables["losses"]
+    before = losses.numpy().copy()
     fit(model, keras.callbacks.TerminateOnNaN(), x, y)  # retraced with no wrapper in it
-    np.testing.assert_array_equal(probe.losses.numpy(), before)
+    np.testing.assert_array_equal(losses.numpy(), before)
     model.evaluate(x, y, verbose=0)
     model.predict(x, verbose=0)
 
@@ -374,8 +374,8 @@ def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
     def dispatch(*args, **kwargs):
         logs = real(*args, **kwargs)
         if probe.heavy:
-            step = int(probe.read(probe.sampled_at))
-            handed[step] = {probe._returned_name[i] for i in probe._returned}
+            step = probe.sampled_at()
+            handed[step] = set(probe.variables._returned)
         return logs
 
     probe.dispatch = dispatch
@@ -383,7 +383,7 @@ def test_a_sampled_step_measures_the_probes_it_planned_and_no_others():
     steps = N // BATCH
     assert sorted(handed) == list(range(steps, 2 * steps, 2))
     for step, names in handed.items():
-        assert names - {"sampled_at", "iterations", "input_sq", "input_shape"} == set(), step
+        assert names - {"sampled_at", "input_sq", "input_shape"} == set(), step
         assert ("input_sq" in names) == (step % 4 == 0), step
     assert [o.step for o in grads.seen] == list(range(0, 2 * steps, 2))
     assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
@@ -399,9 +399,9 @@ def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
     """A new set of planned probes traces a new heavy function only while fewer than
     MAX_WHOLE_FUNCTIONS are traced; past that it runs the smallest traced function that
     measures them all (or, with none, one that measures every probe)."""
-    from stethoscope.callbacks import _keras
+    from stethoscope.callbacks._keras import probe as keras_probe
 
-    monkeypatch.setattr(_keras, "MAX_WHOLE_FUNCTIONS", 1)
+    monkeypatch.setattr(keras_probe, "MAX_WHOLE_FUNCTIONS", 1)
     x, y = data()
     model = mlp()
     grads, inputs, cb = gradients_every_2_inputs_every_4()
@@ -413,7 +413,9 @@ def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
     assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
     assert [o.step for o in inputs.seen] == list(range(0, 2 * N // BATCH, 4))
     probe = cb._probe
-    assert probe._whole_key(frozenset({"units"})) == _keras.WHOLE_PROBES
+    every = {"grads", "weights", "updates", "units", "distributions", "inputs", "labels"}
+    every |= {"activations", "outputs", "trace"}
+    assert probe._whole_key(frozenset({"units"})) == every
 
 
 # -- fits, executions, model styles ---------------------------------------------------------
@@ -640,7 +642,7 @@ def test_a_recurrent_cell_inside_its_loop_is_probed():
     spy = Spy({"grads", "outputs", "trace"})
     cb = watch(spy, escalate=False, intervals={"recorder": 2})
     fit(model, cb, x, y, epochs=2)
-    assert spy.seen and cb._probe.direct
+    assert spy.seen and cb._probe.regime.direct
     for obs in spy.seen:
         assert "gru_cell" in " ".join(obs.trace_names)
         assert obs.trace_finite.all() and np.isfinite(obs.grad_norm).all()

@@ -19,36 +19,18 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StethoscopeBase
-from stethoscope.callbacks._keras import (
-    GROUPS,
-    MAX_CLASSES,
-    MAX_FEATURES,
-    GraphProbe,
-    distribution,
-)
+from stethoscope.callbacks._keras.layers import distribution
+from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.detectors import Detector
 from stethoscope.observation import Observation
 from stethoscope.policy import StopOn
 from stethoscope.sinks import RunContext, Sink
+from stethoscope.statistics import EVERY_STEP
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
 
 #: Keras backends whose train step can carry the in-graph probes.
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
-
-# which probe groups of the graph serve each probe the monitor plans
-_GROUPS_OF = {
-    "grads": {"grads"},
-    "weights": {"weights"},
-    "updates": {"weights", "updates"},
-    "units": {"units"},
-    "inputs": {"inputs"},
-    "labels": {"labels"},
-    "activations": {"forward"},
-    "outputs": {"forward"},
-    "trace": {"trace"},
-}
-_IDLE = (-1, (0,) * len(GROUPS))
 
 
 class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
@@ -131,11 +113,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
         self._next = 0  # the global step of the next train step
-        self._current = _IDLE  # what the graph variables ask for now
         # the execution launched last and not yet judged: (first step, sampled step, plan)
         self._pending: tuple[int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
-        self._batch_samples = 0  # samples per batch, once the inputs were probed (0: unknown)
 
     # -- set-up / tear-down -----------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -171,7 +151,6 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
         self._next = step0
-        self._current = _IDLE
         self._pending = None
         probe.start(step0)
         probe.install()
@@ -210,15 +189,12 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if probe is None:
             return
         chosen, plan = -1, frozenset()
-        for step in range(self._next, self._next + probe.k):
+        for step in range(self._next, self._next + probe.regime.steps):
             planned = self.monitor.plan(step)
-            if planned - {"loss"}:  # more than the every-step loss: a sampled step
+            if planned - EVERY_STEP:  # more than the every-step loss: a sampled step
                 chosen, plan = step, planned
                 break
-        groups: set[str] = set()
-        for p in plan:
-            groups |= _GROUPS_OF.get(p, set())
-        self._current = probe.schedule(chosen if groups else -1, groups, self._current, plan)
+        probe.schedule(chosen, plan)
         self._pending = (self._next, chosen, plan)
 
     def _collect(self) -> None:
@@ -228,9 +204,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             return
         self._pending = None
         first, planned, plan = pending
-        read = probe.read
+        k, direct = probe.regime.steps, probe.regime.direct
         # with several steps per execution, the last one of an epoch may run fewer
-        count = 1 if probe.k == 1 else int(read(self.model.optimizer.iterations)) - first
+        count = 1 if k == 1 else probe.steps_run() - first
         self._next = first + count
         if not probe.saw_loss and not self._warned_no_loss:
             self._warned_no_loss = True
@@ -244,27 +220,24 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         ring = probe.ring()
         losses = ring if probe.saw_loss else None
         last = first + count - 1
-        measured = int(read(probe.sampled_at)) if first <= planned <= last else -1
+        measured = probe.sampled_at() if first <= planned <= last else -1
         bad_at, bad_rank = -1, 0
         replica_losses: list[np.ndarray] = []
         if probe.flagged(ring):  # a step with a non-finite loss or gradient
-            bad_at = first if probe.direct else int(read(probe.bad_at))
-            if probe.replicas > 1:  # which replica's shard made it so
-                replica_losses = probe.copies(probe.losses)
+            bad_at = first if direct else probe.nonfinite_step()
+            if probe.regime.replicas > 1:  # which replica's shard made it so
+                replica_losses = probe.replica_losses()
                 bad_rank = probe.bad_replica()
-            if not probe.direct:  # ready for the next one (off the healthy path); a direct
-                # ring is the step's own output, and its records never wait for the host
-                probe.write(probe.bad_at, np.int64(-1))
-                ring[probe.k] = 0.0
-                probe.write(probe.losses, ring)
+            if not direct:  # ready for the next one (off the healthy path)
+                probe.clear_nonfinite(ring)
         for step in range(first, first + count):
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
-                obs.loss = float(losses[step % probe.k])
+                obs.loss = float(losses[step % k])
                 if replica_losses and not np.isfinite(obs.loss):
-                    obs.rank = _first_nonfinite(replica_losses, step % probe.k)
+                    obs.rank = _first_nonfinite(replica_losses, step % k)
             if step == planned:
-                self._read(obs, plan, fresh=measured == step)
+                probe.decode(obs, plan, fresh=measured == step)
             elif step == bad_at:  # a non-finite loss or gradient switched the reductions on
                 # Judge the loss first: its error escalates the sampler, so the detectors of
                 # the gradients and weights are due at this very step and name the parameter
@@ -273,7 +246,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
                 obs = Observation(step=step, epoch=self._epoch, rank=bad_rank)
-                self._read_forced(obs, bad_rank)
+                probe.decode_nonfinite(obs, bad_rank)
                 self._act(self.monitor.observe(obs, forced=True))
                 continue
             self._act(self.monitor.observe(obs))
@@ -284,103 +257,6 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if isinstance(val, (int, float, np.floating)) and self._probe is not None:
             self._act(self.monitor.observe_validation(max(self._next - 1, 0), epoch, float(val)))
         self._end_epoch(epoch)
-
-    # -- reading the graph's variables -------------------------------------------------
-    def _read(self, obs: Observation, plan: frozenset[str], *, fresh: bool) -> None:
-        """Fill ``obs`` with the probes of ``plan`` that the step computed."""
-        probe = self._probe
-        assert probe is not None
-        read = probe.read
-        if fresh and plan & {"grads", "weights", "updates", "units"}:
-            idx = self._describe(obs)
-            if "grads" in plan:
-                obs.grad_norm = probe.grad_norms()[idx].astype(np.float64)
-            if plan & {"weights", "updates"}:
-                obs.weight_norm = read(probe.weight_norm)[idx].astype(np.float64)
-            if "updates" in plan:
-                obs.update_norm = read(probe.update_norm)[idx].astype(np.float64)
-                obs.prev_weight_norm = read(probe.prev_weight_norm)[idx].astype(np.float64)
-            if "units" in plan and probe.unit_layers:
-                zero = read(probe.unit_zero)
-                cuts = np.cumsum([n for _, _, n in probe.unit_layers])[:-1]
-                kept = set(idx.tolist())
-                parts = [
-                    (name, part.astype(bool))
-                    for (name, pos, _), part in zip(
-                        probe.unit_layers, np.split(zero, cuts), strict=True
-                    )
-                    if pos in kept
-                ]
-                obs.unit_names = tuple(name for name, _ in parts)
-                obs.unit_zero = tuple(part for _, part in parts)
-                obs.unit_samples = self._batch_samples
-        if "inputs" in plan:
-            features, samples = (int(v) for v in read(probe.input_shape))
-            if samples > 0:
-                # the batch's samples (every replica's), as a unit's gradient row sees them:
-                # fit's batches keep one size, so later sampled steps reuse it; this step's
-                # unit rows were read above, before the size was known
-                self._batch_samples = obs.unit_samples = samples
-            if samples > 0 and 0 < features <= MAX_FEATURES:
-                obs.input_sq = read(probe.input_sq)[:features].astype(np.float64)
-                obs.input_count = samples
-        if "labels" in plan:
-            hist = read(probe.label_hist)
-            # bins: the classes, then negative targets (ignored, as in Lightning), then
-            # labels past MAX_CLASSES, then the validity flag
-            counts, too_many, valid = hist[:MAX_CLASSES], hist[-2], hist[-1]
-            if valid == 1.0 and too_many == 0 and counts.sum() > 0:
-                obs.labels = np.repeat(np.arange(MAX_CLASSES), counts.astype(np.int64))
-        if plan & {"activations", "outputs", "trace"} and probe.forward_layers:
-            self._forward(obs, plan, read(probe.forward_rows).astype(np.float64))
-
-    def _read_forced(self, obs: Observation, replica: int) -> None:
-        """The gradient and weight norms the graph took at a step whose loss was not finite
-        (under a strategy: those of the replica that saw it; taken from the summed gradients
-        and the mirrored weights, so the same numbers any replica would have recorded)."""
-        probe = self._probe
-        assert probe is not None
-        idx = self._describe(obs)
-        grads, weights = probe.forced_norms(replica)
-        obs.grad_norm = grads[idx].astype(np.float64)
-        obs.weight_norm = weights[idx].astype(np.float64)
-
-    def _describe(self, obs: Observation) -> np.ndarray:
-        """Name the parameters of a measured step; returns their positions in the probe.
-
-        Only the variables the step updated with a gradient: a variable the train step
-        keeps from optimizer.apply has a NaN placeholder, not a non-finite value (it is
-        named in ``unoptimized`` instead, as the Lightning adapter does)."""
-        probe = self._probe
-        assert probe is not None
-        idx = probe.observed()
-        obs.names = tuple(probe.names[i] for i in idx)
-        obs.numel = probe.numel[idx]
-        obs.is_matrix = probe.is_matrix[idx]
-        obs.fan_in = probe.fan_in[idx]
-        obs.unoptimized = probe.unoptimized()
-        obs.lr = probe.learning_rate()
-        return idx
-
-    def _forward(self, obs: Observation, plan: frozenset[str], rows: np.ndarray) -> None:
-        names, kinds, stats = [], [], []
-        layout = self._probe.forward_kinds() if self._probe is not None else []
-        for (name, kind, units), row in zip(layout, rows, strict=True):
-            if units and "outputs" in plan:
-                names.append(name)
-                kinds.append("layer")
-                stats.append((np.nan, row[1], row[2]))
-            if kind is not None and "activations" in plan:
-                names.append(f"{name}/{kind}" if units else name)
-                kinds.append(kind)
-                stats.append((row[0], row[1], row[2]))
-        if names:
-            arr = np.array(stats, dtype=np.float64)
-            obs.act_names, obs.act_kinds = tuple(names), tuple(kinds)
-            obs.act_saturated, obs.act_rms, obs.act_max = arr[:, 0], arr[:, 1], arr[:, 2]
-        if "trace" in plan:
-            obs.trace_names = tuple(name for name, _, _ in layout)
-            obs.trace_finite = rows[:, 3] != 0.0  # NaN: a layer this step did not call
 
     # -- decisions ------------------------------------------------------------------------
     def _stop_training(self) -> None:

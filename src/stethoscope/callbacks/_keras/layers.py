@@ -1,0 +1,95 @@
+"""What the Keras probe needs to know about a model's layers and its distribution."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+__all__ = ["activation_kind", "distribution", "feeds_activation", "leaf_layers", "unit_layer"]
+
+
+def activation_kind(layer: Any) -> str | None:
+    """``"tanh"``/``"sigmoid"`` when the layer ends in that activation."""
+    fn = getattr(layer, "activation", None)
+    name = getattr(fn, "__name__", None)
+    if name in ("tanh", "sigmoid"):
+        return name
+    return None
+
+
+def unit_layer(layer: Any) -> bool:
+    """Dense and convolution layers: a kernel whose last axis is the output units."""
+    from keras import layers as kl
+
+    convs = (kl.Conv1D, kl.Conv2D, kl.Conv3D)
+    return isinstance(layer, (kl.Dense, *convs)) and not isinstance(
+        layer, (kl.Conv1DTranspose, kl.Conv2DTranspose, kl.Conv3DTranspose)
+    )
+
+
+def leaf_layers(model: Any) -> list[Any]:
+    """The model's layers that contain no other layer, in the order they were added."""
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(layer: Any) -> None:
+        children = getattr(layer, "layers", None)
+        if children is None:
+            children = getattr(layer, "_layers", None) or []
+        children = [c for c in children if isinstance(c, keras.layers.Layer)]
+        if not children and layer is not model:
+            if id(layer) not in seen and not isinstance(layer, keras.layers.InputLayer):
+                seen.add(id(layer))
+                out.append(layer)
+            return
+        for child in children:
+            walk(child)
+
+    walk(model)
+    return out
+
+
+#: ``tf.distribute`` strategies that train on one replica in this process: nothing to
+#: combine (the default one is private: known by its name).
+_SINGLE = ("_DefaultDistributionStrategy", "OneDeviceStrategy")
+
+
+def distribution(model: Any) -> Any | None:
+    """The model's ``tf.distribute.MirroredStrategy``, or None when it trains on one replica.
+
+    Raises:
+        ValueError: For the other strategies, naming the strategy.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return None
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None:
+        return None
+    import tensorflow as tf
+
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return strategy
+    name = type(strategy).__name__
+    if name in _SINGLE:
+        return None
+    raise ValueError(
+        f"KerasStethoscope supports tf.distribute.MirroredStrategy, not {name}: its probe "
+        "keeps a copy of its variables on each replica and reads them from this process, "
+        "which holds every replica only under MirroredStrategy (MultiWorkerMirroredStrategy, "
+        "TPUStrategy, ParameterServerStrategy and CentralStorageStrategy are not supported). "
+        "Train under MirroredStrategy, or without KerasStethoscope."
+    )
+
+
+def feeds_activation(layer: Any) -> bool:
+    """Whether ``layer`` is a Dense/Conv without an activation of its own whose output only
+    activation layers read (known for Sequential and functional models)."""
+    from keras import layers as kl
+
+    own = getattr(getattr(layer, "activation", None), "__name__", "")
+    if not unit_layer(layer) or own not in ("linear", ""):
+        return False
+    consumers = [getattr(n, "operation", None) for n in getattr(layer, "_outbound_nodes", [])]
+    acts = (kl.Activation, kl.ReLU, kl.LeakyReLU, kl.ELU, kl.PReLU, kl.Softmax)
+    return bool(consumers) and all(isinstance(c, acts) for c in consumers)

@@ -1,0 +1,240 @@
+"""The Keras probe's tensor reductions, as pure functions of tensors (``keras.ops``, with
+TensorFlow's single-op forms where TensorFlow runs them).
+
+Every op of a train step costs 10-50 us on a small CPU model whatever its size, so
+these are written in as few ops as they can be."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
+
+__all__ = [
+    "MAX_CLASSES",
+    "ROW",
+    "SATURATED_OUTPUT",
+    "checked",
+    "either",
+    "forward_row",
+    "graph",
+    "half_square",
+    "input_stats",
+    "is_float",
+    "is_symbolic",
+    "label_histogram",
+    "magnitude_histogram",
+    "norms",
+    "put",
+    "scalar",
+    "unit_zero_rows",
+    "value",
+]
+
+#: Class labels are counted in a histogram of this many classes (larger: not judged).
+MAX_CLASSES = 1024
+#: A forward row: saturated fraction, rms, max |x|, finite, elements (to weigh replicas).
+ROW = 5
+#: Output magnitudes that correspond to the saturation bounds on the pre-activation.
+SATURATED_OUTPUT = {
+    "tanh": math.tanh(SATURATION_BOUNDS["tanh"]),
+    "sigmoid": 1.0 / (1.0 + math.exp(-SATURATION_BOUNDS["sigmoid"])),
+}
+
+
+def is_symbolic(x: Any) -> bool:
+    """Whether ``x`` holds Keras' symbolic tensors (a functional model being built)."""
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(x))
+
+
+def is_float(t: Any) -> bool:
+    return "float" in keras.backend.standardize_dtype(t.dtype)
+
+
+def scalar(t: Any) -> bool:
+    """Whether ``t`` is known to be a scalar (a reshape to one is then an op for nothing)."""
+    try:
+        return len(t.shape) == 0
+    except (TypeError, ValueError):  # an unknown rank
+        return False
+
+
+def graph() -> Any:
+    """The TensorFlow graph ops are being built in (None when eager, or on another
+    backend)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def value(v: Any) -> Any:
+    """A variable's value now, as a tensor. ``keras.ops.convert_to_tensor`` hands back the
+    TensorFlow variable itself, which every op that uses it reads anew (after an update
+    in between, too)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(v.value)
+    return ops.convert_to_tensor(v)
+
+
+def put(var: Any, index: Any, row: Any) -> None:
+    """``var[index] = row`` along the first axis, with a mask: ``ops.slice_update`` is an
+    XLA op on TensorFlow, which the CPU runs through an on-demand compilation."""
+    n = var.shape[0]
+    hit = ops.equal(ops.arange(n, dtype="int32"), ops.cast(index, "int32"))
+    if len(var.shape) > 1:
+        hit = ops.reshape(hit, (n,) + (1,) * (len(var.shape) - 1))
+    var.assign(ops.where(hit, row, var))
+
+
+def either(a: Any, b: Any) -> Any:
+    """``a or b`` for Python bools and bool tensors alike, folding the constants away."""
+    if a is True or b is True:
+        return True
+    if a is False:
+        return b
+    if b is False:
+        return a
+    return ops.logical_or(a, b)
+
+
+def half_square(t: Any) -> Any:
+    """``sum(t**2) / 2`` in float32, in one op on TensorFlow (``tf.nn.l2_loss``)."""
+    t = ops.cast(t, "float32")
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.nn.l2_loss(t)
+    return ops.sum(ops.square(t)) / 2.0
+
+
+def norms(halves: dict[int, Any], count: int) -> Any:
+    """The L2 norms of ``count`` tensors from the :func:`half_square` of some of them, by
+    position (NaN for the others): one op per tensor, then two for the vector."""
+    nan = ops.convert_to_tensor(np.float32(np.nan))
+    return ops.sqrt(ops.multiply(ops.stack([halves.get(i, nan) for i in range(count)]), 2.0))
+
+
+def checked(grads: list, tvars: list, position: dict[int, int]) -> tuple[list, dict]:
+    """Each gradient's :func:`half_square`, by variable position, and the gradients to
+    hand the optimizer: each one after its own sum (a control dependency on an identity,
+    no copy). The optimizer's element-wise ops then find the gradient's buffer with no
+    other reader left and update it in place, instead of racing the sums for it."""
+    import tensorflow as tf
+
+    squares: dict[int, Any] = {}
+    out = list(grads)
+    for i, (g, v) in enumerate(zip(grads, tvars, strict=True)):
+        if g is None or id(v) not in position:
+            continue
+        sq = squares[position[id(v)]] = half_square(g)
+        with tf.control_dependencies([sq]):
+            out[i] = tf.identity(g)
+    return out, squares
+
+
+def unit_zero_rows(grads: list[Any | None], units: list[int]) -> Any:
+    """For each kernel gradient (``None``: not handed this step), 1.0 for every output unit
+    (last axis) whose gradient is exactly zero, else 0.0; all layers in one vector."""
+    parts = []
+    for g, n in zip(grads, units, strict=True):
+        if g is None:
+            parts.append(ops.zeros((n,), "float32"))
+            continue
+        axes = tuple(range(len(g.shape) - 1))
+        rows = ops.sum(ops.square(ops.cast(g, "float32")), axis=axes)
+        parts.append(ops.cast(ops.equal(rows, 0.0), "float32"))
+    return ops.concatenate(parts)
+
+
+def input_stats(x: Any, max_features: int) -> tuple[Any, Any] | None:
+    """The per-feature mean square of the first float tensor of ``x``, padded with NaN to
+    ``max_features`` (wider inputs: one number), and ``[features, samples]``; None when
+    ``x`` holds no float tensor."""
+    t = next((t for t in keras.tree.flatten(x) if t is not None and is_float(t)), None)
+    if t is None or len(t.shape) < 1:
+        return None
+    t = ops.cast(ops.stop_gradient(t), "float32")
+    features = t.shape[-1] if len(t.shape) >= 2 else 1
+    if features is None or features > max_features:
+        flat = ops.reshape(t, (-1, 1))
+        features = 1
+    else:
+        flat = ops.reshape(t, (-1, features))
+    mean_sq = ops.mean(ops.square(flat), axis=0)
+    padded = ops.pad(mean_sq, [(0, max_features - features)], constant_values=np.nan)
+    samples = ops.cast(ops.shape(t)[0], "int64")
+    return padded, ops.stack([ops.convert_to_tensor(features, "int64"), samples])
+
+
+def label_histogram(y: Any) -> Any | None:
+    """The class counts of the first tensor of ``y`` (integer labels, or rows of
+    probabilities, their argmax): bins ``0 .. MAX_CLASSES - 1`` the classes, then
+    negative targets (ignored ones), then labels past ``MAX_CLASSES``, then a validity
+    flag (0.0: a float target that is not rows of probabilities). None: no class labels."""
+    t = next((t for t in keras.tree.flatten(y) if t is not None), None)
+    if t is None:
+        return None
+    if len(t.shape) == 2 and t.shape[-1] == 1:
+        t = ops.reshape(t, (-1,))
+    dtype = keras.backend.standardize_dtype(t.dtype)
+    valid = ops.convert_to_tensor(1.0, "float32")
+    if len(t.shape) == 1 and "int" in dtype:
+        labels = ops.cast(t, "int32")
+    elif len(t.shape) == 2 and is_float(t) and t.shape[-1] is not None and t.shape[-1] >= 2:
+        rows_ok = ops.logical_and(
+            ops.all(ops.less(ops.abs(ops.sum(t, axis=1) - 1.0), 1e-3)),
+            ops.all(ops.greater_equal(t, 0)),
+        )
+        valid = ops.cast(rows_ok, "float32")
+        labels = ops.cast(ops.argmax(t, axis=1), "int32")
+    else:
+        return None
+    c = MAX_CLASSES
+    index = ops.where(ops.greater_equal(labels, c), c + 1, labels)
+    index = ops.where(ops.less(labels, 0), c, index)
+    counts = ops.sum(ops.one_hot(index, c + 2, dtype="float32"), axis=0)
+    return ops.concatenate([counts, ops.reshape(valid, (1,))])
+
+
+def forward_row(t: Any, kind: str | None) -> Any:
+    """A layer output's forward row (:data:`ROW`): the fraction of a tanh or sigmoid output
+    in its saturated tails (NaN for other layers), its rms, its max |x|, whether it is all
+    finite, and its elements."""
+    t = ops.cast(ops.stop_gradient(t), "float32")
+    a = ops.abs(t)
+    bound = SATURATED_OUTPUT.get(kind) if kind else None
+    if bound is None:
+        sat = ops.convert_to_tensor(np.float32(np.nan))
+    elif kind == "tanh":
+        sat = ops.mean(ops.cast(ops.greater_equal(a, bound), "float32"))
+    else:  # sigmoid: near 1 or near 0
+        near = ops.logical_or(ops.greater_equal(t, bound), ops.less_equal(t, 1.0 - bound))
+        sat = ops.mean(ops.cast(near, "float32"))
+    finite = ops.cast(ops.all(ops.isfinite(t)), "float32")
+    count = ops.cast(ops.size(t), "float32")
+    return ops.stack([sat, ops.sqrt(ops.mean(ops.square(t))), ops.max(a), finite, count])
+
+
+def magnitude_histogram(t: Any) -> Any:
+    """How many elements of ``t`` fall in each magnitude bin of the ``distributions``
+    statistic (:data:`~stethoscope.statistics.DISTRIBUTION_BINS` counts, float32): exact
+    zeros, the bins of ``DISTRIBUTION_EDGES``, then non-finite values."""
+    a = ops.reshape(ops.abs(ops.cast(ops.stop_gradient(t), "float32")), (-1,))
+    # the edges are 10**(j/2) from 10**(first/2) on: |x| lies above the edges j with
+    # j < 2 log10|x| - first, so it falls in bin 1 + (how many), exact up to the rounding
+    # of a log at an edge itself; temporaries the size of t, not one per edge
+    first = round(2 * math.log10(DISTRIBUTION_EDGES[0]))
+    above = ops.ceil(ops.multiply(ops.log10(a), 2.0) - first)
+    above = ops.cast(ops.clip(above, 0, len(DISTRIBUTION_EDGES)), "int32")
+    index = ops.where(ops.equal(a, 0.0), 0, above + 1)
+    index = ops.where(ops.isfinite(a), index, DISTRIBUTION_BINS - 1)
+    return ops.cast(ops.bincount(index, minlength=DISTRIBUTION_BINS), "float32")

@@ -1,0 +1,398 @@
+"""The host side of the Keras probe: the train functions ``fit`` calls, the request for
+each execution, and what a step measured, read back into an observation.
+
+The train function is traced more than once. The *light* one, run on every step the
+sampler does not select, records the loss and what catches a non-finite step; it does
+not touch the layers' outputs, so TensorFlow fuses and schedules their kernels exactly
+as without the probe. The *heavy* ones run on sampled executions only: in a whole
+regime (one step per execution, in a graph) one is traced per set of statistics the
+sampler plans (a handful per run), measuring exactly those; otherwise one heavy
+function measures whatever the host's request asks for, inside ``cond``\\ s. None of
+them is ever retraced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import keras
+import numpy as np
+
+from stethoscope.callbacks._keras.layers import (
+    activation_kind,
+    feeds_activation,
+    leaf_layers,
+    unit_layer,
+)
+from stethoscope.callbacks._keras.reductions import Layout, make_reductions
+from stethoscope.callbacks._keras.regime import Mode, Regime
+from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
+from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, StepWrappers
+from stethoscope.observation import Observation
+
+__all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe"]
+
+#: Whole heavy functions traced per probe at most: each is a trace of the whole train
+#: step (seconds on a large model), so past this many a step whose set of statistics is
+#: new runs the smallest traced function that measures them all (a superset), or else one
+#: that measures every statistic.
+MAX_WHOLE_FUNCTIONS = 8
+#: Elements of the weights kept from before a sampled update step (float32: 128 MiB): in
+#: variables of the probe for the whole fit, or (a whole heavy function) as the step's
+#: own reads, which the update copies on write; past it, later variables go unmeasured.
+SNAPSHOT_BUDGET = 2**25
+
+
+class GraphProbe:
+    """Installs the in-graph reductions on a compiled Keras model, runs its train
+    functions, and reads back what they measured.
+
+    Args:
+        model: A compiled, built Keras model.
+        steps_per_execution: Train steps per call of the train function.
+        forward: Whether to wrap the leaf layers (activation, output and trace rows).
+        strategy: The model's ``MirroredStrategy`` (see ``layers.distribution``), or None.
+    """
+
+    def __init__(
+        self, model: Any, *, steps_per_execution: int, forward: bool, strategy: Any = None
+    ) -> None:
+        self.model, self.optimizer = model, model.optimizer
+        self.regime = regime = Regime.of(steps_per_execution=steps_per_execution, strategy=strategy)
+        watched = list(model.trainable_variables)
+        self._watched = watched
+        position = {id(v): i for i, v in enumerate(watched)}
+        if strategy is not None:
+            # the optimizer's all-reduce pairs the gradients with the backing tf variables
+            position.update({id(v.value): i for i, v in enumerate(watched)})
+        layers = leaf_layers(model)
+        # A linear Dense/Conv whose output only an activation layer reads is left alone:
+        # reading it (even on a sampled step) would keep TensorFlow from fusing the two,
+        # and the fused ReLU turns a NaN into 0, where the unfused one passes it on.
+        self._layers = [la for la in layers if not feeds_activation(la)] if forward else []
+        self.layout = _layout(watched, layers, self._layers, position)
+        self.reductions = make_reductions(self.layout, regime, position)
+        slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
+        for r in self.reductions:
+            slots += r.slots(self.layout, regime)
+        self.variables = ProbeVariables(
+            slots, strategy=strategy, also_read=[self.optimizer.iterations]
+        )
+        self.wrappers = StepWrappers(
+            model,
+            regime=regime,
+            layout=self.layout,
+            variables=self.variables,
+            reductions=self.reductions,
+            position=position,
+            layers=self._layers,
+            strategy=strategy,
+        )
+        # the switches each statistic needs, and what a whole heavy function can measure
+        self._groups_of: dict[str, frozenset[str]] = {}
+        for r in self.reductions:
+            for s in r.statistics:
+                self._groups_of[s] = self._groups_of.get(s, frozenset()) | {r.group, *r.requires}
+        self._measurable = frozenset(self._groups_of)
+        self._functions: dict[Any, Any] = {}  # "light", "heavy", or a whole one's statistics
+        self._request = (-1, (0,) * len(self.wrappers.groups))  # what the variables ask for
+        self.heavy = False  # the host's choice for the next execution
+        self.planned: frozenset[str] = frozenset()  # ... and a whole function's statistics
+        self._ring: Any = None  # the ring the last execution returned, not yet read
+        self.last_ring = np.zeros(0, dtype=np.float32)  # the one the host read last
+        self._returned_lr: Any = None
+        self._returned_step: Any = None
+        #: Samples per batch, once the inputs were measured (0: unknown).
+        self.batch_samples = 0
+
+    @staticmethod
+    def key(model: Any, *, forward: bool, strategy: Any = None) -> tuple:
+        """What a probe and its traced functions depend on: a later fit whose key is the
+        same reuses them (same model, optimizer, variables, execution settings)."""
+        return (
+            id(model),
+            id(model.optimizer),
+            tuple(id(v) for v in model.trainable_variables),
+            int(model.steps_per_execution),
+            bool(model.run_eagerly),
+            repr(getattr(model, "jit_compile", None)),
+            forward,
+            id(strategy),
+        )
+
+    @property
+    def saw_loss(self) -> bool:
+        """Whether the train step called ``compute_loss`` (the loss detectors need it)."""
+        return self.wrappers.saw_loss
+
+    # -- installing ------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """The optimizer's iteration count at the start of a fit (eager backends count it)."""
+        self.wrappers.py_step = step
+
+    def install(self) -> None:
+        """Wrap the train step, make the light (and, unless whole, the heavy) train
+        function, traced on its first call, and hand ``fit`` the dispatcher."""
+        if self.wrappers.installed:
+            return
+        self.wrappers.install()
+        self._retrace()
+        # A later fit of the same model reuses the functions, already traced: tracing them
+        # again would cost each fit a second or more. They hold the graph, not the wrappers
+        # (which are back on while they run, for a retrace on a new input shape). A whole
+        # heavy function is made when a step first plans its set of statistics (dispatch).
+        for mode in ("light",) if self.regime.whole else ("light", "heavy"):
+            if mode not in self._functions:
+                self._functions[mode] = self._make_function()
+        self.model.train_function = self.dispatch
+
+    def remove(self) -> None:
+        """Take every wrapper off and drop the model's traced functions that contain them."""
+        if not self.wrappers.installed:
+            return
+        self.wrappers.remove()
+        self._retrace()
+
+    def _retrace(self) -> None:
+        """Drop the model's traced functions (they may hold the wrappers, or lack them)."""
+        for attr in ("train_function", "test_function", "predict_function"):
+            if hasattr(self.model, attr):
+                setattr(self.model, attr, None)
+
+    def _make_function(self) -> Any:
+        """A new train function of the model (traced on its first call), leaving ``fit``
+        the dispatcher."""
+        self.model.make_train_function(force=True)
+        fn = self.model.train_function
+        self.model.train_function = self.dispatch
+        return fn
+
+    # -- each execution ----------------------------------------------------------------------
+    def schedule(self, step: int, plan: frozenset[str]) -> None:
+        """Measure ``plan`` at ``step`` in the next execution (``step`` -1: nothing). A whole
+        heavy function is chosen by its statistics; else the request variables are written,
+        only on a change, and never to cancel (a past step can no longer match the
+        iteration count)."""
+        groups = frozenset(g for s in plan for g in self._groups_of.get(s, ()))
+        self.heavy = step >= 0 and bool(groups)
+        if not self.heavy:
+            return
+        if self.regime.whole:
+            self.planned = plan & self._measurable
+            return
+        flags = tuple(1 if g in groups else 0 for g in self.wrappers.groups)
+        if (step, flags) == self._request:
+            return
+        if step != self._request[0]:
+            self.variables.write("sample_at", np.int64(step))
+        if flags != self._request[1]:
+            self.variables.write("flags", np.array(flags, dtype="int32"))
+        self.wrappers.py_sample_at = step
+        self.wrappers.py_flags = np.array(flags, dtype=bool)
+        self._request = (step, flags)
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """The train function ``fit`` calls: a heavy one when the host asked for statistics
+        in this execution, else the light one. Each is traced on its first call, in its
+        mode; outside of them the wrappers do nothing."""
+        key: Any = "light"
+        if self.heavy:
+            key = self._whole_key(self.planned) if self.regime.whole else "heavy"
+        fn = self._functions.get(key)
+        if fn is None:  # a set of statistics this probe has not been asked for yet
+            fn = self._functions[key] = self._make_function()
+        wrappers = self.wrappers
+        wrappers.mode = Mode.LIGHT if key == "light" else Mode.HEAVY
+        wrappers.planned = key if self.regime.whole and self.heavy else frozenset()
+        try:
+            logs = fn(*args, **kwargs)
+        finally:
+            wrappers.mode = Mode.OFF
+        self.variables.hand_back({})
+        self._returned_lr = self._returned_step = None
+        if isinstance(logs, dict) and RING_KEY in logs:
+            logs = dict(logs)
+            self._ring = logs.pop(RING_KEY)
+            returned = logs.pop(PROBES_KEY, None)
+            if returned:
+                self.variables.hand_back({n: v for n, v in returned.items() if n in self.variables})
+                self._returned_lr = returned.get("learning_rate")
+                self._returned_step = returned.get("iterations")
+        return logs
+
+    def _whole_key(self, planned: frozenset[str]) -> frozenset[str]:
+        """The statistics of the whole heavy function that serves ``planned``: its own one,
+        unless :data:`MAX_WHOLE_FUNCTIONS` are traced and none of them is it."""
+        traced = [k for k in self._functions if isinstance(k, frozenset)]
+        if planned in self._functions or len(traced) < MAX_WHOLE_FUNCTIONS:
+            return planned
+        supersets = [k for k in traced if planned <= k]
+        return min(supersets, key=len) if supersets else self._measurable
+
+    # -- reading an execution back ------------------------------------------------------------
+    def ring(self) -> np.ndarray:
+        """The loss ring after the last execution: the losses of its steps, then the flag;
+        a direct ring holds the step's loss, then each variable's gradient sum of squares
+        over 2 (0 for a variable the step handed no gradient)."""
+        ring, self._ring = self._ring, None
+        if ring is None:
+            ring = self.variables.read("losses")
+        elif self.regime.direct:  # read-only, and nothing writes to it
+            ring = ring.numpy()
+        else:
+            ring = np.array(ring)  # a writable copy: the host clears the flag in it
+        self.last_ring = ring
+        return ring
+
+    def flagged(self, ring: np.ndarray) -> bool:
+        """Whether the execution of ``ring`` took a step with a non-finite loss or gradient
+        (a direct ring: its own step; else the step in ``bad_at``)."""
+        if not self.regime.direct:
+            return bool(ring[self.regime.steps] != 0.0)
+        # a sum of squares past float32's range (a norm over 1.8e19) counts as non-finite,
+        # as the norms of a sampled step would say; one Python sum of a few floats is
+        # finite when each of them is, and cheaper than numpy's test on this size
+        values = ring.tolist()
+        return not math.isfinite(sum(values if self.saw_loss else values[1:]))
+
+    def nonfinite_step(self) -> int:
+        """The step of the non-finite record the graph took (not a direct ring)."""
+        return int(self.variables.read("bad_at"))
+
+    def clear_nonfinite(self, ring: np.ndarray) -> None:
+        """Ready the record for the next non-finite step (not a direct ring, whose records
+        are the step's own output and never wait for the host)."""
+        self.variables.write("bad_at", np.int64(-1))
+        ring[self.regime.steps] = 0.0
+        self.variables.write("losses", ring)
+
+    def replica_losses(self) -> list[np.ndarray]:
+        """Each replica's own share of the losses of the last execution."""
+        return self.variables.copies("losses")
+
+    def bad_replica(self) -> int:
+        return self.variables.bad_replica()
+
+    def steps_run(self) -> int:
+        """The optimizer's iteration count after the last execution."""
+        if self._returned_step is not None:
+            return int(np.asarray(self._returned_step))
+        return int(self.variables.read_variable(self.optimizer.iterations))
+
+    def sampled_at(self) -> int:
+        """The step the last heavy execution measured (-1: none)."""
+        return int(self.variables.read("sampled_at"))
+
+    def read(self, name: str) -> np.ndarray:
+        """Slot ``name`` on the host (see :class:`ProbeVariables`)."""
+        return self.variables.read(name)
+
+    def decode(self, obs: Observation, plan: frozenset[str], *, fresh: bool) -> None:
+        """Fill ``obs`` with the statistics of ``plan`` that the step measured; ``fresh``:
+        the per-parameter ones were measured at this very step."""
+        run = [r for r in self.reductions if not r.statistics.isdisjoint(plan)]
+        per_parameter = fresh and any(r.per_parameter for r in run)
+        idx = self.describe(obs) if per_parameter else np.zeros(0, dtype=np.int64)
+        for r in run:
+            if per_parameter or not r.per_parameter:
+                r.decode(obs, self, idx, plan)
+
+    def decode_nonfinite(self, obs: Observation, replica: int | None) -> None:
+        """The gradient and weight norms the graph took at a step whose loss or gradient
+        was not finite (under a strategy: those of the replica that saw it; taken from the
+        summed gradients and the mirrored weights, the same numbers any replica would have
+        recorded). A direct ring holds the gradients'; its weights, after the update, are
+        still the model's (no step ran since), read here off the healthy path."""
+        idx = self.describe(obs)
+        if self.regime.direct:
+            grads = np.sqrt(2.0 * self.last_ring[1:])
+            values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in self._watched]
+            weights = np.array([np.sqrt(np.sum(w * w)) for w in values])
+        else:
+            grads = self.variables.read("bad_grad_norm", replica)
+            weights = self.variables.read("bad_weight_norm", replica)
+        obs.grad_norm = grads[idx].astype(np.float64)
+        obs.weight_norm = weights[idx].astype(np.float64)
+
+    def describe(self, obs: Observation) -> np.ndarray:
+        """Name the parameters of a measured step; returns their positions in the probe.
+
+        Only the variables the step updated with a gradient: a variable the train step
+        keeps from optimizer.apply has a NaN placeholder, not a non-finite value (it is
+        named in ``unoptimized`` instead, as the Lightning adapter does)."""
+        layout = self.layout
+        with_grad = self.wrappers.with_grad
+        idx = np.array(sorted(with_grad)) if with_grad else np.arange(layout.count)
+        obs.names = tuple(layout.names[i] for i in idx)
+        obs.numel = layout.numel[idx]
+        obs.is_matrix = layout.is_matrix[idx]
+        obs.fan_in = layout.fan_in[idx]
+        handed = self.wrappers.handed
+        obs.unoptimized = (
+            tuple(n for i, n in enumerate(layout.names) if i not in handed) if handed else ()
+        )
+        obs.lr = self.learning_rate()
+        return idx
+
+    def learning_rate(self) -> float | None:
+        """The optimizer's learning rate after the last execution (None if unknown)."""
+        try:
+            lr = self._returned_lr
+            if lr is None:  # not handed back: ask the optimizer
+                lr = keras.ops.convert_to_numpy(self.optimizer.learning_rate)
+            value = float(np.asarray(lr))
+        except Exception:  # a schedule or wrapper that does not expose one number
+            return None
+        return value if np.isfinite(value) else None
+
+
+def _layout(
+    watched: list[Any], layers: list[Any], forward: list[Any], position: dict[int, int]
+) -> Layout:
+    """What the probe watches: the trainable variables, the layers with units (their
+    kernel's last axis holds the units) and the layers whose output it reads."""
+    numel = np.array([int(np.prod(v.shape)) for v in watched], dtype=np.float64)
+    units = []
+    for layer in layers:
+        kernel = getattr(layer, "kernel", None) if unit_layer(layer) else None
+        pos = position.get(id(kernel)) if kernel is not None else None
+        if pos is not None and len(kernel.shape) >= 2:
+            units.append((layer.name, pos, int(kernel.shape[-1])))
+    fan_in = np.full(len(watched), np.nan)
+    for _, pos, n in units:
+        fan_in[pos] = numel[pos] / max(n, 1)
+    snapshot, budget = set(), SNAPSHOT_BUDGET
+    for pos, n in enumerate(numel):
+        if n > budget:
+            break
+        budget -= int(n)
+        snapshot.add(pos)
+    return Layout(
+        names=tuple(v.path for v in watched),
+        shapes=tuple(tuple(int(d) for d in v.shape) for v in watched),
+        numel=numel,
+        is_matrix=np.array([len(v.shape) >= 2 for v in watched]),
+        fan_in=fan_in,
+        unit_layers=tuple(units),
+        forward_layers=tuple((la.name, activation_kind(la), unit_layer(la)) for la in forward),
+        snapshot=frozenset(snapshot),
+    )
+
+
+def _plumbing(layout: Layout, regime: Regime, groups: int) -> list[Slot]:
+    """The probe's own variables, beside the reductions'."""
+    k, p = regime.steps, layout.count
+    return [
+        # host -> graph: which step to sample, and which switches
+        Slot("sample_at", (), -1, "int64", returned=False),
+        Slot("flags", (groups,), 0, "int32", returned=False),
+        # the loss of each step of an execution, then a flag: 1 when the graph took a
+        # non-finite record (``bad_at``) the host has not read yet; one read tells both
+        Slot("losses", (k + 1,), np.array([np.nan] * k + [0.0]), combine="sum", returned=False),
+        Slot("sampled_at", (), -1, "int64"),
+        # the first step with a non-finite loss since the host last looked, and its norms
+        Slot("bad_at", (), -1, "int64", combine="earliest", returned=False),
+        Slot("bad_grad_norm", (p,), np.nan, combine="bad_replica", returned=False),
+        Slot("bad_weight_norm", (p,), np.nan, combine="bad_replica", returned=False),
+    ]

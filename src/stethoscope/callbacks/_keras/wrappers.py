@@ -1,0 +1,503 @@
+"""The graph side of the Keras probe: wrappers that put the reductions inside the step.
+
+Keras hands callbacks neither gradients nor batches. :class:`StepWrappers` wraps the
+model's public ``compute_loss`` (and ``train_step``, where the step hands values back
+with its logs), its optimizer's ``apply`` (and, under ``MirroredStrategy``, the
+optimizer's all-reduce of the gradients) and the ``call`` of the watched leaf layers,
+as instance attributes that :meth:`StepWrappers.remove` takes off again. Inside them:
+
+- every step records its loss (the loss ring) and what catches a non-finite step: in
+  the direct regime each gradient's sum of squares, handed back with the loss; else a
+  sum of the loss and every gradient that opens one ``cond`` recording the norms;
+- a heavy step runs each planned reduction at its hook, inside its switch: a Python
+  bool in a whole heavy function (traced for exactly the planned statistics) or when
+  eager, else a ``cond`` on the host's request (the step to sample and the groups).
+
+The update itself never runs inside a ``cond``: wrapped in one, it would cost the
+light step too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
+from stethoscope.callbacks._keras.regime import Mode, Regime
+from stethoscope.callbacks._keras.variables import ProbeVariables
+
+__all__ = ["PROBES_KEY", "RING_KEY", "StepWrappers"]
+
+#: The key under which the train step hands the loss ring back, taken out of the logs
+#: before ``fit`` (or any other callback) sees them.
+RING_KEY = "_stethoscope_ring"
+#: The key under which a heavy train step hands back what it measured, taken out alike.
+PROBES_KEY = "_stethoscope_probes"
+
+#: A direct heavy step's forward row that a control-flow body wrote to the probe's
+#: variable (a tensor made there cannot leave it): read back after the loop.
+_IN_VARIABLE = object()
+
+
+@dataclass
+class _Trace:
+    """What one trace of the train step carries from wrapper to wrapper. A
+    ``MirroredStrategy`` traces each replica's step in a thread of its own, interleaved
+    with the others' at its collectives: one record per thread."""
+
+    loss: Any = None  # the step's loss, from compute_loss to apply
+    squares: dict[int, Any] = field(default_factory=dict)  # direct ring: by position
+    stored: dict[str, Any] = field(default_factory=dict)  # a direct heavy step's slots
+    rows: dict[int, Any] = field(default_factory=dict)  # ... and its forward rows
+    written: set[str] = field(default_factory=set)  # slots a control-flow body wrote
+    due: tuple | None = None  # (switches, forced), from apply to the all-reduce
+    outer: Any = None  # the graph of the train step being traced
+    wanted: tuple | None = None  # (graph, each group's predicate, combinations)
+
+
+class StepWrappers:
+    """The wrappers of one model's train step, and what they share while it is traced.
+
+    Args:
+        model: A compiled, built Keras model.
+        regime: How its train step runs.
+        layout: What the probe watches in it.
+        variables: The probe's variables.
+        reductions: Every reduction.
+        position: Each trainable variable's position, by id (and by the id of its
+            backing variable under a strategy, which the all-reduce pairs gradients with).
+        layers: The leaf layers whose output is read, one forward row each.
+        strategy: The model's ``MirroredStrategy``, or None.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        regime: Regime,
+        layout: Layout,
+        variables: ProbeVariables,
+        reductions: tuple[KerasReduction, ...],
+        position: dict[int, int],
+        layers: list[Any],
+        strategy: Any,
+    ) -> None:
+        self.model, self.optimizer = model, model.optimizer
+        self.regime, self.layout, self.variables = regime, layout, variables
+        self.position, self.layers, self.strategy = position, layers, strategy
+        self.forward = next(r for r in reductions if isinstance(r, ForwardRows))
+        self.at = {
+            hook: tuple(r for r in reductions if hook in r.hooks)
+            for hook in ("batch", "gradients", "before_update", "update")
+        }
+        #: The switches the host flips, in the order of the request's flags.
+        self.groups: tuple[str, ...] = tuple(dict.fromkeys(r.group for r in reductions))
+        self._flag = {g: i for i, g in enumerate(self.groups)}
+        # the statistics whose reductions run under each switch
+        self._serving = {
+            g: frozenset(s for r in reductions if g in (r.group, *r.requires) for s in r.statistics)
+            for g in self.groups
+        }
+        #: What the function being traced (or run, when eager) carries; set by dispatch.
+        self.mode = Mode.OFF
+        #: In a whole heavy function: the statistics it is traced for.
+        self.planned: frozenset[str] = frozenset()
+        # host-side mirrors of the request, for eager backends (a Python bool is free)
+        self.py_flags = np.zeros(len(self.groups), dtype=bool)
+        self.py_sample_at = -1
+        self.py_step = 0
+        self.saw_loss = False
+        # positions of the variables the train step hands optimizer.apply, and of those it
+        # hands with a gradient: known once apply has been traced (every step when eager)
+        self.handed: set[int] = set()
+        self.with_grad: set[int] = set()
+        self._traces: dict[int, _Trace] = {}
+        self._installed: list[tuple[Any, str]] = []
+
+    # -- installing ------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap compute_loss, optimizer.apply (and the all-reduce under a strategy), the
+        train step where it hands values back, and the watched layers' call."""
+        model, opt = self.model, self.optimizer
+        self._wrap(model, "compute_loss", self._compute_loss(model.compute_loss))
+        if self.regime.outputs:
+            self._wrap(model, "train_step", self._train_step(model.train_step))
+        self._wrap(opt, "apply", self._apply(opt.apply))
+        if self.strategy is not None:
+            reduce = opt._all_reduce_sum_gradients
+            self._wrap(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
+        for row, layer in enumerate(self.layers):
+            self._wrap(layer, "call", self._call(row, layer.call))
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._installed)
+
+    def remove(self) -> None:
+        """Take every wrapper off; forget what the traces carried."""
+        for owner, attr in reversed(self._installed):
+            if attr in vars(owner):
+                delattr(owner, attr)
+        self._installed = []
+        self._traces.clear()
+
+    def _wrap(self, owner: Any, attr: str, fn: Any) -> None:
+        if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
+            raise RuntimeError(
+                f"stethoscope: {type(owner).__name__}.{attr} is already replaced on this "
+                "instance (another KerasStethoscope in the same fit?); use one per model"
+            )
+        setattr(owner, attr, fn)
+        self._installed.append((owner, attr))
+
+    # -- what a store of the reductions needs ----------------------------------------------
+    def variable(self, name: str) -> Any:
+        return self.variables[name]
+
+    def put(self, name: str, value: Any) -> None:
+        """Record a reduction: a direct heavy step hands it back with its logs (no write and
+        no read of a variable: two ops fewer); else it goes into its variable."""
+        if self.regime.direct and self.mode is Mode.HEAVY:
+            trace = self._trace()
+            if not self._nested(trace):
+                trace.stored[name] = value
+                return
+            trace.written.add(name)
+        self.variables[name].assign(value)
+
+    def put_row(self, name: str, row: int, value: Any) -> None:
+        if self.regime.direct:
+            trace = self._trace()
+            if not self._nested(trace):  # handed back with the logs (see put)
+                trace.rows[row] = value
+                return
+            trace.rows[row] = _IN_VARIABLE  # read back after the loop (see _handed_back)
+        kops.put(self.variables[name], row, value)
+
+    def _nested(self, trace: _Trace) -> bool:
+        """Whether the op being built sits in a control-flow body (a recurrent cell's while
+        loop, a cond) rather than in the train step's own graph: a tensor made there cannot
+        leave it, so it goes through its variable, read back after the loop."""
+        return trace.outer is not None and kops.graph() is not trace.outer
+
+    def _trace(self) -> _Trace:
+        thread = threading.get_ident()
+        trace = self._traces.get(thread)
+        if trace is None:
+            trace = self._traces[thread] = _Trace()
+        return trace
+
+    # -- the switches ------------------------------------------------------------------------
+    def want(self, *groups: str) -> Any:
+        """Whether any of ``groups`` is computed at this step: a Python bool in a whole
+        heavy function, when eager, or outside the heavy function (``False``); else a bool
+        tensor comparing the host's request with the optimizer's step, built once per
+        graph (and replica) and shared by the wrappers."""
+        if self.mode is not Mode.HEAVY:
+            return False
+        regime = self.regime
+        if regime.whole:
+            return any(self.planned & self._serving[g] for g in groups)
+        if regime.eager:
+            due = self.py_step == self.py_sample_at
+            return bool(due and any(self.py_flags[self._flag[g]] for g in groups))
+        import tensorflow as tf  # the only graph backend
+
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        trace = self._trace()  # each replica compares its own copies (on its own device)
+        if graph is None or trace.wanted is None or trace.wanted[0] is not graph:
+            step = ops.cast(self.optimizer.iterations, "int64")
+            due = ops.equal(step, self.variables["sample_at"])
+            on = ops.logical_and(due, ops.greater(self.variables["flags"], 0))
+            trace.wanted = (graph, ops.unstack(on, len(self.groups)), {})
+        _, on, combined = trace.wanted
+        if groups not in combined:
+            pred = on[self._flag[groups[0]]]
+            for g in groups[1:]:
+                pred = ops.logical_or(pred, on[self._flag[g]])
+            combined[groups] = pred
+        return combined[groups]
+
+    @staticmethod
+    def cond(pred: Any, fn: Any) -> None:
+        if isinstance(pred, bool):
+            if pred:
+                fn()
+            return
+        ops.cond(pred, fn, lambda: None)
+
+    def _switches(self, reductions: tuple[KerasReduction, ...]) -> tuple[Any, dict]:
+        """Whether any of ``reductions`` runs at this step, and each one's switch."""
+        own = {r: self.want(r.group) for r in reductions}
+        groups = tuple(dict.fromkeys(g for r in reductions for g in (r.group, *r.requires)))
+        return (self.want(*groups) if groups else False), own
+
+    # -- the wrappers --------------------------------------------------------------------------
+    def _compute_loss(self, original: Any) -> Any:
+        takes_training = "training" in inspect.signature(original).parameters
+
+        @functools.wraps(original)
+        def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            if takes_training:
+                loss = original(x, y, y_pred, sample_weight, training=training)
+            else:
+                loss = original(x, y, y_pred, sample_weight)
+            if not training or self.mode is Mode.OFF or kops.is_symbolic(loss):
+                return loss
+            self.saw_loss = True
+            regime = self.regime
+            value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
+            if not regime.direct:  # the direct ring's loss is an output, never differentiated
+                value = ops.stop_gradient(value)
+                slot = 0 if regime.steps == 1 else ops.mod(self.optimizer.iterations, regime.steps)
+                kops.put(self.variables["losses"], slot, value)
+            if not regime.eager:  # apply tests it with the gradients, and the ring carries it
+                self._trace().loss = value
+            any_on, own = self._switches(self.at["batch"])
+
+            def batch() -> None:
+                for r, on in own.items():
+                    self.cond(on, lambda r=r: r.on_batch(self, x, y))
+
+            self.cond(any_on, batch)
+            return loss
+
+        return compute_loss
+
+    def _train_step(self, original: Any) -> Any:
+        @functools.wraps(original)
+        def train_step(*args, **kwargs):
+            trace = self._trace()
+            if self.mode is not Mode.OFF:
+                trace.outer = kops.graph()
+            logs = original(*args, **kwargs)
+            if self.mode is Mode.OFF:
+                return logs
+            value, squares = trace.loss, trace.squares
+            trace.loss, trace.squares = None, {}
+            if not isinstance(logs, dict):
+                return logs
+            if self.regime.direct:
+                if value is None:  # the step never called compute_loss
+                    value = ops.convert_to_tensor(np.float32(np.nan))
+                zero = ops.convert_to_tensor(np.float32(0.0))
+                count = self.layout.count
+                ring = ops.stack([value, *(squares.get(i, zero) for i in range(count))])
+            else:  # read after the step's own writes to it (automatic control dependencies)
+                ring = ops.convert_to_tensor(self.variables["losses"])
+            out = {**logs, RING_KEY: ring}
+            if self.mode is Mode.HEAVY:
+                out[PROBES_KEY] = self._handed_back(trace)
+            return out
+
+        return train_step
+
+    def _handed_back(self, trace: _Trace) -> dict[str, Any]:
+        """The heavy step's measurements for its logs: a direct step's own tensors, else
+        the variables, read after its writes; with the step count and learning rate."""
+        if self.regime.direct:
+            out, rows, written = trace.stored, trace.rows, trace.written
+            trace.stored, trace.rows, trace.written = {}, {}, set()
+            # what a control-flow body (a recurrent cell's loop) wrote to variables instead
+            for name in written:
+                out[name] = kops.value(self.variables[name])
+            if "sampled_at" not in out:  # a step that planned no reduction storing it
+                out["sampled_at"] = ops.cast(self.optimizer.iterations, "int64") - 1
+            if self.layers and (rows or self.planned & self.forward.statistics):
+                # NaN for a layer the step did not call, or whose row no planned probe reads
+                nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
+                in_variable = any(r is _IN_VARIABLE for r in rows.values())
+                table = kops.value(self.variables["forward_rows"]) if in_variable else None
+                out["forward_rows"] = ops.stack(
+                    [
+                        table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan)
+                        for i in range(len(self.layers))
+                    ]
+                )
+        else:
+            out = {
+                name: ops.convert_to_tensor(self.variables[name])
+                for name, slot in self.variables.slots.items()
+                if slot.returned
+            }
+        out["iterations"] = ops.convert_to_tensor(self.optimizer.iterations)
+        # a constant, or the schedule's value at the step count (as the host would read it);
+        # an optimizer that does not expose one number leaves it to the host to ask
+        with contextlib.suppress(Exception):
+            out["learning_rate"] = ops.cast(self.optimizer.learning_rate, "float32")
+        return out
+
+    def _apply(self, original: Any) -> Any:
+        @functools.wraps(original)
+        def apply(grads, trainable_variables=None):
+            if trainable_variables is None or self.mode is Mode.OFF or kops.is_symbolic(grads):
+                return original(grads, trainable_variables)
+            grads, tvars = list(grads), list(trainable_variables)
+            for g, v in zip(grads, tvars, strict=True):
+                pos = self.position.get(id(v))
+                if pos is not None:
+                    self.handed.add(pos)
+                    if g is not None:
+                        self.with_grad.add(pos)
+            regime, trace = self.regime, self._trace()
+            # A non-finite loss or gradient: measure its step. TF's fused ReLU turns a NaN
+            # input into 0, leaving the loss finite and the kernel's gradient NaN, so every
+            # gradient is tested. With a direct ring each gradient's sum of squares rides
+            # back with the loss (one op per gradient, no cond), and the host tests them,
+            # names the parameter and takes the norms. Else one sum of the loss and every
+            # gradient opens a cond that records the norms, and the record waits for the
+            # host, not overwritten.
+            loss = [trace.loss] if trace.loss is not None else []
+            forced: Any = False
+            if regime.direct:
+                grads, trace.squares = kops.checked(grads, tvars, self.position)
+            else:
+                trace.loss = None
+                if not regime.eager:
+                    parts = loss + [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
+                    if parts:
+                        forced = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
+                        forced = ops.logical_and(forced, ops.less(self.variables["bad_at"], 0))
+            heavy = self.mode is Mode.HEAVY
+            if self.strategy is not None:
+                # the all-reduced gradients exist only inside the optimizer: measured there
+                trace.due = (heavy, forced)
+            elif heavy:
+                self._at_gradients(grads, tvars, scaled=True)
+            before = self._before_update(tvars) if heavy else {}
+            original(grads, tvars)
+            if heavy:
+                self._at_update(tvars, before)
+            if forced is not False:
+                self.cond(forced, lambda: self._record_nonfinite(grads, tvars))
+            if regime.eager:
+                self.py_step += 1
+            return None
+
+        return apply
+
+    def _all_reduce(self, original: Any) -> Any:
+        """Under a strategy: the gradient statistics of the sampled (or non-finite) step,
+        taken from the gradients summed across replicas, the ones the optimizer applies.
+
+        A collective inside the sampled step's ``cond`` is refused by ``MirroredStrategy``
+        (``merge_call`` inside control flow), so the statistics cannot all-reduce the
+        gradients themselves; the optimizer's own all-reduce (Keras' TF optimizer) runs on
+        every step and hands each replica the same sum."""
+
+        @functools.wraps(original)
+        def all_reduce(grads_and_vars):
+            reduced = list(original(grads_and_vars))
+            trace = self._trace()
+            due, trace.due = trace.due, None
+            if due is not None:
+                heavy, forced = due
+                grads, tvars = [g for g, _ in reduced], [v for _, v in reduced]
+                if heavy:
+                    self._at_gradients(grads, tvars, scaled=False)
+                self.cond(forced, lambda: self._bad_grad_norms(grads, tvars, scaled=False))
+            return reduced
+
+        return all_reduce
+
+    def _call(self, row: int, original: Any) -> Any:
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.mode is not Mode.HEAVY or out is None or kops.is_symbolic(out):
+                return out
+            first = next((t for t in keras.tree.flatten(out) if t is not None), None)
+            if first is None or not kops.is_float(first):
+                return out
+            # Cut the tape before the cond: an op that the gradient tape records inside the
+            # forward pass makes TensorFlow keep its branch's intermediates for a backward
+            # pass that never comes, on every step.
+            seen = ops.stop_gradient(first)
+            if self.regime.whole:  # only a row that the host reads for a planned statistic
+                pred = self.forward.reads(row, self.planned)
+            else:
+                pred = self.want(self.forward.group)
+            self.cond(pred, lambda: self.forward.on_layer(self, row, seen))
+            return out
+
+        return call
+
+    # -- inside the heavy step ------------------------------------------------------------------
+    def _at_gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
+        """The gradient reductions the step planned; ``scaled``: the gradients still carry
+        the optimizer's loss scale."""
+        any_on, own = self._switches(self.at["gradients"])
+
+        def gradients() -> None:
+            by_pos = self._by_position(grads, tvars)
+            scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
+            for r, on in own.items():
+                self.cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
+            self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64"))
+
+        self.cond(any_on, gradients)
+
+    def _before_update(self, tvars: list) -> dict[KerasReduction, Any]:
+        """What the planned update reductions keep from before the update. In a whole heavy
+        function the switches are Python bools and the kept tensors are returned; else each
+        reduction copies what it keeps into its variables, inside its switch."""
+        kept: dict[KerasReduction, Any] = {}
+        for r in self.at["before_update"]:
+            on = self.want(r.group)
+            if isinstance(on, bool):
+                if on:
+                    kept[r] = r.before_update(self, tvars)
+            else:
+                self.cond(on, lambda r=r: r.before_update(self, tvars))
+        return kept
+
+    def _at_update(self, tvars: list, kept: dict[KerasReduction, Any]) -> None:
+        """The reductions of the weights after the update that the step planned."""
+        any_on, own = self._switches(self.at["update"])
+
+        def update() -> None:
+            now = {
+                pos: kops.value(v) for v in tvars if (pos := self.position.get(id(v))) is not None
+            }
+            for r, on in own.items():
+                self.cond(on, lambda r=r: r.on_update(self, now, kept.get(r)))
+            self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64") - 1)
+
+        self.cond(any_on, update)
+
+    def _bad_grad_norms(self, grads: list, tvars: list, *, scaled: bool) -> None:
+        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
+        halves = {pos: kops.half_square(g) for pos, g in self._by_position(grads, tvars).items()}
+        norms = kops.norms(halves, self.layout.count)
+        self.variables["bad_grad_norm"].assign(norms / scale if scale else norms)
+
+    def _record_nonfinite(self, grads: list, tvars: list) -> None:
+        """The record of a step whose loss or gradient was not finite: its gradient norms
+        (under a strategy the all-reduce wrapper took those), its weight norms after the
+        update, and the step, with the flag the host reads with the losses."""
+        if self.strategy is None:
+            self._bad_grad_norms(grads, tvars, scaled=True)
+        weights = {
+            pos: kops.half_square(ops.convert_to_tensor(v))
+            for v in tvars
+            if (pos := self.position.get(id(v))) is not None
+        }
+        self.variables["bad_weight_norm"].assign(kops.norms(weights, self.layout.count))
+        self.variables["bad_at"].assign(ops.cast(self.optimizer.iterations, "int64") - 1)
+        kops.put(self.variables["losses"], self.regime.steps, ops.convert_to_tensor(1.0, "float32"))
+
+    def _by_position(self, grads: list, tvars: list) -> dict[int, Any]:
+        return {
+            pos: g
+            for g, v in zip(grads, tvars, strict=True)
+            if g is not None and (pos := self.position.get(id(v))) is not None
+        }
