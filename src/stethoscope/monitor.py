@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
 from stethoscope.distributed import Held
 from stethoscope.findings import Finding, Severity
+from stethoscope.ledger import SAMPLER, Ledger
 from stethoscope.observation import Observation
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import EVENT, GATHERED, REPLICATED, with_requirements
-from stethoscope.summary import EpochSummary, SummaryRow
+from stethoscope.summary import EpochSummary
 
 __all__ = ["SAMPLER", "Monitor"]
 
-#: The ``detector`` field of the info findings the sampler reports.
-SAMPLER = "sampler"
-
 _NOTHING = Decision()  # what a healthy step decides (never mutated)
-
-_STATUS = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.ERROR: "error"}
 
 
 class Monitor:
@@ -91,21 +86,13 @@ class Monitor:
             raise ValueError(
                 f"intervals names {unknown!r}, which are not among the detectors: {names!r}"
             )
-        if not isinstance(repeat_after, int) or isinstance(repeat_after, bool) or repeat_after < 0:
-            raise ValueError(f"repeat_after={repeat_after!r} must be an integer >= 0 (steps)")
         self.sampler = AdaptiveSampler(
             {d.name: intervals.get(d.name, d.base_interval) for d in self.detectors},
             escalate=escalate,
             hot_steps=hot_steps,
         )
-        for s in sinks:
-            if not isinstance(s, Sink):
-                raise TypeError(f"sinks must be Sink instances, got {s!r}")
-        self.sinks: list[Sink] = list(sinks)
-        self._sink_failed: set[int] = set()
-        self.repeat_after = repeat_after
-        self.emit = emit
-        self._last_sent: dict[str, int] = {}
+        #: Every finding counted, sent to the sinks and summed up per epoch.
+        self.ledger = Ledger(sinks, repeat_after=repeat_after)
         self.stopped_by: Finding | None = None
         self.last_step = -1
         self._closed = False
@@ -115,8 +102,7 @@ class Monitor:
         self._all = frozenset(names)  # a forced observation: every detector
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         self.distribute(rank=0, world_size=1)
-        self.emit = emit
-        self._new_epoch()
+        self.ledger.emit = emit
 
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
@@ -215,9 +201,7 @@ class Monitor:
         elif loss is not None and math.isfinite(loss):
             self._train_sum += loss
             self._train_n += 1
-        self._epoch_steps.add(step)
-        if obs.grad_norm is not None:
-            self._epoch_grad_steps.add(step)
+        self.ledger.saw_step(step, grads=obs.grad_norm is not None)
         if step > self.last_step:
             self.last_step = step
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
@@ -232,9 +216,9 @@ class Monitor:
                 if msg:
                     notes.append(self._sampler_finding(obs.step, obs.epoch, msg))
         for f in findings:
-            self._record(f, forward=hold)
+            self.ledger.record(f, hold=self.held.findings if hold else None)
         for f in notes:
-            self._record(f)
+            self.ledger.record(f)
         decision = decide(findings, self.stop_on, self.raise_on)
         if hold:
             held = self.held.decision
@@ -272,21 +256,21 @@ class Monitor:
         something they should judge at once (a non-finite gradient on an unsampled step)."""
         msg = self.sampler.escalate(step, reason)
         if msg:
-            self._record(self._sampler_finding(step, epoch, msg))
+            self.ledger.record(self._sampler_finding(step, epoch, msg))
 
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
         findings = list(findings)
         for f in findings:
-            self._record(f)
+            self.ledger.record(f)
         return decide(findings, self.stop_on, self.raise_on)
 
     def receive(self, findings: Iterable[Finding]) -> None:
         """Record findings that other ranks raised from their own data (rank zero writes
         them; the other ranks leave them to it)."""
-        if self.emit:
+        if self.ledger.emit:
             for f in findings:
-                self._record(f)
+                self.ledger.record(f)
 
     # -- distributed runs -------------------------------------------------------------
     def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
@@ -309,7 +293,7 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
-        self.emit = rank == 0
+        self.ledger.emit = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
         self.judges_replicated = world_size == 1 or rank == 0 or not replicated
@@ -336,113 +320,31 @@ class Monitor:
     def end_epoch(self, epoch: int) -> EpochSummary:
         """Build the epoch's summary, send it to the sinks, flush them, start a new epoch."""
         summary = self.summary(epoch)
-        self._call_sinks("epoch_end", summary)
-        self._call_sinks("flush")
-        self._new_epoch()
+        self.ledger.call_sinks("epoch_end", summary)
+        self.ledger.call_sinks("flush")
+        self.ledger.new_epoch(escalations=self.sampler.escalations)
         return summary
 
     def summary(self, epoch: int) -> EpochSummary:
         """The summary of the epoch so far, as plain data."""
-        rows: list[SummaryRow] = []
-        quiet: list[str] = []
-        names = [d.name for d in self.detectors if d.name not in self._idle]
-        for name in names:
-            stats = self._epoch.get(name)
-            if stats is None:
-                quiet.append(name)
-                continue
-            rows.append(self._row(name, stats))
-        order = ("error", "warning", "info", "ok")
-        rows.sort(key=lambda r: order.index(r.status))
-        if SAMPLER in self._epoch:
-            stats = self._epoch[SAMPLER]
-            escalated = self.sampler.escalations - self._epoch_escalations
-            rows.append(
-                SummaryRow(
-                    detector=SAMPLER,
-                    status="info",
-                    count=stats["count"],
-                    verdict=(f"escalated {escalated}x this epoch; " if escalated else "")
-                    + ("still sampling hot" if self.sampler.hot else "back at base intervals"),
-                )
-            )
-        if quiet:
-            intervals = sorted({self.interval(n) for n in quiet})
-            every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
-            rows.append(
-                SummaryRow(
-                    detector=f"{len(quiet)} others",
-                    status="ok",
-                    where=None,
-                    verdict=f"nothing found (every {every} steps)",
-                )
-            )
-        return EpochSummary(
-            epoch=epoch,
-            steps=len(self._epoch_steps),
-            rows=tuple(rows),
-            verdict=self._verdict(),
-            quiet=tuple(quiet),
-            stopped_by=self.stopped_by.to_dict(json_safe=True) if self.stopped_by else None,
-            dropped=self._dropped(),
+        return self.ledger.summary(
+            epoch,
+            detectors=[d for d in self.detectors if d.name not in self._idle],
+            interval=self.interval,
+            escalations=self.sampler.escalations,
+            hot=self.sampler.hot,
+            stopped_by=self.stopped_by,
         )
 
-    def _dropped(self) -> dict[str, int]:
-        """Findings each sink gave up on so far, by sink name (see ``Sink.dropped``)."""
-        if not self.emit:
-            return {}
-        names = [type(s).__name__ for s in self.sinks]
-        out: dict[str, int] = {}
-        for i, (name, sink) in enumerate(zip(names, self.sinks, strict=True)):
-            try:
-                n = sink.dropped
-            except Exception:  # a sink's property must not cost the summary either
-                continue
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                out[name if names.count(name) == 1 else f"{name}[{i}]"] = n
-        return out
+    @property
+    def sinks(self) -> list[Sink]:
+        """Where findings go (rank zero writes them)."""
+        return self.ledger.sinks
 
-    def _row(self, name: str, stats: dict[str, Any]) -> SummaryRow:
-        worst: Finding = stats["worst"]
-        detector = next(d for d in self.detectors if d.name == name)
-        verdict = getattr(detector, "advice", "")
-        if self.stopped_by is not None and self.stopped_by.detector == name:
-            verdict = f"stopped training at step {self.stopped_by.step}; {verdict}"
-        return SummaryRow(
-            detector=name,
-            status=_STATUS[worst.severity],
-            count=stats["count"],
-            value=worst.value,
-            threshold=worst.threshold,
-            where=worst.where,
-            interval=self.interval(name),
-            verdict=verdict,
-        )
-
-    def _verdict(self) -> str:
-        steps = len(self._epoch_steps)
-        if self.stopped_by is not None:
-            f = self.stopped_by
-            where = f" in {f.where}" if f.where else ""
-            return f"Stopped at step {f.step} by {f.detector} ({f.severity}){where}."
-        counts = {s: 0 for s in Severity}
-        for name, stats in self._epoch.items():
-            if name != SAMPLER:
-                for sev, n in stats["by_severity"].items():
-                    counts[Severity(sev)] += n
-        if counts[Severity.ERROR] or counts[Severity.WARNING]:
-            worst = max(
-                (s for n, s in self._epoch.items() if n != SAMPLER),
-                key=lambda s: s["worst"].severity.rank,
-            )["worst"]
-            return (
-                f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
-                f"{steps} steps; worst: {worst.detector} at step {worst.step}"
-            )
-        return (
-            f"Healthy: no warnings in {steps} steps "
-            f"(loss checked every step, gradients on {len(self._epoch_grad_steps)} steps)"
-        )
+    @property
+    def emit(self) -> bool:
+        """Whether this process writes to the sinks (rank zero does)."""
+        return self.ledger.emit
 
     # -- findings -----------------------------------------------------------------
     def _sampler_finding(self, step: int, epoch: int, message: str) -> Finding:
@@ -456,69 +358,24 @@ class Monitor:
             rank=self.rank,
         )
 
-    def _record(self, f: Finding, *, forward: bool = False) -> None:
-        """Count ``f`` in the epoch; send it to the sinks unless it repeats a recent one.
-
-        ``forward``: off rank zero, keep it for the next meeting instead (a finding
-        from this rank's own data, which rank zero has not seen).
-        """
-        stats = self._epoch.setdefault(f.detector, {"count": 0, "worst": f, "by_severity": {}})
-        stats["count"] += 1
-        stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
-        if f.severity > stats["worst"].severity:
-            stats["worst"] = f
-        key = f"{f.detector}|{f.where}|{f.severity.value}"
-        if f.rank:
-            key += f"|{f.rank}"  # the same problem on another rank is news of its own
-        last = self._last_sent.get(key)
-        if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
-            return  # an identical finding went out recently: count it, do not flood the sinks
-        self._last_sent[key] = f.step
-        if forward and not self.emit:
-            self.held.findings.append(f)
-        else:
-            self._call_sinks("emit", f)
-
-    def _call_sinks(self, method: str, *args: Any) -> None:
-        if not self.emit:
-            return
-        for sink in self.sinks:
-            try:
-                getattr(sink, method)(*args)
-            except Exception as exc:  # a sink must never cost the training run
-                if id(sink) not in self._sink_failed:
-                    self._sink_failed.add(id(sink))
-                    warnings.warn(
-                        f"stethoscope: {type(sink).__name__}.{method}() failed with {exc!r}; "
-                        "training goes on and the other sinks still receive findings",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-
-    def _new_epoch(self) -> None:
-        self._epoch: dict[str, dict[str, Any]] = {}
-        self._epoch_steps: set[int] = set()
-        self._epoch_grad_steps: set[int] = set()
-        self._epoch_escalations = self.sampler.escalations
-
     # -- lifecycle ------------------------------------------------------------------
     def flush(self) -> None:
-        self._call_sinks("flush")
+        self.ledger.call_sinks("flush")
 
     def close(self) -> None:
         """Flush and close every sink, once."""
         if self._closed:
             return
         self._closed = True
-        self._call_sinks("flush")
-        self._call_sinks("close")
+        self.ledger.call_sinks("flush")
+        self.ledger.call_sinks("close")
 
     def state_dict(self) -> dict[str, Any]:
         """Detector baselines, sampler schedule and repeat bookkeeping: primitives only."""
         return {
             "detectors": {d.name: d.state_dict() for d in self.detectors},
             "sampler": self.sampler.state_dict(),
-            "last_sent": dict(self._last_sent),
+            "last_sent": dict(self.ledger.last_sent),
             "last_step": self.last_step,
         }
 
@@ -527,14 +384,14 @@ class Monitor:
             if d.name in state.get("detectors", {}):
                 d.load_state_dict(state["detectors"][d.name])
         self.sampler.load_state_dict(state.get("sampler", {}))
-        self._epoch_escalations = self.sampler.escalations  # count this epoch's from here
-        self._last_sent = dict(state.get("last_sent", {}))
+        self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
+        self.ledger.last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
 
     def start(self, context: RunContext) -> None:
         """Hand every sink the run's context (its printer, the framework's log dir and
         MLflow run): training is starting."""
-        self._call_sinks("start", context)
+        self.ledger.call_sinks("start", context)
 
     def begin(self, *, fresh: bool) -> None:
         """Start a training run: reopen after a previous run's close, forget its stop.
@@ -557,8 +414,8 @@ class Monitor:
         self._due_key = None
         self._deep.clear()
         self._train_sum, self._train_n = 0.0, 0
-        self._last_sent.clear()
+        self.ledger.last_sent.clear()
         self.stopped_by = None
         self.last_step = -1
         self.held = Held()
-        self._new_epoch()
+        self.ledger.new_epoch(escalations=self.sampler.escalations)

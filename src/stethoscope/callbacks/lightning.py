@@ -19,9 +19,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StethoscopeBase
-from stethoscope.callbacks._lightning.batch import split_batch
+from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.logged import headline, log_metrics
+from stethoscope.callbacks._lightning.losses import ValidationLosses, training_loss
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.record import Reading, StepRecord
@@ -33,16 +35,15 @@ from stethoscope.callbacks._lightning.reductions import (
     InputScale,
     Loss,
     RankTiming,
-    Reduction,
+    ReductionSet,
     ReplicaChecksums,
     UnitRows,
     UpdateNorms,
     WeightNorms,
-    planned,
 )
 from stethoscope.detectors import Detector
 from stethoscope.distributed import RankMeeting
-from stethoscope.observation import Observation, global_norm
+from stethoscope.observation import Observation
 from stethoscope.policy import StopOn
 from stethoscope.sinks import Sink
 
@@ -143,13 +144,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._probe: ParameterProbe | None = None
         self._forward: ForwardProbe | None = None
         self._reader = HostReader(self.max_lag)
-        self._reductions: tuple[Reduction, ...] = ()
-        self._decoders: dict[str, Reduction] = {}
-        # per plan: the reductions it runs, and those of them that need the parameters an
-        # optimizer steps (a handful of plans per run)
-        self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
+        self._reductions: ReductionSet | None = None
         self._record = StepRecord(step=-1, epoch=0, plan=frozenset())
-        self._val_losses: list[torch.Tensor] = []
+        self._val_losses = ValidationLosses(self.val_loss_key)
         self._warned_no_loss = False
         self._printer: Callable[[str], None] | None = None
         self._lr_group: dict[str, Any] | None = None
@@ -157,7 +154,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._meeting: RankMeeting | None = None
         self._timing: RankTiming | None = None
         self._replicas: ReplicaChecksums | None = None
-        self._world = 1  # DDP averages gradients over every rank's batch
 
     # -- set-up -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -170,23 +166,24 @@ class LightningStethoscope(StethoscopeBase, Callback):
         for _, i, mod in layers:
             probe.fan_in[i] = mod.weight.numel() / max(mod.weight.shape[0], 1)
         self._forward = ForwardProbe(pl_module, layers)
-        self._reductions = (
+        # DDP averages the gradients over every rank's batch
+        batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
+        reductions = (
             Loss(),
-            InputScale(self._inputs_of),
-            ClassLabels(self._labels_of),
+            InputScale(batch.inputs),
+            ClassLabels(batch.labels),
             ForwardStatistics(self._forward),
             GradNorms(probe),
-            UnitRows(probe, layers, self._samples_in),
+            UnitRows(probe, layers, batch.samples),
             UpdateNorms(probe),
             Distributions(probe),
             WeightNorms(probe),
         )
-        self._decoders = {r.name: r for r in self._reductions}
+        self._reductions = ReductionSet(reductions, probe)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
         self.monitor.distribute(rank=trainer.global_rank, world_size=trainer.world_size)
-        self._world = trainer.world_size
         if trainer.world_size > 1:
             self._meeting = RankMeeting(self.monitor, lambda packet: _all_gather(trainer, packet))
             self._timing = RankTiming()
@@ -207,29 +204,24 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._watch_replicas(trainer, pl_module)
 
     def _watch_replicas(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The tensors replica_divergence compares: under DDP, every parameter, and the
-        buffers DDP does not overwrite from rank zero at each forward pass. Strategies that
-        shard the parameters (FSDP, DeepSpeed) hold no whole replicas: nothing to compare,
-        and every rank judges its own gradients and weights."""
-        model = trainer.strategy.model
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self.monitor.distribute(
-                rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
-            )
-            if trainer.is_global_zero:
-                warnings.warn(
-                    f"stethoscope: LightningStethoscope is tested under DDP only; with "
-                    f"{type(trainer.strategy).__name__} every rank judges the gradients and "
-                    "weights it holds (a shard, if they are sharded), and replica_divergence "
-                    "is off",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        """The tensors replica_divergence compares (see ``ReplicaChecksums.of``); under a
+        strategy that shards the parameters, every rank judges its own gradients and
+        weights instead."""
+        self._replicas = ReplicaChecksums.of(trainer.strategy.model, pl_module)
+        if self._replicas is not None:
             return
-        buffers = [] if model.broadcast_buffers else list(pl_module.named_buffers())
-        self._replicas = ReplicaChecksums(
-            list(pl_module.named_parameters()) + buffers, len(buffers)
+        self.monitor.distribute(
+            rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
         )
+        if trainer.is_global_zero:
+            warnings.warn(
+                f"stethoscope: LightningStethoscope is tested under DDP only; with "
+                f"{type(trainer.strategy).__name__} every rank judges the gradients and "
+                "weights it holds (a shard, if they are sharded), and replica_divergence "
+                "is off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(
@@ -239,7 +231,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         step = trainer.global_step
         if step == record.step:  # a later micro-batch of an accumulated step
             if record.sampled:
-                for r in self._planned(record.plan)[0]:
+                for r in self._reductions.run(record.plan):
                     r.micro_batch(record, batch)
             return
         plan = self.monitor.plan(step)
@@ -247,17 +239,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         self._record = record = StepRecord(step, trainer.current_epoch, plan)
         if record.sampled:
-            for r in self._planned(plan)[0]:
+            for r in self._reductions.run(plan):
                 r.at_start(record, batch)
-
-    def _planned(self, plan: frozenset[str]) -> tuple[tuple[Reduction, ...], tuple]:
-        """The reductions ``plan`` runs, and those that need the stepped parameters."""
-        hit = self._by_plan.get(plan)
-        if hit is None:
-            run = planned(self._reductions, plan)
-            stepping = tuple(r for r in run if r.per_parameter)
-            hit = self._by_plan[plan] = (run, stepping)
-        return hit
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -265,7 +248,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         record = self._record
         if not record.sampled:
             return  # not a sampled step: nothing to do here
-        stepping = self._planned(record.plan)[1]
+        stepping = self._reductions.stepping(record.plan)
         if not stepping:
             return
         probe = self._probe
@@ -284,7 +267,16 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        loss = self._loss_of(outputs, trainer, pl_module)
+        loss = training_loss(outputs, trainer, pl_module)
+        if loss is None and not self._warned_no_loss:
+            self._warned_no_loss = True
+            warnings.warn(
+                "stethoscope: training_step returned no scalar loss, so the loss detectors "
+                "(nonfinite_loss, loss_spike, loss_not_decreasing, unstable_loss) are "
+                "skipped; return the loss or {'loss': loss} to enable them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         lr = self._lr_group.get("lr") if self._lr_group is not None else None
         lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
         record = self._record
@@ -306,7 +298,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             if not math.isfinite(value):
                 self._look_now(trainer, record.step, record.epoch, lr)
         else:
-            for r in self._planned(record.plan)[0]:
+            for r in self._reductions.run(record.plan):
                 r.at_end(record)
             if loss is not None:
                 record.add("loss", loss.reshape(1))
@@ -344,25 +336,13 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if trainer.sanity_checking or dataloader_idx != 0:
-            return
-        loss = (
-            outputs.get("loss", outputs.get("val_loss"))
-            if isinstance(outputs, Mapping)
-            else outputs
-        )
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._val_losses.append(loss.detach().reshape(1).float())
+        if not trainer.sanity_checking and dataloader_idx == 0:
+            self._val_losses.add(outputs)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        losses, self._val_losses = self._val_losses, []
-        if losses:
-            mean = torch.cat(losses).mean()  # once per validation: a sync is fine here
-            val: float | None = float(mean)
-        else:
-            val = self._logged_val_loss(trainer)
+        val = self._val_losses.take(trainer)
         step = max(trainer.global_step - 1, 0)
         if self._meeting is not None:
             # every rank validates here: meet, and judge the validation of all ranks
@@ -378,20 +358,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._drain(trainer, wait=True)
         self._act(self.monitor.observe_validation(step, trainer.current_epoch, val))
 
-    def _logged_val_loss(self, trainer: pl.Trainer) -> float | None:
-        keys = (
-            (self.val_loss_key,)
-            if self.val_loss_key
-            else ("val_loss", "val/loss", "validation_loss")
-        )
-        for key in keys:
-            value = trainer.callback_metrics.get(key)
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                return float(value)
-            if isinstance(value, (int, float)):
-                return float(value)
-        return None
-
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, wait=True)
@@ -403,7 +369,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             while self._meeting.pending:
                 self._meet(trainer, step)
         summary = self._end_epoch(trainer.current_epoch)
-        self._log(trainer, {"stethoscope/findings": float(sum(r.count for r in summary.rows))})
+        if self.log_stats:
+            findings = float(sum(r.count for r in summary.rows))
+            log_metrics(trainer, {"stethoscope/findings": findings})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, wait=True)
@@ -437,41 +405,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if trainer is not None and not trainer.should_stop:
             trainer.should_stop = True
 
-    def _inputs_of(self, batch: Any) -> Any:
-        return self.inputs_from(batch) if self.inputs_from is not None else split_batch(batch)[0]
-
-    def _labels_of(self, batch: Any) -> Any:
-        return self.labels_from(batch) if self.labels_from is not None else split_batch(batch)[1]
-
-    def _samples_in(self, batch: Any) -> int:
-        """The samples of a batch (0: unknown), on every rank when DDP averages gradients."""
-        x = self._inputs_of(batch)
-        n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
-        return n * self._world
-
-    def _loss_of(
-        self, outputs: Any, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> torch.Tensor | None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, (int, float)):
-            return torch.tensor(float(loss))
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            if not self._warned_no_loss:
-                self._warned_no_loss = True
-                warnings.warn(
-                    "stethoscope: training_step returned no scalar loss, so the loss detectors "
-                    "(nonfinite_loss, loss_spike, loss_not_decreasing, unstable_loss) are "
-                    "skipped; return the loss or {'loss': loss} to enable them",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return None
-        loss = loss.detach()
-        k = trainer.accumulate_grad_batches
-        if pl_module.automatic_optimization and k > 1:
-            loss = loss * k  # Lightning divides the returned loss by the accumulation factor
-        return loss
-
     def _meet_at_step(self, trainer: pl.Trainer, step: int) -> None:
         """A sampled step of the shared schedule: gather what the distributed detectors
         compare, in the collective that carries the held decisions and findings."""
@@ -494,58 +427,27 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._judge(trainer, reading, values)
 
     def _judge(self, trainer: pl.Trainer, reading: Reading, values: np.ndarray) -> None:
-        obs = self._observation(reading, values)
+        obs = self._reductions.observation(reading, values, self.monitor.rank)
         decision = self.monitor.observe(obs)
         if self.log_stats and obs.grad_norm is not None:
-            self._log_headline(trainer, obs)
+            log_metrics(trainer, headline(obs, self._interval), step=obs.step)
         self._act(decision)
 
-    def _observation(self, reading: Reading, values: np.ndarray) -> Observation:
-        """The observation a reading holds: each statistic decoded by its reduction."""
-        obs = Observation(step=reading.step, epoch=reading.epoch, rank=self.monitor.rank)
-        obs.lr = reading.lr
-        at = 0
-        for name, n, contexts in reading.layout:
-            chunk = np.asarray(values[at : at + n], dtype=np.float64)
-            self._decoders[name].decode(obs, chunk, contexts)
-            at += n
-        if reading.params:
-            self._probe.describe(obs, list(reading.params))
-        return obs
+    def _interval(self) -> float:
+        """The gradient detectors' sampling interval now (NaN without them)."""
+        if "exploding_gradients" not in self.monitor.sampler.base:
+            return float("nan")
+        return float(self.monitor.interval("exploding_gradients"))
 
     def _look_now(self, trainer: pl.Trainer, step: int, epoch: int, lr: float | None) -> None:
         """After a non-finite loss on an unsampled CPU step, read this step's gradients and
         weights at once (they are still there), so the detectors that name the parameter
         report on this step rather than at the next sample. Off the healthy path."""
-        if self._probe is None or not self.monitor.judges_replicated:
+        if self._reductions is None or not self.monitor.judges_replicated:
             return  # off rank zero under DDP, the detectors that would read them are idle
-        indices = [i for i, p in enumerate(self._probe.params) if p.grad is not None]
-        if not indices:
-            return
-        record = StepRecord(step, epoch, frozenset({"grads", "weights"}))
-        self._decoders["grads"].before_step(record, indices)
-        record.params.extend(indices)
-        self._decoders["weights"].at_end(record)
-        reading = record.take(lr)
-        self._judge(trainer, reading, reading.values.numpy())
-
-    def _log_headline(self, trainer: pl.Trainer, obs: Observation) -> None:
-        metrics = {
-            "stethoscope/grad_norm": global_norm(obs.grad_norm),
-            "stethoscope/interval": float(self.monitor.interval("exploding_gradients", obs.step))
-            if "exploding_gradients" in self.monitor.sampler.base
-            else float("nan"),
-        }
-        if obs.update_norm is not None and obs.weight_norm is not None:
-            w = global_norm(obs.weight_norm)
-            metrics["stethoscope/update_ratio"] = global_norm(obs.update_norm) / w if w else 0.0
-        self._log(trainer, metrics, step=obs.step)
-
-    def _log(self, trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
-        if not (self.log_stats and trainer.is_global_zero):
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
+        reading = self._reductions.gradients_and_weights_now(step, epoch, lr)
+        if reading is not None:
+            self._judge(trainer, reading, reading.values.numpy())
 
 
 def _all_gather(trainer: pl.Trainer, packet: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_CLASSES",
     "ROW",
     "SATURATED_OUTPUT",
+    "by_position",
     "checked",
     "either",
     "forward_row",
@@ -121,6 +122,15 @@ def norms(halves: dict[int, Any], count: int) -> Any:
     position (NaN for the others): one op per tensor, then two for the vector."""
     nan = ops.convert_to_tensor(np.float32(np.nan))
     return ops.sqrt(ops.multiply(ops.stack([halves.get(i, nan) for i in range(count)]), 2.0))
+
+
+def by_position(grads: list, tvars: list, position: dict[int, int]) -> dict[int, Any]:
+    """The gradients handed with a watched variable, by its position."""
+    return {
+        pos: g
+        for g, v in zip(grads, tvars, strict=True)
+        if g is not None and (pos := position.get(id(v))) is not None
+    }
 
 
 def checked(grads: list, tvars: list, position: dict[int, int]) -> tuple[list, dict]:

@@ -27,6 +27,7 @@ from stethoscope.callbacks._keras.layers import (
 )
 from stethoscope.callbacks._keras.reductions import Layout, make_reductions
 from stethoscope.callbacks._keras.regime import Mode, Regime
+from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
 from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, StepWrappers
 from stethoscope.observation import Observation
@@ -79,12 +80,19 @@ class GraphProbe:
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
+        self.switches = Switches(
+            regime=regime,
+            reductions=self.reductions,
+            variables=self.variables,
+            optimizer=self.optimizer,
+        )
         self.wrappers = StepWrappers(
             model,
             regime=regime,
             layout=self.layout,
             variables=self.variables,
             reductions=self.reductions,
+            switches=self.switches,
             position=position,
             layers=self._layers,
             strategy=strategy,
@@ -96,7 +104,7 @@ class GraphProbe:
                 self._groups_of[s] = self._groups_of.get(s, frozenset()) | {r.group, *r.requires}
         self._measurable = frozenset(self._groups_of)
         self._functions: dict[Any, Any] = {}  # "light", "heavy", or a whole one's statistics
-        self._request = (-1, (0,) * len(self.wrappers.groups))  # what the variables ask for
+        self._request = (-1, (0,) * len(self.switches.groups))  # what the variables ask for
         self.heavy = False  # the host's choice for the next execution
         self.planned: frozenset[str] = frozenset()  # ... and a whole function's statistics
         self._ring: Any = None  # the ring the last execution returned, not yet read
@@ -129,7 +137,7 @@ class GraphProbe:
     # -- installing ------------------------------------------------------------------------
     def start(self, step: int) -> None:
         """The optimizer's iteration count at the start of a fit (eager backends count it)."""
-        self.wrappers.py_step = step
+        self.switches.py_step = step
 
     def install(self) -> None:
         """Wrap the train step, make the light (and, unless whole, the heavy) train
@@ -181,15 +189,13 @@ class GraphProbe:
         if self.regime.whole:
             self.planned = plan & self._measurable
             return
-        flags = tuple(1 if g in groups else 0 for g in self.wrappers.groups)
+        flags = self.switches.request(step, groups)
         if (step, flags) == self._request:
             return
         if step != self._request[0]:
             self.variables.write("sample_at", np.int64(step))
         if flags != self._request[1]:
             self.variables.write("flags", np.array(flags, dtype="int32"))
-        self.wrappers.py_sample_at = step
-        self.wrappers.py_flags = np.array(flags, dtype=bool)
         self._request = (step, flags)
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,13 +208,13 @@ class GraphProbe:
         fn = self._functions.get(key)
         if fn is None:  # a set of statistics this probe has not been asked for yet
             fn = self._functions[key] = self._make_function()
-        wrappers = self.wrappers
-        wrappers.mode = Mode.LIGHT if key == "light" else Mode.HEAVY
-        wrappers.planned = key if self.regime.whole and self.heavy else frozenset()
+        switches = self.switches
+        switches.mode = Mode.LIGHT if key == "light" else Mode.HEAVY
+        switches.planned = key if self.regime.whole and self.heavy else frozenset()
         try:
             logs = fn(*args, **kwargs)
         finally:
-            wrappers.mode = Mode.OFF
+            switches.mode = Mode.OFF
         self.variables.hand_back({})
         self._returned_lr = self._returned_step = None
         if isinstance(logs, dict) and RING_KEY in logs:

@@ -31,8 +31,10 @@ import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
-from stethoscope.callbacks._keras.regime import Mode, Regime
+from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
 
 __all__ = ["PROBES_KEY", "RING_KEY", "StepWrappers"]
@@ -61,7 +63,6 @@ class _Trace:
     written: set[str] = field(default_factory=set)  # slots a control-flow body wrote
     due: tuple | None = None  # (switches, forced), from apply to the all-reduce
     outer: Any = None  # the graph of the train step being traced
-    wanted: tuple | None = None  # (graph, each group's predicate, combinations)
 
 
 class StepWrappers:
@@ -73,6 +74,7 @@ class StepWrappers:
         layout: What the probe watches in it.
         variables: The probe's variables.
         reductions: Every reduction.
+        switches: Which of them the step computes (shared with the host).
         position: Each trainable variable's position, by id (and by the id of its
             backing variable under a strategy, which the all-reduce pairs gradients with).
         layers: The leaf layers whose output is read, one forward row each.
@@ -87,6 +89,7 @@ class StepWrappers:
         layout: Layout,
         variables: ProbeVariables,
         reductions: tuple[KerasReduction, ...],
+        switches: Switches,
         position: dict[int, int],
         layers: list[Any],
         strategy: Any,
@@ -95,26 +98,19 @@ class StepWrappers:
         self.regime, self.layout, self.variables = regime, layout, variables
         self.position, self.layers, self.strategy = position, layers, strategy
         self.forward = next(r for r in reductions if isinstance(r, ForwardRows))
+        self.nonfinite = NonfiniteRecord(
+            self.optimizer,
+            regime=regime,
+            layout=layout,
+            variables=variables,
+            position=position,
+            strategy=strategy,
+        )
         self.at = {
             hook: tuple(r for r in reductions if hook in r.hooks)
             for hook in ("batch", "gradients", "before_update", "update")
         }
-        #: The switches the host flips, in the order of the request's flags.
-        self.groups: tuple[str, ...] = tuple(dict.fromkeys(r.group for r in reductions))
-        self._flag = {g: i for i, g in enumerate(self.groups)}
-        # the statistics whose reductions run under each switch
-        self._serving = {
-            g: frozenset(s for r in reductions if g in (r.group, *r.requires) for s in r.statistics)
-            for g in self.groups
-        }
-        #: What the function being traced (or run, when eager) carries; set by dispatch.
-        self.mode = Mode.OFF
-        #: In a whole heavy function: the statistics it is traced for.
-        self.planned: frozenset[str] = frozenset()
-        # host-side mirrors of the request, for eager backends (a Python bool is free)
-        self.py_flags = np.zeros(len(self.groups), dtype=bool)
-        self.py_sample_at = -1
-        self.py_step = 0
+        self.switches = switches
         self.saw_loss = False
         # positions of the variables the train step hands optimizer.apply, and of those it
         # hands with a gradient: known once apply has been traced (every step when eager)
@@ -149,6 +145,7 @@ class StepWrappers:
                 delattr(owner, attr)
         self._installed = []
         self._traces.clear()
+        self.switches.forget()
 
     def _wrap(self, owner: Any, attr: str, fn: Any) -> None:
         if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
@@ -166,7 +163,7 @@ class StepWrappers:
     def put(self, name: str, value: Any) -> None:
         """Record a reduction: a direct heavy step hands it back with its logs (no write and
         no read of a variable: two ops fewer); else it goes into its variable."""
-        if self.regime.direct and self.mode is Mode.HEAVY:
+        if self.regime.direct and self.switches.heavy:
             trace = self._trace()
             if not self._nested(trace):
                 trace.stored[name] = value
@@ -196,51 +193,6 @@ class StepWrappers:
             trace = self._traces[thread] = _Trace()
         return trace
 
-    # -- the switches ------------------------------------------------------------------------
-    def want(self, *groups: str) -> Any:
-        """Whether any of ``groups`` is computed at this step: a Python bool in a whole
-        heavy function, when eager, or outside the heavy function (``False``); else a bool
-        tensor comparing the host's request with the optimizer's step, built once per
-        graph (and replica) and shared by the wrappers."""
-        if self.mode is not Mode.HEAVY:
-            return False
-        regime = self.regime
-        if regime.whole:
-            return any(self.planned & self._serving[g] for g in groups)
-        if regime.eager:
-            due = self.py_step == self.py_sample_at
-            return bool(due and any(self.py_flags[self._flag[g]] for g in groups))
-        import tensorflow as tf  # the only graph backend
-
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        trace = self._trace()  # each replica compares its own copies (on its own device)
-        if graph is None or trace.wanted is None or trace.wanted[0] is not graph:
-            step = ops.cast(self.optimizer.iterations, "int64")
-            due = ops.equal(step, self.variables["sample_at"])
-            on = ops.logical_and(due, ops.greater(self.variables["flags"], 0))
-            trace.wanted = (graph, ops.unstack(on, len(self.groups)), {})
-        _, on, combined = trace.wanted
-        if groups not in combined:
-            pred = on[self._flag[groups[0]]]
-            for g in groups[1:]:
-                pred = ops.logical_or(pred, on[self._flag[g]])
-            combined[groups] = pred
-        return combined[groups]
-
-    @staticmethod
-    def cond(pred: Any, fn: Any) -> None:
-        if isinstance(pred, bool):
-            if pred:
-                fn()
-            return
-        ops.cond(pred, fn, lambda: None)
-
-    def _switches(self, reductions: tuple[KerasReduction, ...]) -> tuple[Any, dict]:
-        """Whether any of ``reductions`` runs at this step, and each one's switch."""
-        own = {r: self.want(r.group) for r in reductions}
-        groups = tuple(dict.fromkeys(g for r in reductions for g in (r.group, *r.requires)))
-        return (self.want(*groups) if groups else False), own
-
     # -- the wrappers --------------------------------------------------------------------------
     def _compute_loss(self, original: Any) -> Any:
         takes_training = "training" in inspect.signature(original).parameters
@@ -251,7 +203,7 @@ class StepWrappers:
                 loss = original(x, y, y_pred, sample_weight, training=training)
             else:
                 loss = original(x, y, y_pred, sample_weight)
-            if not training or self.mode is Mode.OFF or kops.is_symbolic(loss):
+            if not training or self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
             regime = self.regime
@@ -262,13 +214,13 @@ class StepWrappers:
                 kops.put(self.variables["losses"], slot, value)
             if not regime.eager:  # apply tests it with the gradients, and the ring carries it
                 self._trace().loss = value
-            any_on, own = self._switches(self.at["batch"])
+            any_on, own = self.switches.of(self.at["batch"])
 
             def batch() -> None:
                 for r, on in own.items():
-                    self.cond(on, lambda r=r: r.on_batch(self, x, y))
+                    cond(on, lambda r=r: r.on_batch(self, x, y))
 
-            self.cond(any_on, batch)
+            cond(any_on, batch)
             return loss
 
         return compute_loss
@@ -277,10 +229,10 @@ class StepWrappers:
         @functools.wraps(original)
         def train_step(*args, **kwargs):
             trace = self._trace()
-            if self.mode is not Mode.OFF:
+            if not self.switches.off:
                 trace.outer = kops.graph()
             logs = original(*args, **kwargs)
-            if self.mode is Mode.OFF:
+            if self.switches.off:
                 return logs
             value, squares = trace.loss, trace.squares
             trace.loss, trace.squares = None, {}
@@ -295,7 +247,7 @@ class StepWrappers:
             else:  # read after the step's own writes to it (automatic control dependencies)
                 ring = ops.convert_to_tensor(self.variables["losses"])
             out = {**logs, RING_KEY: ring}
-            if self.mode is Mode.HEAVY:
+            if self.switches.heavy:
                 out[PROBES_KEY] = self._handed_back(trace)
             return out
 
@@ -312,7 +264,7 @@ class StepWrappers:
                 out[name] = kops.value(self.variables[name])
             if "sampled_at" not in out:  # a step that planned no reduction storing it
                 out["sampled_at"] = ops.cast(self.optimizer.iterations, "int64") - 1
-            if self.layers and (rows or self.planned & self.forward.statistics):
+            if self.layers and (rows or self.switches.planned & self.forward.statistics):
                 # NaN for a layer the step did not call, or whose row no planned probe reads
                 nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
                 in_variable = any(r is _IN_VARIABLE for r in rows.values())
@@ -339,7 +291,7 @@ class StepWrappers:
     def _apply(self, original: Any) -> Any:
         @functools.wraps(original)
         def apply(grads, trainable_variables=None):
-            if trainable_variables is None or self.mode is Mode.OFF or kops.is_symbolic(grads):
+            if trainable_variables is None or self.switches.off or kops.is_symbolic(grads):
                 return original(grads, trainable_variables)
             grads, tvars = list(grads), list(trainable_variables)
             for g, v in zip(grads, tvars, strict=True):
@@ -357,17 +309,12 @@ class StepWrappers:
             # gradient opens a cond that records the norms, and the record waits for the
             # host, not overwritten.
             loss = [trace.loss] if trace.loss is not None else []
-            forced: Any = False
+            forced = self.nonfinite.predicate(loss, grads)
             if regime.direct:
                 grads, trace.squares = kops.checked(grads, tvars, self.position)
             else:
                 trace.loss = None
-                if not regime.eager:
-                    parts = loss + [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
-                    if parts:
-                        forced = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
-                        forced = ops.logical_and(forced, ops.less(self.variables["bad_at"], 0))
-            heavy = self.mode is Mode.HEAVY
+            heavy = self.switches.heavy
             if self.strategy is not None:
                 # the all-reduced gradients exist only inside the optimizer: measured there
                 trace.due = (heavy, forced)
@@ -378,9 +325,9 @@ class StepWrappers:
             if heavy:
                 self._at_update(tvars, before)
             if forced is not False:
-                self.cond(forced, lambda: self._record_nonfinite(grads, tvars))
+                cond(forced, lambda: self.nonfinite.record(grads, tvars))
             if regime.eager:
-                self.py_step += 1
+                self.switches.py_step += 1
             return None
 
         return apply
@@ -404,7 +351,7 @@ class StepWrappers:
                 grads, tvars = [g for g, _ in reduced], [v for _, v in reduced]
                 if heavy:
                     self._at_gradients(grads, tvars, scaled=False)
-                self.cond(forced, lambda: self._bad_grad_norms(grads, tvars, scaled=False))
+                cond(forced, lambda: self.nonfinite.gradients(grads, tvars, scaled=False))
             return reduced
 
         return all_reduce
@@ -413,7 +360,7 @@ class StepWrappers:
         @functools.wraps(original)
         def call(*args, **kwargs):
             out = original(*args, **kwargs)
-            if self.mode is not Mode.HEAVY or out is None or kops.is_symbolic(out):
+            if not self.switches.heavy or out is None or kops.is_symbolic(out):
                 return out
             first = next((t for t in keras.tree.flatten(out) if t is not None), None)
             if first is None or not kops.is_float(first):
@@ -423,10 +370,10 @@ class StepWrappers:
             # pass that never comes, on every step.
             seen = ops.stop_gradient(first)
             if self.regime.whole:  # only a row that the host reads for a planned statistic
-                pred = self.forward.reads(row, self.planned)
+                pred = self.forward.reads(row, self.switches.planned)
             else:
-                pred = self.want(self.forward.group)
-            self.cond(pred, lambda: self.forward.on_layer(self, row, seen))
+                pred = self.switches.want(self.forward.group)
+            cond(pred, lambda: self.forward.on_layer(self, row, seen))
             return out
 
         return call
@@ -435,16 +382,16 @@ class StepWrappers:
     def _at_gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
         """The gradient reductions the step planned; ``scaled``: the gradients still carry
         the optimizer's loss scale."""
-        any_on, own = self._switches(self.at["gradients"])
+        any_on, own = self.switches.of(self.at["gradients"])
 
         def gradients() -> None:
-            by_pos = self._by_position(grads, tvars)
+            by_pos = kops.by_position(grads, tvars, self.position)
             scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
             for r, on in own.items():
-                self.cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
+                cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
             self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64"))
 
-        self.cond(any_on, gradients)
+        cond(any_on, gradients)
 
     def _before_update(self, tvars: list) -> dict[KerasReduction, Any]:
         """What the planned update reductions keep from before the update. In a whole heavy
@@ -452,52 +399,24 @@ class StepWrappers:
         reduction copies what it keeps into its variables, inside its switch."""
         kept: dict[KerasReduction, Any] = {}
         for r in self.at["before_update"]:
-            on = self.want(r.group)
+            on = self.switches.want(r.group)
             if isinstance(on, bool):
                 if on:
                     kept[r] = r.before_update(self, tvars)
             else:
-                self.cond(on, lambda r=r: r.before_update(self, tvars))
+                cond(on, lambda r=r: r.before_update(self, tvars))
         return kept
 
     def _at_update(self, tvars: list, kept: dict[KerasReduction, Any]) -> None:
         """The reductions of the weights after the update that the step planned."""
-        any_on, own = self._switches(self.at["update"])
+        any_on, own = self.switches.of(self.at["update"])
 
         def update() -> None:
             now = {
                 pos: kops.value(v) for v in tvars if (pos := self.position.get(id(v))) is not None
             }
             for r, on in own.items():
-                self.cond(on, lambda r=r: r.on_update(self, now, kept.get(r)))
+                cond(on, lambda r=r: r.on_update(self, now, kept.get(r)))
             self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64") - 1)
 
-        self.cond(any_on, update)
-
-    def _bad_grad_norms(self, grads: list, tvars: list, *, scaled: bool) -> None:
-        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
-        halves = {pos: kops.half_square(g) for pos, g in self._by_position(grads, tvars).items()}
-        norms = kops.norms(halves, self.layout.count)
-        self.variables["bad_grad_norm"].assign(norms / scale if scale else norms)
-
-    def _record_nonfinite(self, grads: list, tvars: list) -> None:
-        """The record of a step whose loss or gradient was not finite: its gradient norms
-        (under a strategy the all-reduce wrapper took those), its weight norms after the
-        update, and the step, with the flag the host reads with the losses."""
-        if self.strategy is None:
-            self._bad_grad_norms(grads, tvars, scaled=True)
-        weights = {
-            pos: kops.half_square(ops.convert_to_tensor(v))
-            for v in tvars
-            if (pos := self.position.get(id(v))) is not None
-        }
-        self.variables["bad_weight_norm"].assign(kops.norms(weights, self.layout.count))
-        self.variables["bad_at"].assign(ops.cast(self.optimizer.iterations, "int64") - 1)
-        kops.put(self.variables["losses"], self.regime.steps, ops.convert_to_tensor(1.0, "float32"))
-
-    def _by_position(self, grads: list, tvars: list) -> dict[int, Any]:
-        return {
-            pos: g
-            for g, v in zip(grads, tvars, strict=True)
-            if g is not None and (pos := self.position.get(id(v))) is not None
-        }
+        cond(any_on, update)

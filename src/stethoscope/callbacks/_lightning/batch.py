@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from stethoscope.statistics import MAX_FEATURES
 
-__all__ = ["INPUT_KEYS", "LABEL_KEYS", "class_labels", "input_moments", "split_batch"]
+__all__ = [
+    "INPUT_KEYS",
+    "LABEL_KEYS",
+    "BatchParts",
+    "class_labels",
+    "input_moments",
+    "split_batch",
+]
 
 #: Keys of a dict batch that hold the inputs, and the labels, in order of preference.
 INPUT_KEYS = ("x", "input", "inputs", "features", "image", "images", "pixel_values")
@@ -26,6 +34,37 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
         y = next((batch[k] for k in LABEL_KEYS if k in batch), None)
         return x, y
     return None, None
+
+
+class BatchParts:
+    """The model inputs and class labels of a batch: the user's functions when given,
+    else :func:`split_batch`.
+
+    Args:
+        inputs_from: ``batch -> inputs``, or None.
+        labels_from: ``batch -> labels``, or None.
+        world_size: Ranks whose batches DDP averages the gradients over.
+    """
+
+    def __init__(
+        self,
+        inputs_from: Callable[[Any], Any] | None,
+        labels_from: Callable[[Any], Any] | None,
+        world_size: int = 1,
+    ) -> None:
+        self.inputs_from, self.labels_from, self.world_size = inputs_from, labels_from, world_size
+
+    def inputs(self, batch: Any) -> Any:
+        return self.inputs_from(batch) if self.inputs_from is not None else split_batch(batch)[0]
+
+    def labels(self, batch: Any) -> Any:
+        return self.labels_from(batch) if self.labels_from is not None else split_batch(batch)[1]
+
+    def samples(self, batch: Any) -> int:
+        """The samples of a batch (0: unknown), on every rank when DDP averages gradients."""
+        x = self.inputs(batch)
+        n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
+        return n * self.world_size
 
 
 def input_moments(x: Any) -> tuple[torch.Tensor, int] | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,7 +38,7 @@ from stethoscope.callbacks._lightning.parameters import (
     magnitude_histograms,
     zero_rows,
 )
-from stethoscope.callbacks._lightning.record import StepRecord
+from stethoscope.callbacks._lightning.record import Reading, StepRecord
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
@@ -51,6 +51,7 @@ __all__ = [
     "Loss",
     "RankTiming",
     "Reduction",
+    "ReductionSet",
     "ReplicaChecksums",
     "UnitRows",
     "UpdateNorms",
@@ -334,6 +335,17 @@ class ReplicaChecksums:
         self.names = tuple(n for n, _ in named)
         self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
 
+    @classmethod
+    def of(cls, model: Any, module: torch.nn.Module) -> ReplicaChecksums | None:
+        """What ``module``'s replicas compare under ``model`` (the strategy's wrapped model):
+        under DDP, every parameter, and the buffers DDP does not overwrite from rank zero at
+        each forward pass. None for strategies that shard the parameters (FSDP, DeepSpeed):
+        they hold no whole replicas to compare."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        buffers = [] if model.broadcast_buffers else list(module.named_buffers())
+        return cls(list(module.named_parameters()) + buffers, len(buffers))
+
     def shared(self) -> dict[str, Any]:
         return {
             "replica_sums": checksums(self.tensors).cpu().numpy(),
@@ -370,6 +382,58 @@ class RankTiming:
         return {"rank_busy": busy}
 
 
-def planned(reductions: Iterable[Reduction], plan: frozenset[str]) -> tuple[Reduction, ...]:
-    """The reductions that serve a statistic of ``plan``."""
-    return tuple(r for r in reductions if not r.statistics.isdisjoint(plan))
+class ReductionSet:
+    """Every reduction of a run: those each plan runs, and the decoding of a reading.
+
+    Args:
+        reductions: Every reduction, in the order the hooks run them.
+        probe: The watched parameters (to name them in an observation).
+    """
+
+    def __init__(self, reductions: Sequence[Reduction], probe: ParameterProbe) -> None:
+        self.all = tuple(reductions)
+        self.probe = probe
+        self._by_name = {r.name: r for r in self.all}
+        # per plan: the reductions it runs, and those of them that need the parameters an
+        # optimizer steps (a handful of plans per run)
+        self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
+
+    def run(self, plan: frozenset[str]) -> tuple[Reduction, ...]:
+        """The reductions that serve a statistic of ``plan``, in order."""
+        return self._split(plan)[0]
+
+    def stepping(self, plan: frozenset[str]) -> tuple[Reduction, ...]:
+        """Those of them that measure the parameters an optimizer steps."""
+        return self._split(plan)[1]
+
+    def _split(self, plan: frozenset[str]) -> tuple[tuple[Reduction, ...], tuple]:
+        hit = self._by_plan.get(plan)
+        if hit is None:
+            run = tuple(r for r in self.all if not r.statistics.isdisjoint(plan))
+            hit = self._by_plan[plan] = (run, tuple(r for r in run if r.per_parameter))
+        return hit
+
+    def observation(self, reading: Reading, values: np.ndarray, rank: int) -> Observation:
+        """The observation a reading holds: each part decoded by the reduction that made
+        it, the parameters named."""
+        obs = Observation(step=reading.step, epoch=reading.epoch, rank=rank, lr=reading.lr)
+        at = 0
+        for name, n, contexts in reading.layout:
+            chunk = np.asarray(values[at : at + n], dtype=np.float64)
+            self._by_name[name].decode(obs, chunk, contexts)
+            at += n
+        if reading.params:
+            self.probe.describe(obs, list(reading.params))
+        return obs
+
+    def gradients_and_weights_now(self, step: int, epoch: int, lr: float | None) -> Reading | None:
+        """The gradient and weight norms of every parameter that has a gradient, measured
+        now (None: none has): a step's second look, off the healthy path."""
+        indices = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
+        if not indices:
+            return None
+        record = StepRecord(step, epoch, frozenset({"grads", "weights"}))
+        self._by_name["grads"].before_step(record, indices)
+        record.params.extend(indices)
+        self._by_name["weights"].at_end(record)
+        return record.take(lr)

@@ -1,0 +1,82 @@
+"""Catching a non-finite step inside the graph, where the ring is a variable.
+
+In the direct regime the ring itself carries every gradient's sum of squares, and the
+host tests them. Elsewhere one sum of the loss and every gradient tells the step
+whether it went bad, and opens one ``cond`` that records the step and its norms; the
+record waits for the host (the first one since the host last looked is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keras import ops
+
+from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.reductions import Layout
+from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.variables import ProbeVariables
+
+__all__ = ["NonfiniteRecord"]
+
+
+class NonfiniteRecord:
+    """The graph's record of a step whose loss or gradient is not finite.
+
+    Args:
+        optimizer: The model's optimizer (its step count and loss scale).
+        regime: How the train step runs.
+        layout: What the probe watches.
+        variables: The probe's variables (``bad_at``, ``bad_grad_norm``,
+            ``bad_weight_norm`` and the flag at the end of ``losses``).
+        position: Each trainable variable's position, by id.
+        strategy: The model's ``MirroredStrategy``, or None (then the gradient norms are
+            taken where the optimizer all-reduces the gradients).
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        regime: Regime,
+        layout: Layout,
+        variables: ProbeVariables,
+        position: dict[int, int],
+        strategy: Any,
+    ) -> None:
+        self.optimizer, self.regime, self.layout = optimizer, regime, layout
+        self.variables, self.position, self.strategy = variables, position, strategy
+
+    def predicate(self, loss: list[Any], grads: list[Any]) -> Any:
+        """Whether this step's loss or a gradient is not finite and no earlier record waits
+        for the host: a bool tensor, or ``False`` where the graph does not test (the direct
+        regime tests on the host; an eager step would pay a device sync)."""
+        if self.regime.direct or self.regime.eager:
+            return False
+        parts = loss + [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
+        if not parts:
+            return False
+        bad = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
+        return ops.logical_and(bad, ops.less(self.variables["bad_at"], 0))
+
+    def gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
+        """Record the gradient norms; ``scaled``: they still carry the loss scale."""
+        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
+        by_pos = kops.by_position(grads, tvars, self.position)
+        norms = kops.norms({p: kops.half_square(g) for p, g in by_pos.items()}, self.layout.count)
+        self.variables["bad_grad_norm"].assign(norms / scale if scale else norms)
+
+    def record(self, grads: list, tvars: list) -> None:
+        """After the update: the gradient norms (under a strategy the all-reduce took
+        those), the weight norms, the step, and the flag the host reads with the losses."""
+        if self.strategy is None:
+            self.gradients(grads, tvars, scaled=True)
+        weights = {
+            pos: kops.half_square(ops.convert_to_tensor(v))
+            for v in tvars
+            if (pos := self.position.get(id(v))) is not None
+        }
+        self.variables["bad_weight_norm"].assign(kops.norms(weights, self.layout.count))
+        self.variables["bad_at"].assign(ops.cast(self.optimizer.iterations, "int64") - 1)
+        flag = ops.convert_to_tensor(1.0, "float32")
+        kops.put(self.variables["losses"], self.regime.steps, flag)

@@ -1,0 +1,67 @@
+"""The losses a LightningModule hands the hooks: the training loss of a step, and the
+validation loss of an epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["ValidationLosses", "training_loss"]
+
+#: Metrics that hold a validation loss when ``validation_step`` does not return it.
+VAL_LOSS_KEYS = ("val_loss", "val/loss", "validation_loss")
+
+
+def training_loss(outputs: Any, trainer: Any, pl_module: Any) -> torch.Tensor | None:
+    """The step's loss as a detached scalar tensor on its device; None when
+    ``training_step`` returned none (neither a scalar nor ``{"loss": scalar}``)."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, (int, float)):
+        return torch.tensor(float(loss))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return None
+    loss = loss.detach()
+    k = trainer.accumulate_grad_batches
+    if pl_module.automatic_optimization and k > 1:
+        loss = loss * k  # Lightning divides the returned loss by the accumulation factor
+    return loss
+
+
+class ValidationLosses:
+    """The validation loss of an epoch: the mean of what ``validation_step`` returned on
+    the first dataloader, else the logged metric.
+
+    Args:
+        key: The logged metric to read (default: the first of :data:`VAL_LOSS_KEYS`).
+    """
+
+    def __init__(self, key: str | None = None) -> None:
+        self.keys = (key,) if key else VAL_LOSS_KEYS
+        self._losses: list[torch.Tensor] = []
+
+    def add(self, outputs: Any) -> None:
+        """Keep a batch's loss (``loss`` or ``val_loss`` of a dict, or the scalar itself),
+        on its device."""
+        loss = (
+            outputs.get("loss", outputs.get("val_loss"))
+            if isinstance(outputs, Mapping)
+            else outputs
+        )
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(1).float())
+
+    def take(self, trainer: Any) -> float | None:
+        """The epoch's validation loss (None if none was returned or logged); forget the
+        batches."""
+        losses, self._losses = self._losses, []
+        if losses:
+            return float(torch.cat(losses).mean())  # once per validation: a sync is fine
+        for key in self.keys:
+            value = trainer.callback_metrics.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                return float(value)
+            if isinstance(value, (int, float)):
+                return float(value)
+        return None

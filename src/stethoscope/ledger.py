@@ -1,0 +1,233 @@
+"""The ledger of a run: every finding counted in its epoch, sent to the sinks, summed up."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from stethoscope.detectors.base import Detector
+from stethoscope.findings import Finding, Severity
+from stethoscope.sinks.base import Sink
+from stethoscope.summary import EpochSummary, SummaryRow
+
+__all__ = ["SAMPLER", "Ledger"]
+
+#: The ``detector`` field of the info findings the sampler reports.
+SAMPLER = "sampler"
+
+_STATUS = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.ERROR: "error"}
+
+
+class Ledger:
+    """Where judged findings go: each is counted in its epoch, and sent to the sinks unless
+    an identical one went out recently; at each epoch's end the counts become the
+    summary. A sink that raises is warned about once and never costs the run.
+
+    Args:
+        sinks: Where findings go.
+        repeat_after: Steps before an identical finding (same detector, where and
+            severity) is sent to the sinks again; repeats are still counted.
+    """
+
+    def __init__(self, sinks: Sequence[Sink], *, repeat_after: int) -> None:
+        for s in sinks:
+            if not isinstance(s, Sink):
+                raise TypeError(f"sinks must be Sink instances, got {s!r}")
+        if not isinstance(repeat_after, int) or isinstance(repeat_after, bool) or repeat_after < 0:
+            raise ValueError(f"repeat_after={repeat_after!r} must be an integer >= 0 (steps)")
+        self.sinks: list[Sink] = list(sinks)
+        self.repeat_after = repeat_after
+        #: Whether this process writes to the sinks (off rank zero it does not).
+        self.emit = True
+        #: When each kind of finding last went to the sinks (checkpointed).
+        self.last_sent: dict[str, int] = {}
+        self._sink_failed: set[int] = set()
+        self.new_epoch(escalations=0)
+
+    # -- findings ------------------------------------------------------------------------
+    def record(self, f: Finding, *, hold: list[Finding] | None = None) -> None:
+        """Count ``f`` in the epoch; send it to the sinks unless it repeats a recent one.
+
+        Args:
+            hold: Off rank zero, where to keep it for the ranks' next meeting instead (a
+                finding from this rank's own data, which rank zero has not seen).
+        """
+        stats = self._epoch.setdefault(f.detector, {"count": 0, "worst": f, "by_severity": {}})
+        stats["count"] += 1
+        stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
+        if f.severity > stats["worst"].severity:
+            stats["worst"] = f
+        key = f"{f.detector}|{f.where}|{f.severity.value}"
+        if f.rank:
+            key += f"|{f.rank}"  # the same problem on another rank is news of its own
+        last = self.last_sent.get(key)
+        if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
+            return  # an identical finding went out recently: count it, do not flood the sinks
+        self.last_sent[key] = f.step
+        if hold is not None and not self.emit:
+            hold.append(f)
+        else:
+            self.call_sinks("emit", f)
+
+    def saw_step(self, step: int, *, grads: bool) -> None:
+        """Count ``step`` in the epoch (``grads``: its gradients were judged)."""
+        self._steps.add(step)
+        if grads:
+            self._grad_steps.add(step)
+
+    def call_sinks(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every sink (on rank zero), each call isolated."""
+        if not self.emit:
+            return
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:  # a sink must never cost the training run
+                if id(sink) not in self._sink_failed:
+                    self._sink_failed.add(id(sink))
+                    warnings.warn(
+                        f"stethoscope: {type(sink).__name__}.{method}() failed with {exc!r}; "
+                        "training goes on and the other sinks still receive findings",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+
+    # -- epochs ------------------------------------------------------------------------------
+    def new_epoch(self, *, escalations: int) -> None:
+        """Start counting a new epoch (``escalations``: the sampler's count so far)."""
+        self._epoch: dict[str, dict[str, Any]] = {}
+        self._steps: set[int] = set()
+        self._grad_steps: set[int] = set()
+        self._escalations = escalations
+
+    def escalations_from(self, escalations: int) -> None:
+        """Count this epoch's escalations from the sampler's count ``escalations``."""
+        self._escalations = escalations
+
+    def summary(
+        self,
+        epoch: int,
+        *,
+        detectors: Sequence[Detector],
+        interval: Callable[[str], int],
+        escalations: int,
+        hot: bool,
+        stopped_by: Finding | None,
+    ) -> EpochSummary:
+        """The summary of the epoch so far, as plain data.
+
+        Args:
+            detectors: The detectors that take part in this run, in order.
+            interval: Each detector's current sampling interval, by name.
+            escalations: The sampler's escalations so far in the run.
+            hot: Whether the sampler still samples every step.
+            stopped_by: The finding that stopped the run, if any.
+        """
+        rows: list[SummaryRow] = []
+        quiet: list[str] = []
+        for d in detectors:
+            stats = self._epoch.get(d.name)
+            if stats is None:
+                quiet.append(d.name)
+                continue
+            rows.append(self._row(d, stats, interval(d.name), stopped_by))
+        order = ("error", "warning", "info", "ok")
+        rows.sort(key=lambda r: order.index(r.status))
+        if SAMPLER in self._epoch:
+            escalated = escalations - self._escalations
+            rows.append(
+                SummaryRow(
+                    detector=SAMPLER,
+                    status="info",
+                    count=self._epoch[SAMPLER]["count"],
+                    verdict=(f"escalated {escalated}x this epoch; " if escalated else "")
+                    + ("still sampling hot" if hot else "back at base intervals"),
+                )
+            )
+        if quiet:
+            intervals = sorted({interval(n) for n in quiet})
+            every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
+            rows.append(
+                SummaryRow(
+                    detector=f"{len(quiet)} others",
+                    status="ok",
+                    where=None,
+                    verdict=f"nothing found (every {every} steps)",
+                )
+            )
+        return EpochSummary(
+            epoch=epoch,
+            steps=len(self._steps),
+            rows=tuple(rows),
+            verdict=self._verdict(stopped_by),
+            quiet=tuple(quiet),
+            stopped_by=stopped_by.to_dict(json_safe=True) if stopped_by else None,
+            dropped=self._dropped(),
+        )
+
+    def _dropped(self) -> dict[str, int]:
+        """Findings each sink gave up on so far, by sink name (see ``Sink.dropped``)."""
+        if not self.emit:
+            return {}
+        names = [type(s).__name__ for s in self.sinks]
+        out: dict[str, int] = {}
+        for i, (name, sink) in enumerate(zip(names, self.sinks, strict=True)):
+            try:
+                n = sink.dropped
+            except Exception:  # a sink's property must not cost the summary either
+                continue
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[name if names.count(name) == 1 else f"{name}[{i}]"] = n
+        return out
+
+    @staticmethod
+    def _row(
+        detector: Detector, stats: dict[str, Any], interval: int, stopped_by: Finding | None
+    ) -> SummaryRow:
+        worst: Finding = stats["worst"]
+        verdict = getattr(detector, "advice", "")
+        if stopped_by is not None and stopped_by.detector == detector.name:
+            verdict = f"stopped training at step {stopped_by.step}; {verdict}"
+        return SummaryRow(
+            detector=detector.name,
+            status=_STATUS[worst.severity],
+            count=stats["count"],
+            value=worst.value,
+            threshold=worst.threshold,
+            where=worst.where,
+            interval=interval,
+            verdict=verdict,
+        )
+
+    def _verdict(self, stopped_by: Finding | None) -> str:
+        steps = len(self._steps)
+        if stopped_by is not None:
+            f = stopped_by
+            where = f" in {f.where}" if f.where else ""
+            return f"Stopped at step {f.step} by {f.detector} ({f.severity}){where}."
+        counts = {s: 0 for s in Severity}
+        for name, stats in self._epoch.items():
+            if name != SAMPLER:
+                for sev, n in stats["by_severity"].items():
+                    counts[Severity(sev)] += n
+        if counts[Severity.ERROR] or counts[Severity.WARNING]:
+            worst = max(
+                (s for n, s in self._epoch.items() if n != SAMPLER),
+                key=lambda s: s["worst"].severity.rank,
+            )["worst"]
+            return (
+                f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
+                f"{steps} steps; worst: {worst.detector} at step {worst.step}"
+            )
+        return (
+            f"Healthy: no warnings in {steps} steps "
+            f"(loss checked every step, gradients on {len(self._grad_steps)} steps)"
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_sent": dict(self.last_sent)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last_sent = dict(state.get("last_sent", {}))
