@@ -325,7 +325,7 @@ class Gate(Callback):
         for cb in self.active:
             cb.on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if key == STETHOSCOPE:
-            self.sampled[step] = bool(self.steady._plan - {"loss"})
+            self.sampled[step] = self.steady._record.sampled
             if self.steady.monitor.sampler.hot:
                 self.hot.add(step)
 

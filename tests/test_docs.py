@@ -16,7 +16,8 @@ DOCS = ROOT / "docs"
 #: A page not written yet is skipped.
 GUIDES = ("docs/write-a-detector.md", "docs/write-a-sink.md", "docs/design.md")
 
-#: A block whose first line is this is a fragment (e.g. ``trainer.fit(model)``): not run.
+#: A block whose first line starts with this is a fragment (``trainer.fit(model)``) or an
+#: excerpt of the source: not run.
 NOT_RUN = "# not run"
 
 #: Team files outside the repository: users never see them, so nothing may point at them.
@@ -34,7 +35,7 @@ _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 def python_blocks(text: str) -> list[str]:
     """The fenced ```python blocks of a markdown text, in order, without the fragments."""
     blocks = [m.group(1) for m in _FENCE.finditer(text)]
-    return [b for b in blocks if b.lstrip().splitlines()[:1] != [NOT_RUN]]
+    return [b for b in blocks if not b.lstrip().startswith(NOT_RUN)]
 
 
 @pytest.mark.parametrize("page", GUIDES)

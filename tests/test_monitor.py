@@ -15,7 +15,7 @@ from stethoscope.detectors import DETECTORS, Detector, LossSpike, default_detect
 from stethoscope.findings import Finding
 from stethoscope.monitor import SAMPLER, Monitor
 from stethoscope.observation import Observation
-from stethoscope.sinks.base import Sink
+from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import EVENT, GATHERED, STATISTICS
 from stethoscope.summary import EpochSummary
 from stethoscope.testing import CapturingSink
@@ -510,3 +510,15 @@ def test_stop_on_may_name_custom_detectors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert feed(m, range(3))[2].stop
+
+
+def test_a_sink_that_fails_to_start_is_warned_about_and_the_others_start():
+    class NoStart(Sink):
+        def start(self, context):
+            raise OSError("no such host")
+
+    good = CapturingSink()
+    m = Monitor(sinks=[NoStart(), good])
+    with pytest.warns(RuntimeWarning, match=r"NoStart\.start\(\) failed with OSError"):
+        m.start(RunContext(framework="test"))
+    assert good.context.framework == "test"

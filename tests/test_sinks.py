@@ -949,3 +949,27 @@ def test_logging_copy_logs_through_the_same_named_logger(
     clone.emit(make_finding(2))
     assert [r.step for r in records] == [2]
     assert repr(clone) == f"LoggingSink(logger={name!r}, min_severity='warning')"
+
+
+# -- the base ------------------------------------------------------------------------------------
+def test_the_base_holds_min_severity_for_every_sink() -> None:
+    sink = Sink(min_severity="warning")
+    assert not sink.accepts(make_finding(severity="info")) and sink.accepts(
+        make_finding(severity="error")
+    )
+    with pytest.raises(ValueError, match=r"min_severity='loud'.*'info', 'warning', 'error'"):
+        Sink(min_severity="loud")
+
+
+def test_a_sink_that_skips_the_base_constructor_accepts_everything() -> None:
+    class Mine(Sink):
+        def __init__(self) -> None:
+            self.kept: list = []
+
+        def emit(self, f) -> None:
+            if self.accepts(f):
+                self.kept.append(f)
+
+    sink = Mine()
+    sink.emit(make_finding(severity="info"))
+    assert len(sink.kept) == 1 and sink.min_severity is Severity.INFO

@@ -647,3 +647,38 @@ def test_a_recurrent_cell_inside_its_loop_is_probed():
         assert "gru_cell" in " ".join(obs.trace_names)
         assert obs.trace_finite.all() and np.isfinite(obs.grad_norm).all()
     assert_clean(model)
+
+
+# -- a statistic added through the registry, and the run's context ------------------------------
+def test_distributions_are_the_histograms_of_the_steps_weights_and_gradients():
+    import tensorflow as tf
+    from _histograms import magnitude_histogram
+
+    x, y = data()
+    model = mlp()
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    spy = Spy({"distributions"})
+    fit(model, watch(spy), x[:BATCH], y[:BATCH])  # one step
+    (obs,) = spy.seen
+    twin = mlp()
+    twin.set_weights(before)
+    with tf.GradientTape() as tape:
+        loss = twin.compute_loss(y=y[:BATCH], y_pred=twin(x[:BATCH], training=True))
+    grads = tape.gradient(loss, twin.trainable_variables)
+    assert obs.names == tuple(v.path for v in model.trainable_variables)
+    for v, g, weights, grad_hist in zip(
+        model.trainable_variables, grads, obs.weight_hist, obs.grad_hist, strict=True
+    ):
+        assert weights.tolist() == magnitude_histogram(v.numpy()).tolist(), v.path
+        # the twin's gradient is computed again, eagerly: equal up to float rounding, which
+        # may move an element across a bin edge
+        assert np.abs(grad_hist - magnitude_histogram(g.numpy())).sum() <= 2, v.path
+        assert grad_hist.sum() == np.prod(v.shape)
+
+
+def test_keras_sinks_receive_the_runs_context():
+    sink = CapturingSink()
+    fit(mlp(), watch(sink=sink))
+    context = sink.context
+    assert (context.framework, context.rank, context.world_size) == ("keras", 0, 1)
+    assert context.printer is None  # verbose=0: nothing to print around

@@ -28,18 +28,10 @@ from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_lay
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.record import Reading, StepRecord
 from stethoscope.callbacks._lightning.reductions import (
-    ClassLabels,
-    Distributions,
-    ForwardStatistics,
-    GradNorms,
-    InputScale,
-    Loss,
     RankTiming,
     ReductionSet,
     ReplicaChecksums,
-    UnitRows,
-    UpdateNorms,
-    WeightNorms,
+    make_reductions,
 )
 from stethoscope.detectors import Detector
 from stethoscope.distributed import RankMeeting
@@ -168,18 +160,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._forward = ForwardProbe(pl_module, layers)
         # DDP averages the gradients over every rank's batch
         batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        reductions = (
-            Loss(),
-            InputScale(batch.inputs),
-            ClassLabels(batch.labels),
-            ForwardStatistics(self._forward),
-            GradNorms(probe),
-            UnitRows(probe, layers, batch.samples),
-            UpdateNorms(probe),
-            Distributions(probe),
-            WeightNorms(probe),
-        )
-        self._reductions = ReductionSet(reductions, probe)
+        self._reductions = make_reductions(probe, layers, self._forward, batch)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)

@@ -1,8 +1,8 @@
 """The Keras probe's tensor reductions, as pure functions of tensors (``keras.ops``, with
 TensorFlow's single-op forms where TensorFlow runs them).
 
-Every op of a train step costs 10-50 us on a small CPU model whatever its size, so
-these are written in as few ops as they can be."""
+Each op of a train step has a fixed cost to launch which, on a small model, outweighs
+the work it does: these are written in as few ops as they can be."""
 
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ class GraphProbe:
         self.wrappers.install()
         self._retrace()
         # A later fit of the same model reuses the functions, already traced: tracing them
-        # again would cost each fit a second or more. They hold the graph, not the wrappers
+        # again would cost each fit a trace of the whole step. They hold the graph, not the wrappers
         # (which are back on while they run, for a retrace on a new input shape). A whole
         # heavy function is made when a step first plans its set of statistics (dispatch).
         for mode in ("light",) if self.regime.whole else ("light", "heavy"):

@@ -184,7 +184,7 @@ def zero_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """For each gradient, 1.0 for every output unit (row) that is zero, else 0.0.
 
     The row's L2 norm, accumulated in float32, is zero exactly when every entry is
-    (or under ~1e-19, where a square underflows): on the CPU it is ~10x faster than
+    (or under ~1e-19, where a square underflows): on the CPU it is far cheaper than
     the max-abs norm, and it leaves no temporary the size of the gradient.
     """
     return torch.cat(

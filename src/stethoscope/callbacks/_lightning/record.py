@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from stethoscope.statistics import EVERY_STEP
+
 __all__ = ["Reading", "StepRecord"]
 
 
@@ -64,8 +66,8 @@ class StepRecord:
 
     @property
     def sampled(self) -> bool:
-        """Whether the plan asks for more than the every-step loss."""
-        return len(self.plan) > 1
+        """Whether the plan asks for more than the every-step statistics (the loss)."""
+        return not self.plan <= EVERY_STEP
 
     @property
     def pending(self) -> bool:

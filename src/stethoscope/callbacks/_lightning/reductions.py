@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.batch import class_labels, input_moments
+from stethoscope.callbacks._lightning.batch import BatchParts, class_labels, input_moments
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -56,6 +56,7 @@ __all__ = [
     "UnitRows",
     "UpdateNorms",
     "WeightNorms",
+    "make_reductions",
 ]
 
 
@@ -437,3 +438,31 @@ class ReductionSet:
         record.params.extend(indices)
         self._by_name["weights"].at_end(record)
         return record.take(lr)
+
+
+def make_reductions(
+    probe: ParameterProbe,
+    layers: Sequence[tuple[str, int, Any]],
+    forward: ForwardProbe,
+    batch: BatchParts,
+) -> ReductionSet:
+    """Every reduction of a Lightning run, in the order each hook runs them.
+
+    Args:
+        probe: The watched parameters.
+        layers: ``(name, index of its weight, module)`` of each layer with units.
+        forward: The forward hooks.
+        batch: The parts of a batch (inputs, labels, samples).
+    """
+    reductions = (
+        Loss(),
+        InputScale(batch.inputs),
+        ClassLabels(batch.labels),
+        ForwardStatistics(forward),
+        GradNorms(probe),
+        UnitRows(probe, layers, batch.samples),
+        UpdateNorms(probe),
+        Distributions(probe),
+        WeightNorms(probe),
+    )
+    return ReductionSet(reductions, probe)

@@ -1,0 +1,50 @@
+"""What the Lightning adapter measures for a statistic added through the registry, and
+the run's context that its sinks receive."""
+
+from __future__ import annotations
+
+import torch
+from _histograms import magnitude_histogram
+from _models import TinyMLP, fit
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink, RecordingDetector
+
+
+def test_distributions_are_the_histograms_of_the_steps_weights_and_gradients():
+    spy = RecordingDetector({"distributions"})
+    torch.manual_seed(0)
+    model = TinyMLP()
+    fit(model, steps=1, callback=LightningStethoscope(detectors=[spy], sinks=[]))
+    (obs,) = spy.seen
+    params = dict(model.named_parameters())
+    assert obs.names == tuple(params)
+    for name, weights, grads in zip(obs.names, obs.weight_hist, obs.grad_hist, strict=True):
+        p = params[name]
+        # after the step the weights are those of the step; the gradients stay until the next
+        assert weights.tolist() == magnitude_histogram(p.detach().numpy()).tolist(), name
+        assert grads.tolist() == magnitude_histogram(p.grad.numpy()).tolist(), name
+        assert weights.sum() == p.numel()
+
+
+def test_distributions_are_not_measured_unless_a_detector_needs_them():
+    spy = RecordingDetector({"grads", "weights"})
+    fit(TinyMLP(), steps=3, callback=LightningStethoscope(detectors=[spy], sinks=[]))
+    assert spy.seen and all(o.weight_hist is None and o.grad_hist is None for o in spy.seen)
+
+
+def test_sinks_receive_the_runs_context():
+    sink = CapturingSink()
+    fit(TinyMLP(), steps=2, sink=sink)
+    context = sink.context
+    assert (context.framework, context.rank, context.world_size) == ("lightning", 0, 1)
+    assert context.printer is None  # no progress bar: print as usual
+    assert context.tensorboard_log_dir() is None and context.mlflow_run() is None
+    sink = CapturingSink()
+    bar = TQDMProgressBar()  # prints through tqdm.write, which keeps the bar whole
+    fit(TinyMLP(), steps=2, sink=sink, enable_progress_bar=True, callbacks=[bar])
+    assert sink.context.printer == bar.print
+    sink = CapturingSink()  # a rich bar sits on rich's console, which places lines itself
+    fit(TinyMLP(), steps=2, sink=sink, enable_progress_bar=True, callbacks=[RichProgressBar()])
+    assert sink.context.printer is None

@@ -1,0 +1,81 @@
+"""The one declaration per statistic, and what derives from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+from stethoscope.monitor import Monitor
+from stethoscope.observation import Observation
+from stethoscope.statistics import (
+    CORE_FIELDS,
+    DISTRIBUTION_BINS,
+    DISTRIBUTION_EDGES,
+    EVENT,
+    EVERY_STEP,
+    GATHERED,
+    PLANNED,
+    REPLICATED,
+    STATISTICS,
+    AcrossRanks,
+    Cadence,
+    with_requirements,
+)
+from stethoscope.testing import RecordingDetector
+
+
+def test_the_observation_has_exactly_the_declared_fields_in_order():
+    declared = [f.name for f in CORE_FIELDS]
+    for s in STATISTICS.values():
+        declared += [f.name for f in s.fields if f.name not in declared]
+    assert [f.name for f in dataclasses.fields(Observation)] == declared
+    for name in declared:
+        assert f"    {name}: " in Observation.__doc__, name
+
+
+@pytest.mark.parametrize("name", sorted(STATISTICS))
+def test_has_says_whether_a_statistic_was_measured(name):
+    marker = STATISTICS[name].marker
+    assert not Observation(step=0).has(name)
+    obs = Observation(step=0, **{marker: np.zeros(1)})
+    assert obs.has(name)
+    assert pickle.loads(pickle.dumps(obs)).has(name)
+
+
+def test_the_derived_sets():
+    assert {"loss"} == EVERY_STEP
+    assert {"val"} == EVENT
+    assert {"replicas", "ranks"} == GATHERED
+    assert {"grads", "weights", "updates", "units", "distributions"} == REPLICATED
+    assert set(STATISTICS) - EVENT - GATHERED == PLANNED
+    for name in GATHERED:
+        assert STATISTICS[name].cadence is Cadence.MEETING
+        assert STATISTICS[name].across_ranks is AcrossRanks.GATHERED
+
+
+def test_a_statistic_brings_what_it_requires():
+    assert with_requirements({"updates"}) == {"updates", "weights"}
+    assert with_requirements({"loss"}) == {"loss"}
+    monitor = Monitor(detectors=[RecordingDetector({"updates"})], escalate=False)
+    assert monitor.plan(0) == {"updates", "weights"}
+
+
+def test_a_new_statistic_needs_no_edit_outside_its_declaration(monkeypatch):
+    """The planning and the observation follow the registry: a detector may need any
+    declared statistic, and an undeclared one is refused as a programming error."""
+    monitor = Monitor(detectors=[RecordingDetector({"distributions"})], escalate=False)
+    assert monitor.plan(0) == {"distributions"}
+    obs = Observation(step=0, weight_hist=np.zeros((2, DISTRIBUTION_BINS)))
+    assert obs.has("distributions")
+    with pytest.raises(TypeError, match="probes among"):
+        RecordingDetector({"no_such_statistic"})
+
+
+def test_the_distribution_bins_are_half_decades_with_zeros_overflow_and_non_finite():
+    edges = np.array(DISTRIBUTION_EDGES)
+    assert edges[0] == pytest.approx(1e-12) and edges[-1] == pytest.approx(1e4)
+    assert np.allclose(np.diff(np.log10(edges)), 0.5)
+    assert len(edges) + 3 == DISTRIBUTION_BINS
