@@ -133,7 +133,7 @@ def _rank(args: argparse.Namespace) -> None:
             self.meetings.append((step, not self._skip, time.perf_counter() - t0))
             self._skip = not self._skip
 
-        def _meet(self, trainer, step, stats):
+        def _meet(self, trainer, step, shared=None):
             strategy = trainer.strategy
             real = strategy.all_gather
 
@@ -148,7 +148,7 @@ def _rank(args: argparse.Namespace) -> None:
 
             strategy.all_gather = own if self._skip else timed
             try:
-                return super()._meet(trainer, step, stats)
+                return super()._meet(trainer, step, shared)
             finally:
                 strategy.all_gather = real
 
@@ -191,7 +191,7 @@ def _rank(args: argparse.Namespace) -> None:
         "meeting_without_collective_ms": ms([s for g, s in inside if not g]),
         "meeting_all_gather_call_ms": ms(steth.gathers[len(steth.gathers) // 8 :]),
         "sampled_steps_each": sum(1 for t, _ in kept if met.get(t) is True),
-        "packet_bytes": max(p.nbytes for p in steth._packets.values()),
+        "packet_bytes": max(p.nbytes for p in steth._meeting._packets.values()),
         "findings": found,
         "torch": torch.__version__,
         "lightning": L.__version__,

@@ -222,16 +222,16 @@ def test_a_single_process_never_meets_and_leaves_the_rank_detectors_idle():
     assert "straggler" not in m.summary(0).quiet
 
 
-def test_distribute_validates_and_sets_who_emits():
+def test_distribute_validates_and_sets_who_writes():
     m = Monitor()
     with pytest.raises(ValueError, match="world_size=0"):
         m.distribute(rank=0, world_size=0)
     with pytest.raises(ValueError, match=r"rank=2 must be an integer in \[0, 2\)"):
         m.distribute(rank=2, world_size=2)
     m.distribute(rank=1, world_size=2)
-    assert not m.emit
+    assert not m.writes
     m.distribute(rank=0, world_size=2)
-    assert m.emit
+    assert m.writes
 
 
 # -- who judges what ------------------------------------------------------------------------------

@@ -249,9 +249,9 @@ def test_repeat_after_zero_sends_every_finding():
     assert len(sink.findings) == 5
 
 
-def test_emit_false_sends_nothing_but_still_decides():
+def test_a_monitor_that_does_not_write_sends_nothing_but_still_decides():
     sink = CapturingSink()
-    m = Monitor(detectors=[Scripted({3: ("error", None)})], sinks=[sink], emit=False)
+    m = Monitor(detectors=[Scripted({3: ("error", None)})], sinks=[sink], writes=False)
     decisions = feed(m, range(5))
     assert decisions[3].stop
     m.end_epoch(0)

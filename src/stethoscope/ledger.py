@@ -39,7 +39,7 @@ class Ledger:
         self.sinks: list[Sink] = list(sinks)
         self.repeat_after = repeat_after
         #: Whether this process writes to the sinks (off rank zero it does not).
-        self.emit = True
+        self.writes = True
         #: When each kind of finding last went to the sinks (checkpointed).
         self.last_sent: dict[str, int] = {}
         self._sink_failed: set[int] = set()
@@ -65,7 +65,7 @@ class Ledger:
         if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
             return  # an identical finding went out recently: count it, do not flood the sinks
         self.last_sent[key] = f.step
-        if hold is not None and not self.emit:
+        if hold is not None and not self.writes:
             hold.append(f)
         else:
             self.call_sinks("emit", f)
@@ -78,7 +78,7 @@ class Ledger:
 
     def call_sinks(self, method: str, *args: Any) -> None:
         """Call ``method`` on every sink (on rank zero), each call isolated."""
-        if not self.emit:
+        if not self.writes:
             return
         for sink in self.sinks:
             try:
@@ -168,7 +168,7 @@ class Ledger:
 
     def _dropped(self) -> dict[str, int]:
         """Findings each sink gave up on so far, by sink name (see ``Sink.dropped``)."""
-        if not self.emit:
+        if not self.writes:
             return {}
         names = [type(s).__name__ for s in self.sinks]
         out: dict[str, int] = {}

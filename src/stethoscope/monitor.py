@@ -48,7 +48,8 @@ class Monitor:
         hot_steps: Length of the every-step window after an escalation.
         repeat_after: Steps before an identical finding (same detector, where and
             severity) is sent to the sinks again; repeats are still counted.
-        emit: Whether this process sends findings to sinks (False off rank zero).
+        writes: Whether this process writes findings to the sinks (``distribute`` sets it
+            to False off rank zero).
 
     Raises:
         ValueError: On unknown detector names, duplicate detectors, or bad values.
@@ -65,7 +66,7 @@ class Monitor:
         escalate: bool = True,
         hot_steps: int = 32,
         repeat_after: int = 100,
-        emit: bool = True,
+        writes: bool = True,
     ) -> None:
         self.detectors: list[Detector] = (
             list(detectors) if detectors is not None else default_detectors()
@@ -102,7 +103,7 @@ class Monitor:
         self._all = frozenset(names)  # a forced observation: every detector
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         self.distribute(rank=0, world_size=1)
-        self.ledger.emit = emit
+        self.ledger.writes = writes
 
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
@@ -268,7 +269,7 @@ class Monitor:
     def receive(self, findings: Iterable[Finding]) -> None:
         """Record findings that other ranks raised from their own data (rank zero writes
         them; the other ranks leave them to it)."""
-        if self.ledger.emit:
+        if self.ledger.writes:
             for f in findings:
                 self.ledger.record(f)
 
@@ -293,7 +294,7 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
-        self.ledger.emit = rank == 0
+        self.ledger.writes = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
         self.judges_replicated = world_size == 1 or rank == 0 or not replicated
@@ -342,9 +343,9 @@ class Monitor:
         return self.ledger.sinks
 
     @property
-    def emit(self) -> bool:
+    def writes(self) -> bool:
         """Whether this process writes to the sinks (rank zero does)."""
-        return self.ledger.emit
+        return self.ledger.writes
 
     # -- findings -----------------------------------------------------------------
     def _sampler_finding(self, step: int, epoch: int, message: str) -> Finding:
