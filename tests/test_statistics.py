@@ -70,7 +70,7 @@ def test_a_new_statistic_needs_no_edit_outside_its_declaration(monkeypatch):
     assert monitor.plan(0) == {"distributions"}
     obs = Observation(step=0, weight_hist=np.zeros((2, DISTRIBUTION_BINS)))
     assert obs.has("distributions")
-    with pytest.raises(TypeError, match="probes among"):
+    with pytest.raises(TypeError, match=r"statistics among .*not \['no_such_statistic'\]"):
         RecordingDetector({"no_such_statistic"})
 
 

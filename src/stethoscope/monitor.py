@@ -25,7 +25,7 @@ _NOTHING = Decision()  # what a healthy step decides (never mutated)
 class Monitor:
     """Runs the detectors the sampler selects on each observation and acts on findings.
 
-    Adapters call :meth:`plan` at the start of a step to learn which probes to
+    Adapters call :meth:`plan` at the start of a step to learn which statistics to
     compute, :meth:`observe` with the resulting host-side observation, and
     :meth:`end_epoch` at each training epoch end.
 
@@ -99,7 +99,7 @@ class Monitor:
         self._closed = False
         self._due_key: tuple[int, int | None] | None = None
         self._due_set: frozenset[str] = frozenset()
-        self._deep: set[str] = set()  # deeper probes detectors asked for
+        self._deep: set[str] = set()  # deeper statistics detectors asked for
         self._all = frozenset(names)  # a forced observation: every detector
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         self.distribute(rank=0, world_size=1)

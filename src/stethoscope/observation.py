@@ -12,12 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from stethoscope.statistics import CORE_FIELDS, SATURATION_BOUNDS, STATISTICS, Field
+from stethoscope.statistics import CORE_FIELDS, STATISTICS, Field
 
-__all__ = ["PROBES", "SATURATION_BOUNDS", "Observation", "global_norm"]
-
-#: Every statistic's name (what ``Detector.needs`` may name), in declaration order.
-PROBES: tuple[str, ...] = tuple(STATISTICS)
+__all__ = ["Observation", "global_norm"]
 
 
 def _fields() -> list[Field]:

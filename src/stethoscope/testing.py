@@ -21,7 +21,7 @@ class RecordingDetector(Detector):
     adapter hands the detectors, for assertions.
 
     Args:
-        needs: The probes it asks for (it runs only on steps that carry all of them).
+        needs: The statistics it asks for (it runs only on steps that carry all of them).
 
     Example:
         >>> spy = RecordingDetector({"loss"})

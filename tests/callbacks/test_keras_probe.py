@@ -159,3 +159,55 @@ def test_a_nonfinite_loss_names_the_bad_weight_at_its_own_step():
     assert weights and weights[0].step == 150, [(f.detector, f.step) for f in sink.findings]
     # the NaN loss made every gradient NaN, so the update of step 150 spoiled every weight
     assert weights[0].where in {v.path for v in model.trainable_variables}
+
+
+# -- the registry, as the Keras probe derives from it --------------------------------------------
+def _probe(spe: int = 1):
+    from stethoscope.callbacks._keras.probe import GraphProbe
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=spe)
+    return GraphProbe(model, steps_per_execution=spe, forward=True)
+
+
+def test_every_planned_statistic_has_a_keras_reduction():
+    from stethoscope.statistics import EVERY_STEP, PLANNED
+
+    served = {s for r in _probe().reductions for s in r.statistics}
+    assert served == PLANNED - EVERY_STEP  # the loss rides in the ring of every step
+
+
+@pytest.mark.parametrize("spe", [1, 4], ids=["whole", "conditional"])
+def test_each_slot_combines_replicas_as_its_statistic_declares(spe):
+    from stethoscope.callbacks._keras.reductions import slots_of
+    from stethoscope.callbacks._keras.variables import BY_REPLICAS, COMBINE
+    from stethoscope.statistics import STATISTICS, AcrossReplicas
+
+    probe = _probe(spe)
+    for r in probe.reductions:
+        (across,) = {STATISTICS[s].across_replicas for s in r.statistics}
+        for slot in slots_of(r, probe.layout, probe.regime):
+            assert slot.combine in COMBINE, slot
+            if across is AcrossReplicas.POOLED:
+                assert slot.combine in {"sample_mean", "features_samples", "forward"}, slot
+            else:
+                assert slot.combine == BY_REPLICAS[across], slot
+    assert all(slot.combine for slot in probe.variables.slots.values())
+
+
+def test_the_switches_derive_from_the_reductions():
+    probe = _probe(4)
+    switches = probe.switches
+    assert switches.groups == (
+        "grads", "weights", "updates", "units", "distributions", "inputs", "labels", "forward"
+    )  # fmt: skip
+    # the trace is read from the forward rows; the update norms run with the weights
+    assert probe._groups_of["trace"] == {"forward"}
+    assert probe._groups_of["updates"] == {"updates", "weights"}

@@ -200,3 +200,16 @@ def test_magnitude_histograms_count_every_element_in_its_bin(dtype, monkeypatch)
         assert hist[1 + np.searchsorted(edges, x, side="left")] > 0, x
     expected = np.bincount(1 + np.searchsorted(edges, finite, side="left"), minlength=len(hist))
     assert hist[1:-1].tolist() == expected[1:-1].tolist()
+
+
+def test_every_planned_statistic_has_a_lightning_reduction():
+    from stethoscope.callbacks._lightning.batch import BatchParts
+    from stethoscope.callbacks._lightning.parameters import unit_layers
+    from stethoscope.callbacks._lightning.reductions import make_reductions
+    from stethoscope.statistics import PLANNED
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    probe = ParameterProbe(list(model.named_parameters()))
+    layers = unit_layers(model, probe)
+    reductions = make_reductions(probe, layers, ForwardProbe(model, layers), BatchParts(None, None))
+    assert {s for r in reductions.all for s in r.statistics} == PLANNED

@@ -6,7 +6,8 @@ import numpy as np
 
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
-from stethoscope.observation import SATURATION_BOUNDS, Observation
+from stethoscope.observation import Observation
+from stethoscope.statistics import SATURATION_BOUNDS
 
 __all__ = ["DeadRelu", "SaturatedActivation"]
 

@@ -6,7 +6,8 @@ import copy
 from typing import Any, ClassVar
 
 from stethoscope.findings import Finding, Severity
-from stethoscope.observation import PROBES, Observation
+from stethoscope.observation import Observation
+from stethoscope.statistics import STATISTICS
 
 __all__ = ["Detector"]
 
@@ -18,28 +19,32 @@ class Detector:
     returns findings, can reset, and keeps its state as a dict of primitives so
     a resumed run continues its baselines.
 
-    Subclasses set ``name`` (stable snake_case), ``needs`` (the probes it reads),
+    Subclasses set ``name`` (stable snake_case), ``needs`` (the statistics it reads,
+    names declared in :mod:`stethoscope.statistics`),
     ``base_interval`` (how often it runs on a healthy run, in steps), declare
     their state in ``_initial_state`` and implement ``_update``.
 
     After each ``update``, ``suspect`` holds a short reason when the detector saw
     something unusual that is not (yet) a finding; the sampler escalates on it.
-    ``request`` names deeper probes (e.g. ``"trace"``) it wants on the next
+    ``request`` names deeper statistics (e.g. ``"trace"``) it wants on the next
     steps, until an observation carries them.
     """
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
-    #: Probes read when present, planned whenever the detector is due (never required).
+    #: Statistics read when present, planned whenever the detector is due (never required).
     wants: ClassVar[frozenset[str]] = frozenset()
     base_interval: ClassVar[int] = 1
     #: A few words for the summary table: the usual fix.
     advice: ClassVar[str] = ""
 
     def __init__(self) -> None:
-        unknown = set(self.needs | self.wants) - set(PROBES)
+        unknown = set(self.needs | self.wants) - set(STATISTICS)
         if not self.name or unknown:  # a programming error in a subclass, not user input
-            raise TypeError(f"{type(self).__name__} needs a name and probes among {PROBES}")
+            raise TypeError(
+                f"{type(self).__name__} needs a name, and statistics among {sorted(STATISTICS)} "
+                f"(not {sorted(unknown)})"
+            )
         self.suspect: str | None = None
         self.request: frozenset[str] = frozenset()
         self.reset()

@@ -25,7 +25,7 @@ from stethoscope.callbacks._keras.layers import (
     leaf_layers,
     unit_layer,
 )
-from stethoscope.callbacks._keras.reductions import Layout, make_reductions
+from stethoscope.callbacks._keras.reductions import Layout, make_reductions, slots_of
 from stethoscope.callbacks._keras.regime import Mode, Regime
 from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
@@ -76,7 +76,7 @@ class GraphProbe:
         self.reductions = make_reductions(self.layout, regime, position)
         slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
         for r in self.reductions:
-            slots += r.slots(self.layout, regime)
+            slots += slots_of(r, self.layout, regime)
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
@@ -391,12 +391,12 @@ def _plumbing(layout: Layout, regime: Regime, groups: int) -> list[Slot]:
     k, p = regime.steps, layout.count
     return [
         # host -> graph: which step to sample, and which switches
-        Slot("sample_at", (), -1, "int64", returned=False),
-        Slot("flags", (groups,), 0, "int32", returned=False),
+        Slot("sample_at", (), -1, "int64", combine="first", returned=False),
+        Slot("flags", (groups,), 0, "int32", combine="first", returned=False),
         # the loss of each step of an execution, then a flag: 1 when the graph took a
         # non-finite record (``bad_at``) the host has not read yet; one read tells both
         Slot("losses", (k + 1,), np.array([np.nan] * k + [0.0]), combine="sum", returned=False),
-        Slot("sampled_at", (), -1, "int64"),
+        Slot("sampled_at", (), -1, "int64", combine="first"),
         # the first step with a non-finite loss since the host last looked, and its norms
         Slot("bad_at", (), -1, "int64", combine="earliest", returned=False),
         Slot("bad_grad_norm", (p,), np.nan, combine="bad_replica", returned=False),

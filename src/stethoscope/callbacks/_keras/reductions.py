@@ -24,6 +24,7 @@ back on the host through a :class:`ReadBack`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -32,9 +33,9 @@ from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.regime import Regime
-from stethoscope.callbacks._keras.variables import Slot
+from stethoscope.callbacks._keras.variables import BY_REPLICAS, Slot
 from stethoscope.observation import Observation
-from stethoscope.statistics import DISTRIBUTION_BINS, MAX_FEATURES
+from stethoscope.statistics import DISTRIBUTION_BINS, MAX_FEATURES, STATISTICS
 
 __all__ = [
     "ClassLabels",
@@ -50,6 +51,7 @@ __all__ = [
     "UpdateNorms",
     "WeightNorms",
     "make_reductions",
+    "slots_of",
 ]
 
 
@@ -131,7 +133,8 @@ class KerasReduction:
     per_parameter: ClassVar[bool] = False
 
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
-        """The variables it writes."""
+        """The variables it writes (a slot that names no ``combine`` gets its statistic's:
+        see :func:`slots_of`)."""
         return []
 
     def on_batch(self, store: Store, x: Any, y: Any) -> None:
@@ -367,7 +370,7 @@ class ClassLabels(KerasReduction):
     hooks = frozenset({"batch"})
 
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
-        return [Slot("label_hist", (kops.MAX_CLASSES + 3,), 0.0, combine="histogram")]
+        return [Slot("label_hist", (kops.MAX_CLASSES + 3,), 0.0)]
 
     def on_batch(self, store: Store, x: Any, y: Any) -> None:
         hist = kops.label_histogram(y)
@@ -431,6 +434,21 @@ class ForwardRows(KerasReduction):
         if "trace" in plan:
             obs.trace_names = tuple(name for name, _, _ in self.layers)
             obs.trace_finite = rows[:, 3] != 0.0  # NaN: a layer this step did not call
+
+
+def slots_of(reduction: KerasReduction, layout: Layout, regime: Regime) -> list[Slot]:
+    """The reduction's slots, each combining across replicas as its statistic declares
+    unless it names its own combination."""
+    (across,) = {STATISTICS[s].across_replicas for s in reduction.statistics}
+    default = BY_REPLICAS.get(across)
+    out = []
+    for slot in reduction.slots(layout, regime):
+        if slot.combine is None:
+            if default is None:
+                raise TypeError(f"{type(reduction).__name__}: slot {slot.name!r} needs a combine")
+            slot = dataclasses.replace(slot, combine=default)
+        out.append(slot)
+    return out
 
 
 def make_reductions(

@@ -16,7 +16,9 @@ from typing import Any
 import keras
 import numpy as np
 
-__all__ = ["COMBINE", "ProbeVariables", "Slot"]
+from stethoscope.statistics import AcrossReplicas
+
+__all__ = ["BY_REPLICAS", "COMBINE", "ProbeVariables", "Slot"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,9 @@ class Slot:
         shape: Its shape.
         init: Its initial value (a number, or an array of that shape).
         dtype: Its dtype.
-        combine: How the host combines the replicas' copies: a name in :data:`COMBINE`.
+        combine: How the host combines the replicas' copies: a name in :data:`COMBINE`;
+            ``None``: as its statistic's ``across_replicas`` declares (see
+            :data:`BY_REPLICAS`).
         returned: Whether a heavy step hands it back with its logs (a small vector the
             host then reads with no op of its own).
     """
@@ -37,7 +41,7 @@ class Slot:
     shape: tuple[int, ...]
     init: Any
     dtype: str = "float32"
-    combine: str = "first"
+    combine: str | None = None
     returned: bool = True
 
 
@@ -97,7 +101,7 @@ class ProbeVariables:
         returned = self._returned.get(name)
         if returned is not None and replica is None:
             return np.asarray(returned)
-        return self.read_variable(self._vars[name], replica, self.slots[name].combine)
+        return self.read_variable(self._vars[name], replica, self.slots[name].combine or "first")
 
     def read_variable(self, var: Any, replica: int | None = None, combine: str = "first") -> Any:
         """Any variable's value on the host, through the fastest read it has."""
@@ -197,6 +201,16 @@ def _forward_rows(vs: ProbeVariables, parts: list[np.ndarray]) -> np.ndarray:
     out[:, 4] = total
     return out
 
+
+#: The combination of a slot whose statistic declares how its replicas combine, when the
+#: slot names none: what the replicas hold alike is any one's copy, shares add up, counts
+#: are a histogram. A pooled statistic's slots name theirs: how to pool depends on what
+#: they hold (a mean, a shape, a row of moments).
+BY_REPLICAS: dict[AcrossReplicas, str] = {
+    AcrossReplicas.SAME: "first",
+    AcrossReplicas.SUM: "sum",
+    AcrossReplicas.COUNTS: "histogram",
+}
 
 #: How the replicas' copies of a slot combine, by name: ``first`` (what every replica
 #: holds alike: measured on the all-reduced gradients and the mirrored weights, or written
