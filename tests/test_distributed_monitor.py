@@ -218,7 +218,7 @@ def test_a_single_process_never_meets_and_leaves_the_rank_detectors_idle():
     assert not any(meeting.due(t) for t in range(200))
     assert all(meeting.gathers(t) == frozenset() for t in range(200))
     assert all(not (m.plan(t) & GATHERED) for t in range(200))
-    assert {"replica_divergence", "straggler"} <= m._idle
+    assert {"replica_divergence", "straggler"} <= m.planner.idle
     assert "straggler" not in m.summary(0).quiet
 
 
@@ -242,14 +242,16 @@ def test_off_rank_zero_the_shared_statistics_are_neither_planned_nor_judged():
     assert not (one.plan(0) & REPLICATED)
     assert {"loss", "inputs", "labels", "activations"} <= one.plan(0)
     replicated = {d.name for d in default_detectors() if d.needs <= REPLICATED}
-    assert replicated == set(one._idle)
+    assert replicated == set(one.planner.idle)
     assert world.meetings[0].gathers(0) == GATHERED
 
 
 def test_with_sharded_parameters_every_rank_judges_its_own():
     m = Monitor()
     m.distribute(rank=1, world_size=2, replicated=False)
-    assert m.plan(0) >= REPLICATED - {"distributions"} and not m._idle and m.judges_replicated
+    assert (
+        m.plan(0) >= REPLICATED - {"distributions"} and not m.planner.idle and m.judges_replicated
+    )
     m.distribute(rank=1, world_size=2)
     assert not m.judges_replicated
 

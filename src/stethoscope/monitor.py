@@ -11,10 +11,11 @@ from stethoscope.distributed import Held
 from stethoscope.findings import Finding, Severity
 from stethoscope.ledger import SAMPLER, Ledger
 from stethoscope.observation import Observation
+from stethoscope.planning import Planner
 from stethoscope.policy import Decision, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import EVENT, GATHERED, REPLICATED, with_requirements
+from stethoscope.statistics import GATHERED, REPLICATED
 from stethoscope.summary import EpochSummary
 
 __all__ = ["SAMPLER", "Monitor"]
@@ -97,10 +98,8 @@ class Monitor:
         self.stopped_by: Finding | None = None
         self.last_step = -1
         self._closed = False
-        self._due_key: tuple[int, int | None] | None = None
-        self._due_set: frozenset[str] = frozenset()
-        self._deep: set[str] = set()  # deeper statistics detectors asked for
-        self._all = frozenset(names)  # a forced observation: every detector
+        #: Which detectors run at each step, and what they need measured.
+        self.planner = Planner(self.detectors, self.sampler)
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
@@ -108,43 +107,11 @@ class Monitor:
     # -- per step ---------------------------------------------------------------
     def plan(self, step: int) -> frozenset[str]:
         """The statistics the adapter should measure at ``step``."""
-        due = self.due(step)
-        run = self._runnable(due)
-        # the answer depends on the schedule and on which detectors have finished: a handful
-        # of keys per run, so each is worked out once (plan() runs on every step)
-        key = (due, tuple(d.finished(step) for d in self._finishing[run]))
-        probes = self._plan_cache.get(key)
-        if probes is None:
-            wanted: set[str] = set()
-            for d in run:
-                if not d.finished(step):
-                    wanted |= d.needs | d.wants
-            probes = with_requirements(wanted) - EVENT - GATHERED
-            self._plan_cache[key] = probes
-        if self._deep:
-            probes = probes | (with_requirements(self._deep) - EVENT - GATHERED)
-        return probes
+        return self.planner.plan(step)
 
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
-        # plan() and observe() ask for the same step: compute the schedule once. The cache
-        # is keyed on the sampler's state too, since an escalation changes the answer.
-        key = (step, self.sampler.hot_since)
-        if self._due_key != key:
-            self._due_key, self._due_set = key, self.sampler.due_set(step)
-        return self._due_set
-
-    def _runnable(self, due: frozenset[str]) -> tuple[Detector, ...]:
-        """The detectors of ``due`` that take part in this run (not idle), in order: a
-        handful of distinct schedules per run, so each is worked out once."""
-        hit = self._runnable_cache.get(due)
-        if hit is None:
-            hit = tuple(d for d in self.detectors if d.name in due and d.name not in self._idle)
-            self._runnable_cache[due] = hit
-            self._finishing[hit] = tuple(
-                d for d in hit if type(d).finished is not Detector.finished
-            )
-        return hit
+        return self.planner.due(step)
 
     def interval(self, name: str, step: int | None = None) -> int:
         """The current sampling interval of detector ``name``."""
@@ -154,13 +121,17 @@ class Monitor:
         """Judge one step's observation; report findings; say whether to stop.
 
         In a distributed run the decision is held until the ranks next meet (see
-        :meth:`agree`), and ``Decision()`` is returned meanwhile.
+        :class:`~stethoscope.distributed.RankMeeting`), and ``Decision()`` is returned
+        meanwhile. An observation whose loss is not finite is judged by every detector
+        whose statistics it carries, due or not: the step that went bad is looked at
+        with everything measured there, whatever the schedule.
 
         Args:
             forced: The adapter measured this step off the schedule because something
-                was wrong (a non-finite loss or gradient): every detector whose probes it
-                carries judges it, due or not.
+                was wrong (a non-finite loss or gradient): judge it likewise.
         """
+        loss = obs.loss
+        forced = forced or (loss is not None and not math.isfinite(loss))
         return self._judge(obs, hold=self.world_size > 1, forced=forced)
 
     def observe_shared(self, obs: Observation) -> Decision:
@@ -179,7 +150,7 @@ class Monitor:
             notes.append(self._sampler_finding(obs.step, obs.epoch, back))
         suspects: list[str] = []
         step, has = obs.step, obs.has
-        every = self._runnable(self._all) if forced else self._runnable(self.due(step))
+        every = self.planner.runnable(step, every=forced)
         for d in every:
             if d.finished(step):
                 continue
@@ -193,9 +164,8 @@ class Monitor:
                 if d.suspect:
                     suspects.append(f"{d.name}: {d.suspect}")
                 if d.request:
-                    self._deep |= d.request
-        if self._deep:
-            self._deep -= {p for p in self._deep if has(p)}
+                    self.planner.requested |= d.request
+        self.planner.fulfilled(has)
         loss = obs.loss
         if obs.val_loss is not None:
             self._train_sum, self._train_n = 0.0, 0  # a validation closes the window
@@ -304,11 +274,7 @@ class Monitor:
             idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
         else:
             idle = set()
-        self._idle: frozenset[str] = frozenset(idle)
-        self._runnable_cache: dict[frozenset[str], tuple[Detector, ...]] = {}
-        # of each of those, the detectors that can finish early (see Detector.finished)
-        self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
-        self._plan_cache: dict[tuple, frozenset[str]] = {}
+        self.planner.set_idle(frozenset(idle))
         #: What this rank holds until the ranks next meet (a distributed run only).
         self.held = Held()
 
@@ -330,7 +296,7 @@ class Monitor:
         """The summary of the epoch so far, as plain data."""
         return self.ledger.summary(
             epoch,
-            detectors=[d for d in self.detectors if d.name not in self._idle],
+            detectors=[d for d in self.detectors if d.name not in self.planner.idle],
             interval=self.interval,
             escalations=self.sampler.escalations,
             hot=self.sampler.hot,
@@ -412,8 +378,7 @@ class Monitor:
         for d in self.detectors:
             d.reset()
         self.sampler.load_state_dict({})
-        self._due_key = None
-        self._deep.clear()
+        self.planner.forget()
         self._train_sum, self._train_n = 0.0, 0
         self.ledger.last_sent.clear()
         self.stopped_by = None

@@ -1,0 +1,91 @@
+"""Which detectors run at a step, and which statistics the adapter measures for them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from stethoscope.detectors.base import Detector
+from stethoscope.sampling import AdaptiveSampler
+from stethoscope.statistics import EVENT, GATHERED, with_requirements
+
+__all__ = ["Planner"]
+
+
+class Planner:
+    """The detectors due at each step (the sampler's schedule, less those that take no
+    part in this run or have finished), and the statistics they need measured.
+
+    ``plan`` runs on every step, so every answer is worked out once per distinct
+    schedule (a handful per run) and cached.
+
+    Args:
+        detectors: Every detector, in order.
+        sampler: The schedule.
+    """
+
+    def __init__(self, detectors: Sequence[Detector], sampler: AdaptiveSampler) -> None:
+        self.detectors = tuple(detectors)
+        self.sampler = sampler
+        self._all = frozenset(d.name for d in self.detectors)
+        self._due_key: tuple[int, int | None] | None = None
+        self._due_set: frozenset[str] = frozenset()
+        #: Deeper statistics detectors asked for, until an observation carries them.
+        self.requested: set[str] = set()
+        self.set_idle(frozenset())
+
+    def set_idle(self, names: frozenset[str]) -> None:
+        """Detectors that take no part in this run (they are neither run nor planned)."""
+        self.idle = frozenset(names)
+        self._runnable: dict[frozenset[str], tuple[Detector, ...]] = {}
+        # of each of those, the detectors that can finish early (see Detector.finished)
+        self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
+        self._plans: dict[tuple, frozenset[str]] = {}
+
+    def due(self, step: int) -> frozenset[str]:
+        """The names of the detectors the schedule runs at ``step``."""
+        # plan() and the judging ask for the same step: compute the schedule once. The key
+        # holds the sampler's state too, since an escalation changes the answer.
+        key = (step, self.sampler.hot_since)
+        if self._due_key != key:
+            self._due_key, self._due_set = key, self.sampler.due_set(step)
+        return self._due_set
+
+    def runnable(self, step: int, *, every: bool = False) -> tuple[Detector, ...]:
+        """The detectors due at ``step`` (``every``: all of them) that take part in this
+        run, in order."""
+        due = self._all if every else self.due(step)
+        hit = self._runnable.get(due)
+        if hit is None:
+            hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
+            self._runnable[due] = hit
+            self._finishing[hit] = tuple(
+                d for d in hit if type(d).finished is not Detector.finished
+            )
+        return hit
+
+    def plan(self, step: int) -> frozenset[str]:
+        """The statistics to measure at ``step``: those the detectors due there need or
+        want, with what those require, and any deeper statistic requested."""
+        run = self.runnable(step)
+        # the answer depends on the schedule and on which detectors have finished
+        key = (run, tuple(d.finished(step) for d in self._finishing[run]))
+        planned = self._plans.get(key)
+        if planned is None:
+            wanted: set[str] = set()
+            for d in run:
+                if not d.finished(step):
+                    wanted |= d.needs | d.wants
+            planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
+        if self.requested:
+            planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)
+        return planned
+
+    def fulfilled(self, has: Callable[[str], bool]) -> None:
+        """Forget the requests that an observation (``has``) carried."""
+        if self.requested:
+            self.requested -= {s for s in self.requested if has(s)}
+
+    def forget(self) -> None:
+        """A fresh run: no cached schedule, no pending request."""
+        self._due_key = None
+        self.requested.clear()
