@@ -22,6 +22,7 @@ class RecordingDetector(Detector):
 
     Args:
         needs: The statistics it asks for (it runs only on steps that carry all of them).
+        name: Its name among the detectors (two recorders need two names).
 
     Example:
         >>> spy = RecordingDetector({"loss"})
@@ -30,8 +31,9 @@ class RecordingDetector(Detector):
 
     name = "recorder"
 
-    def __init__(self, needs: set[str]) -> None:
+    def __init__(self, needs: set[str], *, name: str = "recorder") -> None:
         self.needs = frozenset(needs)  # type: ignore[misc]
+        self.name = name  # type: ignore[misc]
         super().__init__()
         self.seen: list[Observation] = []
 

@@ -682,3 +682,20 @@ def test_keras_sinks_receive_the_runs_context():
     context = sink.context
     assert (context.framework, context.rank, context.world_size) == ("keras", 0, 1)
     assert context.printer is None  # verbose=0: nothing to print around
+
+
+def test_a_nan_batch_names_the_bad_gradient_and_weight_on_its_step_whatever_was_planned():
+    """A step planned for another statistic (here the distributions, every step) with a
+    NaN batch: the norms the graph recorded for the non-finite step are judged there by
+    every detector that reads them, due or not."""
+    from stethoscope.detectors import default_detectors
+
+    x, y = data()
+    x[5 * BATCH, 0] = np.nan
+    sink = CapturingSink()
+    detectors = [*default_detectors(), Spy({"distributions"})]
+    cb = KerasStethoscope(detectors=detectors, sinks=[sink], stop_on=None, escalate=False)
+    fit(mlp(activation="tanh"), cb, x, y)  # no fused ReLU to turn the NaN into 0
+    for name in ("nonfinite_loss", "nonfinite_gradients", "nonfinite_weights"):
+        found = sink.by_detector(name)
+        assert found and found[0].step == 5, (name, [(f.step, f.where) for f in found])

@@ -10,7 +10,8 @@ from _models import TinyMLP, dataset, fit, loader, problems
 from torch.utils.data import DataLoader, Subset
 
 from stethoscope import LightningStethoscope
-from stethoscope.testing import CapturingSink
+from stethoscope.detectors import default_detectors
+from stethoscope.testing import CapturingSink, RecordingDetector
 
 # (model kwargs, data kwargs, steps, detector, first-step window, severity, where)
 FAULTS = [
@@ -222,3 +223,28 @@ def test_a_nonfinite_loss_names_the_parameter_on_the_same_step(onset):
     loss, weights = sink.by_detector("nonfinite_loss")[0], sink.by_detector("nonfinite_weights")[0]
     assert weights.step <= loss.step
     assert weights.where == "net.0.weight"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"escalate": False},  # the gradient detectors are due every 16 steps only
+        {"intervals": {"exploding_gradients": 5}},
+        {"extra": RecordingDetector({"distributions"})},  # a sampled step without gradients
+    ],
+    ids=["fixed-intervals", "custom-interval", "sampled-without-gradients"],
+)
+def test_a_nan_batch_names_the_bad_gradient_and_weight_on_its_step(settings):
+    """Whatever the schedule, a non-finite loss on a step whose gradients were not measured
+    makes the adapter read them at once and every detector that reads them judge them."""
+    settings = dict(settings)
+    extra = [settings.pop("extra")] if "extra" in settings else []
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    cb = LightningStethoscope(
+        detectors=[*default_detectors(), *extra], sinks=[sink], stop_on=None, **settings
+    )
+    fit(TinyMLP(fault="nan_input", onset=150), steps=160, callback=cb)
+    for name in ("nonfinite_loss", "nonfinite_gradients", "nonfinite_weights"):
+        found = sink.by_detector(name)
+        assert found and found[0].step == 150, (name, [(f.step, f.where) for f in found])

@@ -238,18 +238,24 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                     obs.rank = _first_nonfinite(replica_losses, step % k)
             if step == planned:
                 probe.decode(obs, plan, fresh=measured == step)
-            elif step == bad_at:  # a non-finite loss or gradient switched the reductions on
-                # Judge the loss first: its error escalates the sampler, so the detectors of
-                # the gradients and weights are due at this very step and name the parameter
-                # now (the Lightning adapter's second look at an unsampled CPU step).
-                self._act(self.monitor.observe(obs))
+            self._act(self.monitor.observe(obs))
+            if step == bad_at:  # a non-finite loss or gradient: the step's norms were recorded
                 if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
-                obs = Observation(step=step, epoch=self._epoch, rank=bad_rank)
-                probe.decode_nonfinite(obs, bad_rank)
-                self._act(self.monitor.observe(obs, forced=True))
-                continue
-            self._act(self.monitor.observe(obs))
+                self._look_at_nonfinite(obs, bad_rank)
+
+    def _look_at_nonfinite(self, judged: Observation, replica: int) -> None:
+        """Judge the gradient and weight norms recorded at a non-finite step that its own
+        observation (``judged``) did not carry, by every detector that reads them, due or
+        not: the parameter that went bad is named on this step, whatever the schedule."""
+        obs = Observation(step=judged.step, epoch=judged.epoch, rank=replica)
+        self._probe.decode_nonfinite(obs, replica)
+        if judged.grad_norm is not None:
+            obs.grad_norm = None  # judged already, as planned
+        if judged.weight_norm is not None:
+            obs.weight_norm = None
+        if obs.grad_norm is not None or obs.weight_norm is not None:
+            self._act(self.monitor.observe(obs, forced=True))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._collect()

@@ -23,7 +23,7 @@ from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
-from stethoscope.callbacks._lightning.losses import ValidationLosses, training_loss
+from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.record import Reading, StepRecord
@@ -77,8 +77,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             before the callback waits for it; this bounds detection latency. On
             the CPU readings are never late.
         inputs_from: ``batch -> tensor`` giving the model inputs of a batch, for the
-            data detectors (default: ``batch[0]`` of a tuple, or the ``x`` /
-            ``input(s)`` / ``features`` / ``image(s)`` key of a dict).
+            data detectors (default: the batch itself when it is a tensor, ``batch[0]``
+            of a tuple, or the ``x`` / ``input(s)`` / ``features`` / ``image(s)`` /
+            ``pixel_values`` key of a dict).
         labels_from: ``batch -> tensor`` giving the class labels (default:
             ``batch[1]``, or the ``labels`` / ``y`` / ``target(s)`` key).
         val_loss_key: The logged metric holding the validation loss, when
@@ -139,7 +140,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._reductions: ReductionSet | None = None
         self._record = StepRecord(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
-        self._warned_no_loss = False
+        self._train_losses = TrainingLosses()
         self._printer: Callable[[str], None] | None = None
         self._lr_group: dict[str, Any] | None = None
         # distributed runs only
@@ -248,16 +249,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        loss = training_loss(outputs, trainer, pl_module)
-        if loss is None and not self._warned_no_loss:
-            self._warned_no_loss = True
-            warnings.warn(
-                "stethoscope: training_step returned no scalar loss, so the loss detectors "
-                "(nonfinite_loss, loss_spike, loss_not_decreasing, unstable_loss) are "
-                "skipped; return the loss or {'loss': loss} to enable them",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        loss = self._train_losses(outputs, trainer, pl_module)
         lr = self._lr_group.get("lr") if self._lr_group is not None else None
         lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
         record = self._record
@@ -276,8 +268,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
                 step=record.step, epoch=record.epoch, rank=self.monitor.rank, lr=lr, loss=value
             )
             self._act(self.monitor.observe(obs))
-            if not math.isfinite(value):
-                self._look_now(trainer, record.step, record.epoch, lr)
+            self._look_if_nonfinite(trainer, obs)
         else:
             for r in self._reductions.run(record.plan):
                 r.at_end(record)
@@ -413,6 +404,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self.log_stats and obs.grad_norm is not None:
             log_metrics(trainer, headline(obs, self._interval), step=obs.step)
         self._act(decision)
+        self._look_if_nonfinite(trainer, obs)
 
     def _interval(self) -> float:
         """The gradient detectors' sampling interval now (NaN without them)."""
@@ -420,15 +412,28 @@ class LightningStethoscope(StethoscopeBase, Callback):
             return float("nan")
         return float(self.monitor.interval("exploding_gradients"))
 
-    def _look_now(self, trainer: pl.Trainer, step: int, epoch: int, lr: float | None) -> None:
-        """After a non-finite loss on an unsampled CPU step, read this step's gradients and
-        weights at once (they are still there), so the detectors that name the parameter
-        report on this step rather than at the next sample. Off the healthy path."""
-        if self._reductions is None or not self.monitor.judges_replicated:
+    def _look_if_nonfinite(self, trainer: pl.Trainer, judged: Observation) -> None:
+        """After a non-finite loss on a step whose gradients or weights were not measured,
+        read them at once, while they are still there (judged in the step's own batch end;
+        a reading judged later, on a GPU, would find the next step's), and have every
+        detector that reads them judge what the step lacked, due or not: the parameter that
+        went bad is named on this step, whatever the schedule. Off the healthy path."""
+        loss = judged.loss
+        if loss is None or math.isfinite(loss):
+            return
+        if judged.grad_norm is not None and judged.weight_norm is not None:
+            return
+        if judged.step != self._record.step or not self.monitor.judges_replicated:
             return  # off rank zero under DDP, the detectors that would read them are idle
-        reading = self._reductions.gradients_and_weights_now(step, epoch, lr)
-        if reading is not None:
-            self._judge(trainer, reading, reading.values.numpy())
+        reading = self._reductions.gradients_and_weights_now(judged.step, judged.epoch, judged.lr)
+        if reading is None:
+            return
+        obs = self._reductions.observation(reading, reading.values.numpy(), self.monitor.rank)
+        if judged.grad_norm is not None:
+            obs.grad_norm = None  # judged already
+        if judged.weight_norm is not None:
+            obs.weight_norm = None
+        self._act(self.monitor.observe(obs, forced=True))
 
 
 def _all_gather(trainer: pl.Trainer, packet: np.ndarray) -> np.ndarray:

@@ -3,12 +3,13 @@ validation loss of an epoch."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["ValidationLosses", "training_loss"]
+__all__ = ["TrainingLosses", "ValidationLosses", "training_loss"]
 
 #: Metrics that hold a validation loss when ``validation_step`` does not return it.
 VAL_LOSS_KEYS = ("val_loss", "val/loss", "validation_loss")
@@ -27,6 +28,26 @@ def training_loss(outputs: Any, trainer: Any, pl_module: Any) -> torch.Tensor | 
     if pl_module.automatic_optimization and k > 1:
         loss = loss * k  # Lightning divides the returned loss by the accumulation factor
     return loss
+
+
+class TrainingLosses:
+    """Each step's training loss; a warning, once, when ``training_step`` returns none."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def __call__(self, outputs: Any, trainer: Any, pl_module: Any) -> torch.Tensor | None:
+        loss = training_loss(outputs, trainer, pl_module)
+        if loss is None and not self.warned:
+            self.warned = True
+            warnings.warn(
+                "stethoscope: training_step returned no scalar loss, so the loss detectors "
+                "(nonfinite_loss, loss_spike, loss_not_decreasing, unstable_loss) are "
+                "skipped; return the loss or {'loss': loss} to enable them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return loss
 
 
 class ValidationLosses:
