@@ -13,7 +13,7 @@ $(BIN)/python:
 # constraints.txt pins torch to the local CPU wheel so pip never pulls the CUDA build
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[lightning,keras,dev,mlflow,tensorboard]" tensorflow-cpu
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[lightning,keras,dev,mlflow,tensorboard,report]" tensorflow-cpu
 	touch $(STAMP)
 
 demo: $(STAMP)

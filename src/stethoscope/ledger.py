@@ -8,6 +8,7 @@ from typing import Any
 
 from stethoscope.detectors.base import Detector
 from stethoscope.findings import Finding, Severity
+from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
 from stethoscope.summary import EpochSummary, SummaryRow
 
@@ -37,6 +38,8 @@ class Ledger:
         if not isinstance(repeat_after, int) or isinstance(repeat_after, bool) or repeat_after < 0:
             raise ValueError(f"repeat_after={repeat_after!r} must be an integer >= 0 (steps)")
         self.sinks: list[Sink] = list(sinks)
+        #: The sinks that see every observation (those that override ``Sink.observe``).
+        self.observers: list[Sink] = [s for s in self.sinks if type(s).observe is not Sink.observe]
         self.repeat_after = repeat_after
         #: Whether this process writes to the sinks (off rank zero it does not).
         self.writes = True
@@ -78,9 +81,16 @@ class Ledger:
 
     def call_sinks(self, method: str, *args: Any) -> None:
         """Call ``method`` on every sink (on rank zero), each call isolated."""
+        self._call(self.sinks, method, *args)
+
+    def observe(self, obs: Observation, interval: int) -> None:
+        """Hand ``obs`` to the sinks that observe (on rank zero), each call isolated."""
+        self._call(self.observers, "observe", obs, interval)
+
+    def _call(self, sinks: Sequence[Sink], method: str, *args: Any) -> None:
         if not self.writes:
             return
-        for sink in self.sinks:
+        for sink in sinks:
             try:
                 getattr(sink, method)(*args)
             except Exception as exc:  # a sink must never cost the training run
@@ -90,7 +100,7 @@ class Ledger:
                         f"stethoscope: {type(sink).__name__}.{method}() failed with {exc!r}; "
                         "training goes on and the other sinks still receive findings",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
 
     # -- epochs ------------------------------------------------------------------------------

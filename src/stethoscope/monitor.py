@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -12,15 +13,43 @@ from stethoscope.findings import Finding, Severity
 from stethoscope.ledger import SAMPLER, Ledger
 from stethoscope.observation import Observation
 from stethoscope.planning import Planner
-from stethoscope.policy import Decision, StopOn, decide, parse_policy
+from stethoscope.policy import Decision, Policy, StopOn, decide, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import GATHERED, REPLICATED
+from stethoscope.statistics import GATHERED, PLANNED, REPLICATED
 from stethoscope.summary import EpochSummary
 
 __all__ = ["SAMPLER", "Monitor"]
 
 _NOTHING = Decision()  # what a healthy step decides (never mutated)
+
+
+def _policy_text(policy: Policy) -> str | list[str] | None:
+    """A parsed ``stop_on``/``raise_on`` as it was given."""
+    if policy.detectors:
+        return sorted(policy.detectors)
+    return policy.min_severity.value if policy.min_severity is not None else None
+
+
+def _sink_wants(sinks: Sequence[Sink]) -> tuple[frozenset[str], int]:
+    """What the sinks want measured (see ``Sink.wants``), and how often: as often as the
+    most eager of them asks."""
+    wanting = [s for s in sinks if s.wants]
+    for s in wanting:
+        unknown = sorted(set(s.wants) - PLANNED)
+        if unknown:
+            raise ValueError(
+                f"{type(s).__name__}.wants names {unknown!r}; a sink may want any of "
+                f"{sorted(PLANNED)!r}"
+            )
+        every = s.wants_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"{type(s).__name__}.wants_every={every!r} must be an integer >= 1 (steps)"
+            )
+    if not wanting:
+        return frozenset(), 0
+    return frozenset().union(*(s.wants for s in wanting)), min(s.wants_every for s in wanting)
 
 
 class Monitor:
@@ -101,6 +130,9 @@ class Monitor:
         #: Which detectors run at each step, and what they need measured.
         self.planner = Planner(self.detectors, self.sampler)
         self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
+        self._sink_wants = _sink_wants(self.ledger.sinks)
+        #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
+        self.sinks_want: frozenset[str] = self._sink_wants[0]
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
 
@@ -173,6 +205,8 @@ class Monitor:
             self._train_sum += loss
             self._train_n += 1
         self.ledger.saw_step(step, grads=obs.grad_norm is not None)
+        if self.ledger.observers:
+            self.ledger.observe(obs, self.planner.sampled_interval(step))
         if step > self.last_step:
             self.last_step = step
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
@@ -275,6 +309,8 @@ class Monitor:
         else:
             idle = set()
         self.planner.set_idle(frozenset(idle))
+        # the sinks write on rank zero only: there alone is what they want measured
+        self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
         #: What this rank holds until the ranks next meet (a distributed run only).
         self.held = Held()
 
@@ -354,6 +390,25 @@ class Monitor:
         self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
         self.ledger.last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
+
+    def describe(self) -> dict[str, Any]:
+        """The detectors and the sampler as plain data: each detector's base interval and
+        the arguments it was made with (its thresholds), for the run's record."""
+        detectors = {}
+        for d in self.detectors:
+            params = inspect.signature(type(d).__init__).parameters
+            detectors[d.name] = {
+                "class": type(d).__name__,
+                "every": self.sampler.base[d.name],
+                "idle": d.name in self.planner.idle,
+                "arguments": {p: getattr(d, p) for p in params if p != "self" and hasattr(d, p)},
+            }
+        return {
+            "detectors": detectors,
+            "sampler": {"escalate": self.sampler.escalation, "hot_steps": self.sampler.hot_steps},
+            "stop_on": _policy_text(self.stop_on),
+            "raise_on": _policy_text(self.raise_on),
+        }
 
     def start(self, context: RunContext) -> None:
         """Hand every sink the run's context (its printer, the framework's log dir and

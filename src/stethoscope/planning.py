@@ -31,11 +31,24 @@ class Planner:
         self._due_set: frozenset[str] = frozenset()
         #: Deeper statistics detectors asked for, until an observation carries them.
         self.requested: set[str] = set()
+        self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
+
+    def sinks_want(self, statistics: frozenset[str], every: int) -> None:
+        """Measure ``statistics`` every ``every`` steps (capped like the detectors'
+        intervals while the sampler is hot) for the sinks that want them; 0: never."""
+        self._sink_wants = with_requirements(statistics) - EVENT - GATHERED
+        self._sink_every = every if self._sink_wants else 0
 
     def set_idle(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run (they are neither run nor planned)."""
         self.idle = frozenset(names)
+        sampled = [
+            self.sampler.base[d.name]
+            for d in self.detectors
+            if d.name not in self.idle and self.sampler.base[d.name] > 1
+        ]
+        self._shortest_sampled = min(sampled, default=1)
         self._runnable: dict[frozenset[str], tuple[Detector, ...]] = {}
         # of each of those, the detectors that can finish early (see Detector.finished)
         self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
@@ -78,7 +91,14 @@ class Planner:
             planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
         if self.requested:
             planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)
+        if self._sink_every and step % self.sampler.capped(self._sink_every, step) == 0:
+            planned = planned | self._sink_wants
         return planned
+
+    def sampled_interval(self, step: int) -> int:
+        """How often the sampled detectors (those not run every step) run at ``step``: the
+        shortest of their intervals there (1 while the sampler is hot)."""
+        return self.sampler.capped(self._shortest_sampled, step)
 
     def fulfilled(self, has: Callable[[str], bool]) -> None:
         """Forget the requests that an observation (``has``) carried."""

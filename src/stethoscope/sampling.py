@@ -82,6 +82,10 @@ class AdaptiveSampler:
         """The interval of detector ``name`` at ``step``."""
         return _capped(self.base[name], self.cap(step))
 
+    def capped(self, base: int, step: int) -> int:
+        """An interval of ``base`` steps under the escalation's cap at ``step``."""
+        return _capped(base, self.cap(step))
+
     def is_due(self, name: str, step: int) -> bool:
         """Whether detector ``name`` runs at ``step``."""
         return step % self.interval(name, step) == 0

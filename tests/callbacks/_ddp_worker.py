@@ -8,7 +8,8 @@ both run every scenario in turn in one process group (importing torch and Lightn
 is most of the cost). Each scenario is a fresh model, callback and ``Trainer`` on 2 CPU
 ranks with gloo, writing rank zero's findings to ``OUTDIR/SCENARIO.jsonl`` through a
 ``JSONLSink``, and ``OUTDIR/SCENARIO-rank{r}.json``: this rank's last step, whether it
-was told to stop or raised, and the finding that stopped it.
+was told to stop or raised, and the finding that stopped it. The scenarios in
+:data:`RECORDED` also keep a run record.
 """
 
 from __future__ import annotations
@@ -82,8 +83,14 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
 }
 
 
+#: Scenarios whose run also keeps a record, in ``OUTDIR/SCENARIO-record`` (rank zero's).
+RECORDED = ("healthy", "nan")
+
+
 def run(out: Path, name: str) -> None:
     model_kw, cb_kw, steps, ddp_kw, validate = SCENARIOS[name]
+    if name in RECORDED:
+        cb_kw = {**cb_kw, "record": out / f"{name}-record"}
     torch.manual_seed(0)  # the same initial weights on both ranks, as DDP expects
     model = RankFault(**model_kw)
     callback = LightningStethoscope(sinks=[JSONLSink(out / f"{name}.jsonl")], **cb_kw)

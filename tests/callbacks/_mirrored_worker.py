@@ -34,6 +34,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
+from stethoscope.record import RunRecord  # noqa: E402
 from stethoscope.testing import CapturingSink, RecordingDetector  # noqa: E402
 
 N, FEATURES, CLASSES, BATCH, LR = 256, 12, 3, 32, 0.05
@@ -110,13 +111,24 @@ def healthy() -> dict:
     x, y = data()
     model = mlp(STRATEGY)
     sink = CapturingSink()
-    cb = KerasStethoscope(sinks=[sink])
-    fit(model, [cb], x, y, epochs=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        cb = KerasStethoscope(sinks=[sink], record=Path(tmp) / "run")
+        fit(model, [cb], x, y, epochs=2)
+        with RunRecord(cb.record) as record:
+            hist = record.layers("weight_hist")
+            numel = [p["numel"] for p in record.config["model"]["parameters"]]
+            recorded = {
+                "losses": len(record.losses().steps),
+                "sampled": len(record.layers("grad_norm").steps),
+                "every_weight_once": bool(np.all(hist.values[-1].sum(axis=1) == numel)),
+                "finished": record.finished,
+            }
     out: dict[str, Any] = {
         "alarms": [finding(f) for f in sink.findings if str(f.severity) != "info"],
         "summaries": len(cb.summaries),
         "steps": cb.monitor.last_step,
         "clean": clean(model),
+        "record": recorded,
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.keras"

@@ -58,6 +58,10 @@ def test_a_healthy_run_finds_nothing_and_leaves_the_model_as_it_was(runs):
     assert healthy["clean"]  # compute_loss, apply, the all-reduce and every call unwrapped
     assert healthy["archive_mentions"] == []
     assert healthy["loaded_equal"]
+    # the record (on here) holds the global batches' statistics, once, not per replica
+    record = healthy["record"]
+    assert record["losses"] == 16 and record["sampled"] > 0
+    assert record["every_weight_once"] and record["finished"]
 
 
 def test_the_loss_judged_is_the_global_loss_keras_logs(runs):

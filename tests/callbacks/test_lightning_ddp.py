@@ -22,6 +22,7 @@ from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
 from stethoscope.distributed import RankMeeting
+from stethoscope.record import RunRecord
 from stethoscope.testing import CapturingSink
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
@@ -111,6 +112,19 @@ def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(run
         assert r["global_step"] == 49
         assert r["should_stop"]
         assert (r["stopped_by"]["step"], r["stopped_by"]["rank"]) == (37, 1)
+
+
+def test_rank_zero_records_the_run_and_the_other_ranks_findings(runs):
+    with RunRecord(runs / "nan-record") as record:
+        losses = record.losses()
+        assert list(losses.steps) == list(range(49))  # every step rank zero took
+        assert record.finished and record.config["trainer"]["world_size"] == 2
+        nan = [(f.step, f.rank) for f in record.findings() if f.detector == "nonfinite_loss"]
+        assert min(nan) == (37, 1)  # rank one's finding, kept by rank zero
+        assert len(record.layers("grad_norm").steps) > 0
+    with RunRecord(runs / "healthy-record") as record:
+        assert len(record.losses().steps) == 64 and record.findings() == []
+        assert len(record.layers("weight_hist").steps) > 0
 
 
 def test_raise_on_is_agreed_too(runs):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from stethoscope.detectors import Detector
 from stethoscope.findings import Finding, TrainingProblem
 from stethoscope.monitor import Monitor
 from stethoscope.policy import Decision, StopOn
+from stethoscope.record.writer import RunRecorder
 from stethoscope.sinks import ConsoleSink, Sink
 from stethoscope.summary import EpochSummary
 
@@ -33,11 +37,17 @@ class StethoscopeBase:
         intervals: Mapping[str, int] | None,
         escalate: bool,
         hot_steps: int,
+        record: str | os.PathLike[str] | None,
     ) -> None:
-        """Make the monitor (which validates every argument); a console by default."""
+        """Make the monitor (which validates every argument); a console by default; with
+        ``record``, a :class:`RunRecorder` first among the sinks (so that it has closed
+        the record when a later sink attaches its report)."""
+        #: Writes the run's record (``record=``), or ``None``.
+        self.recorder = RunRecorder(record) if record is not None else None
+        sinks = [ConsoleSink()] if sinks is None else list(sinks)
         self.monitor = Monitor(
             detectors=detectors,
-            sinks=[ConsoleSink()] if sinks is None else list(sinks),
+            sinks=[self.recorder, *sinks] if self.recorder is not None else sinks,
             stop_on=stop_on,
             raise_on=raise_on,
             intervals=intervals,
@@ -45,6 +55,16 @@ class StethoscopeBase:
             hot_steps=hot_steps,
         )
         self.summaries = []
+
+    def _describe(self, framework: dict[str, Any]) -> dict[str, Any]:
+        """The run's configuration for its record: ``framework``'s description of the
+        model, optimizer and trainer, and the detectors with their thresholds."""
+        return {**framework, **self.monitor.describe()}
+
+    @property
+    def record(self) -> Path | None:
+        """The directory of the run's record (``record=``), or ``None``."""
+        return self.recorder.directory if self.recorder is not None else None
 
     @property
     def stopped_by(self) -> Finding | None:

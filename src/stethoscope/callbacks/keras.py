@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StethoscopeBase
+from stethoscope.callbacks._keras.describe import describe_run
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.detectors import Detector
@@ -56,6 +58,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         intervals: Base sampling interval in steps per detector name.
         escalate: Whether suspicion switches the costlier detectors to every step.
         hot_steps: Length of that every-step window, in steps.
+        record: A directory, e.g. ``"runs/NAME"``, where the run's record is kept (the
+            loss of every step, the per-layer statistics of sampled steps, weight and
+            gradient distributions, every finding, the configuration) for
+            ``stethoscope report`` and ``stethoscope watch``; ``None`` (default): no
+            record. See :class:`stethoscope.record.RunRecorder`.
 
     The callback judges a step at the start of the next one (or at the epoch's end),
     never in ``on_train_batch_end``: overriding that hook makes Keras wait for every
@@ -91,6 +98,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         intervals: Mapping[str, int] | None = None,
         escalate: bool = True,
         hot_steps: int = 32,
+        record: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         backend = keras.backend.backend()
@@ -108,6 +116,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             intervals=intervals,
             escalate=escalate,
             hot_steps=hot_steps,
+            record=record,
         )
         self._probe: GraphProbe | None = None
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
@@ -122,7 +131,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
-        forward = any(
+        forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
             (d.needs | d.wants) & {"activations", "outputs"} or d.name == "nonfinite_loss"
             for d in self.monitor.detectors
         )
@@ -157,7 +166,16 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._probe = probe
         verbose = self.params.get("verbose", 1) if isinstance(self.params, dict) else 1
         printer = _after_progress_line if verbose in (1, "auto") else None
-        self.monitor.start(RunContext(framework="keras", printer=printer))
+        self.monitor.start(
+            RunContext(
+                framework="keras",
+                printer=printer,
+                first_step=step0,
+                first_epoch=self._epoch if step0 else 0,
+                describe=lambda: self._describe(describe_run(model, self.params)),
+                record=self.record,
+            )
+        )
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._collect()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 
 from stethoscope.callbacks._base import StethoscopeBase
 from stethoscope.callbacks._lightning.batch import BatchParts
-from stethoscope.callbacks._lightning.context import run_context
+from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
@@ -85,6 +86,11 @@ class LightningStethoscope(StethoscopeBase, Callback):
         val_loss_key: The logged metric holding the validation loss, when
             ``validation_step`` does not return it (default: the first of
             ``val_loss``, ``val/loss``, ``validation_loss`` that is logged).
+        record: A directory, e.g. ``"runs/NAME"``, where the run's record is kept (the
+            loss of every step, the per-layer statistics of sampled steps, weight and
+            gradient distributions, every finding, the configuration) for
+            ``stethoscope report`` and ``stethoscope watch``; ``None`` (default): no
+            record. Rank zero writes it. See :class:`stethoscope.record.RunRecorder`.
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices.
@@ -108,6 +114,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         inputs_from: Callable[[Any], Any] | None = None,
         labels_from: Callable[[Any], Any] | None = None,
         val_loss_key: str | None = None,
+        record: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
@@ -127,6 +134,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             intervals=intervals,
             escalate=escalate,
             hot_steps=hot_steps,
+            record=record,
         )
         self.log_stats = bool(log_stats)
         self.max_lag = max_lag
@@ -174,12 +182,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
         optimizers = trainer.optimizers
         # the dict object stays the same while schedulers change its "lr": read it per step
         self._lr_group = optimizers[0].param_groups[0] if optimizers else None
-        probe = self._probe
-        held = {i for opt in optimizers for i in probe.indices_of(opt)}
-        probe.unoptimized = tuple(
-            n for i, n in enumerate(probe.names) if i not in held and optimizers
+        self._probe.optimized_by(optimizers)
+        context = run_context(
+            trainer,
+            record=self.record,
+            describe=lambda: self._describe(describe_run(trainer, pl_module)),
         )
-        context = run_context(trainer)
         self._printer = context.printer
         self.monitor.start(context)
         if self._meeting is not None:

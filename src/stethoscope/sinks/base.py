@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stethoscope.findings import Severity
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
+    from stethoscope.observation import Observation
     from stethoscope.summary import EpochSummary
 
 __all__ = ["RunContext", "Sink"]
@@ -38,6 +40,12 @@ class RunContext:
             logger writes to, or ``None`` when it has none.
         mlflow_run: Returns ``(run_id, tracking_uri)`` of the framework's own MLflow
             logger's run, or ``None`` when it has none.
+        first_step: The step training starts at (above 0: resumed from a checkpoint).
+        first_epoch: The epoch it starts in.
+        describe: Returns the run's configuration as plain data (the model's parameters,
+            the optimizer, the detectors' thresholds), for a sink that keeps it.
+        record: The directory of the run's record (``record=`` on the callback), or
+            ``None``; a sink may attach the record's report at the end.
     """
 
     framework: str = ""
@@ -46,13 +54,18 @@ class RunContext:
     printer: Callable[[str], None] | None = None
     tensorboard_log_dir: Callable[[], str | None] = _unknown
     mlflow_run: Callable[[], tuple[str, str | None] | None] = _unknown
+    first_step: int = 0
+    first_epoch: int = 0
+    describe: Callable[[], dict[str, Any]] | None = None
+    record: Path | None = None
 
 
 class Sink:
     """Base class for sinks: every method is a no-op by default.
 
     The monitor calls ``start`` with the run's :class:`RunContext` when training starts,
-    ``emit`` for each finding, ``epoch_end`` with the epoch's summary, ``flush`` at epoch
+    ``emit`` for each finding, ``observe`` for each step's statistics (on a sink that
+    overrides it), ``epoch_end`` with the epoch's summary, ``flush`` at epoch
     and train end, and ``close`` once at the end. Subclasses override what they need;
     ``close`` must be idempotent. The monitor isolates every call: an exception raised
     here is warned about once per sink and never stops training.
@@ -72,6 +85,12 @@ class Sink:
 
     #: What a subclass that does not call ``Sink.__init__`` accepts: everything.
     min_severity: Severity = Severity.INFO
+    #: Statistics this sink wants measured every :attr:`wants_every` steps, whether or not
+    #: a detector needs them then (a record of the run, histograms for TensorBoard). The
+    #: sampler shortens that interval while something looks wrong, as it does the
+    #: detectors'. A sink that wants statistics overrides :meth:`observe` to receive them.
+    wants: frozenset[str] = frozenset()
+    wants_every: int = 0
 
     def __init__(self, *, min_severity: Severity | str = "info") -> None:
         self.min_severity = Severity.parse(min_severity, argument="min_severity")
@@ -93,6 +112,11 @@ class Sink:
 
     def emit(self, finding: Finding) -> None:
         """Record one finding."""
+
+    def observe(self, obs: Observation, interval: int) -> None:
+        """See one step's observation, on every step, after the detectors judged it
+        (``interval``: how often the sampled detectors run at that step). Called only on
+        sinks that override it; it runs on the training's hot path, so keep it cheap."""
 
     def epoch_end(self, summary: EpochSummary) -> None:
         """Receive the summary of a finished epoch."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
@@ -22,7 +23,9 @@ from stethoscope.sinks.base import RunContext
 __all__ = ["run_context"]
 
 
-def run_context(trainer: Any) -> RunContext:
+def run_context(
+    trainer: Any, *, record: Path | None, describe: Callable[[], dict[str, Any]]
+) -> RunContext:
     """The context of ``trainer``'s run, for the sinks."""
     return RunContext(
         framework="lightning",
@@ -31,7 +34,53 @@ def run_context(trainer: Any) -> RunContext:
         printer=progress_printer(trainer),
         tensorboard_log_dir=lambda: _ask(trainer, "TensorBoardLogger", _log_dir),
         mlflow_run=lambda: _ask(trainer, "MLFlowLogger", _mlflow_run),
+        first_step=trainer.global_step,
+        first_epoch=trainer.current_epoch,
+        describe=describe,
+        record=record,
     )
+
+
+def describe_run(trainer: Any, module: Any) -> dict[str, Any]:
+    """The model, its optimizers and the Trainer's settings, as plain data."""
+    parameters = [
+        {"name": n, "shape": list(p.shape), "numel": p.numel(), "trainable": p.requires_grad}
+        for n, p in module.named_parameters()
+    ]
+    return {
+        "framework": "lightning",
+        "model": {
+            "class": type(module).__name__,
+            "parameters": parameters,
+            "total": sum(p["numel"] for p in parameters),
+        },
+        "optimizers": [
+            {
+                "class": type(opt).__name__,
+                "groups": [
+                    {k: v for k, v in g.items() if k != "params" and _plain(v)}
+                    for g in opt.param_groups
+                ],
+            }
+            for opt in trainer.optimizers
+        ],
+        "trainer": {
+            "max_epochs": trainer.max_epochs,
+            "max_steps": trainer.max_steps,
+            "precision": str(trainer.precision),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+        },
+    }
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is plain data (a tensor learning rate is not written)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def progress_printer(trainer: Any) -> Callable[[str], None] | None:

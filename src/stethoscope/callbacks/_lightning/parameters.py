@@ -48,6 +48,14 @@ class ParameterProbe:
         #: Watched parameters that no optimizer updates (known at train start).
         self.unoptimized: tuple[str, ...] = ()
 
+    def optimized_by(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Learn which watched parameters ``optimizers`` update (the others are
+        :attr:`unoptimized`; with no optimizer at all, none is)."""
+        held = {i for opt in optimizers for i in self.indices_of(opt)}
+        self.unoptimized = tuple(
+            n for i, n in enumerate(self.names) if i not in held and optimizers
+        )
+
     def indices_of(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Indices of the watched parameters this optimizer updates."""
         seen = []

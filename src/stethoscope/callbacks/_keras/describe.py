@@ -1,0 +1,55 @@
+"""The Keras model, its optimizer and the fit's settings as plain data, for the record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["describe_run"]
+
+
+def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:
+    """What a run's record says about a Keras ``model`` trained with ``params`` (the
+    callback's ``self.params``: epochs, steps, verbose)."""
+    weights = [
+        {
+            "name": w.path,
+            "shape": [int(d) for d in w.shape],
+            "numel": int(_numel(w.shape)),
+            "trainable": bool(w.trainable),
+        }
+        for w in model.weights
+    ]
+    optimizer = model.optimizer
+    try:
+        opt_config = {k: v for k, v in optimizer.get_config().items() if _plain(v)}
+    except Exception:  # a custom optimizer without a config: its class is still said
+        opt_config = {}
+    return {
+        "framework": "keras",
+        "model": {
+            "class": type(model).__name__,
+            "name": model.name,
+            "parameters": weights,
+            "total": sum(w["numel"] for w in weights),
+            "layers": [type(layer).__name__ for layer in model.layers],
+        },
+        "optimizers": [{"class": type(optimizer).__name__, "groups": [opt_config]}],
+        "trainer": {
+            **{k: v for k, v in (params or {}).items() if _plain(v)},
+            "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
+            "jit_compile": str(getattr(model, "jit_compile", None)),
+        },
+    }
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
