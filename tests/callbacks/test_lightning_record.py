@@ -47,3 +47,32 @@ def test_the_record_matches_what_the_detectors_saw(tmp_path):
         assert config["optimizers"][0]["class"] == "Adam"
         assert config["detectors"]["spy"]["every"] == 1
         assert record.finished
+
+
+def test_tensorboard_shows_each_parameters_histograms_at_the_recorded_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from stethoscope.sinks import TensorBoardSink
+
+    callback = LightningStethoscope(
+        sinks=[TensorBoardSink(tmp_path / "tb", histogram_every=8)], record=tmp_path / "run"
+    )
+    torch.manual_seed(0)
+    fit(TinyMLP(), steps=80, callback=callback)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    with RunRecord(tmp_path / "run") as record:
+        weights, grads = record.layers("weight_hist"), record.layers("grad_hist")
+    tags = acc.Tags()["histograms"]
+    assert sorted(tags) == sorted(
+        [f"stethoscope/weights/{n}" for n in weights.names]
+        + [f"stethoscope/gradients/{n}" for n in grads.names]
+    )
+    for j, name in enumerate(weights.names):
+        events = acc.Histograms(f"stethoscope/weights/{name}")
+        steps = [e.step for e in events]
+        assert steps == list(weights.steps)  # the record's cadence (8 once calibrated)
+        assert 72 in steps and 73 not in steps
+        for e, counts in zip(events, weights.values[:, j], strict=True):
+            np.testing.assert_array_equal(e.histogram_value.bucket, counts[:-1])
+            assert e.histogram_value.num == counts.sum()  # every weight of the parameter

@@ -140,9 +140,12 @@ class RunRecord:
             np.array([r[1] for r in rows], np.int64),
         )
 
-    def sampled(self) -> Sampled:
-        """Every sampled step, in order."""
-        rows = self._query("SELECT step, epoch, lr, interval, grad_norm FROM sampled ORDER BY step")
+    def sampled(self, since: int = -1) -> Sampled:
+        """Every sampled step after ``since``, in order."""
+        rows = self._query(
+            "SELECT step, epoch, lr, interval, grad_norm FROM sampled WHERE step > ? ORDER BY step",
+            (since,),
+        )
         col = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
         return Sampled(
             np.array(col[0], np.int64),
@@ -159,9 +162,9 @@ class RunRecord:
         have = {k for (k,) in self._query("SELECT DISTINCT kind FROM layers")}
         return [k for k in known if k in have]
 
-    def layers(self, kind: str) -> LayerSeries:
+    def layers(self, kind: str, since: int = -1) -> LayerSeries:
         """The per-layer statistic ``kind`` (one of :data:`LAYER_KINDS` or
-        :data:`DISTRIBUTION_KINDS`) over the steps that recorded it.
+        :data:`DISTRIBUTION_KINDS`) over the steps after ``since`` that recorded it.
 
         Raises:
             ValueError: ``kind`` is not one of those.
@@ -173,7 +176,8 @@ class RunRecord:
             )
         layouts = {i: tuple(json.loads(n)) for i, n in self._query("SELECT id, names FROM layouts")}
         rows = self._query(
-            "SELECT step, layout, data FROM layers WHERE kind = ? ORDER BY step", (kind,)
+            "SELECT step, layout, data FROM layers WHERE kind = ? AND step > ? ORDER BY step",
+            (kind, since),
         )
         names: dict[str, int] = {}
         for _, layout, _ in rows:

@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS losses (
     first_step INTEGER PRIMARY KEY, last_step INTEGER NOT NULL,
     steps BLOB NOT NULL, epochs BLOB NOT NULL, losses BLOB NOT NULL
 );
+CREATE INDEX IF NOT EXISTS losses_last ON losses (last_step);
 -- one row per step that measured more than the loss
 CREATE TABLE IF NOT EXISTS sampled (
     step INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, lr REAL, interval INTEGER,
@@ -48,7 +49,7 @@ CREATE TABLE IF NOT EXISTS layouts (id INTEGER PRIMARY KEY, names TEXT NOT NULL 
 -- (len(names), bins) for the distributions
 CREATE TABLE IF NOT EXISTS layers (
     step INTEGER NOT NULL, kind TEXT NOT NULL, layout INTEGER NOT NULL,
-    data BLOB NOT NULL, PRIMARY KEY (step, kind)
+    data BLOB NOT NULL, PRIMARY KEY (kind, step)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS findings (
     id INTEGER PRIMARY KEY, step INTEGER NOT NULL, epoch INTEGER NOT NULL,

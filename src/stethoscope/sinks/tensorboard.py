@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from stethoscope.findings import Severity
 from stethoscope.sinks._buffer import MAX_BUFFER, _Buffered, _write_all
+from stethoscope.statistics import DISTRIBUTION_EDGES
 
 if TYPE_CHECKING:
     from stethoscope.findings import Finding
+    from stethoscope.observation import Observation
     from stethoscope.sinks.base import RunContext
 
 __all__ = ["TensorBoardSink"]
@@ -28,7 +32,8 @@ _files = itertools.count()  # two sinks of one process never share an events fil
 
 
 class TensorBoardSink(_Buffered):
-    """Writes findings to TensorBoard event files: a scalar series and a text per detector.
+    """Writes findings to TensorBoard event files: a scalar series and a text per detector;
+    and each layer's weight and gradient distributions to TensorBoard's histogram tab.
 
     Each finding becomes one event at its step holding a scalar under the tag
     ``stethoscope/<detector>`` (its ``value``; ``1.0`` when the finding has none, so
@@ -43,6 +48,14 @@ class TensorBoardSink(_Buffered):
     Lightning users with a ``TensorBoardLogger`` and no ``log_dir`` here get the
     logger's ``log_dir``, so findings appear next to the run's own metrics.
 
+    With ``histograms`` on, every ``histogram_every`` steps (every step while the sampler
+    is hot) the callback measures each parameter's ``distributions`` statistic on the
+    device, and the sink writes it under ``stethoscope/weights/<name>`` and
+    ``stethoscope/gradients/<name>`` as a histogram of ``log10 |x|``: half-decade bins
+    from -12 to 4, exact zeros counted at -12.5 (TensorBoard draws values on a linear
+    axis, where magnitudes from 1e-12 to 1e4 would all sit at zero). Non-finite values
+    are left out: the non-finite detectors report them.
+
     Args:
         log_dir: The directory for the event file; created on the first write if
             missing. ``None``: the Lightning ``TensorBoardLogger``'s ``log_dir`` when the
@@ -51,12 +64,14 @@ class TensorBoardSink(_Buffered):
         max_buffer: How many findings to keep in memory while writes fail; past this
             bound new ones are dropped and counted in :attr:`dropped` and the epoch
             summary.
+        histograms: Whether to write the weight and gradient histograms.
+        histogram_every: Steps between two histograms of a parameter, when healthy.
 
     Raises:
         ModuleNotFoundError: ``tensorboard`` is not installed.
         TypeError: ``log_dir`` is not a str, a path or ``None``.
-        ValueError: ``min_severity`` is not a severity, or ``max_buffer`` is not an
-            integer >= 0.
+        ValueError: ``min_severity`` is not a severity, ``max_buffer`` is not an
+            integer >= 0, or ``histogram_every`` is not an integer >= 1.
         NotADirectoryError: ``log_dir`` exists and is a file.
 
     Example:
@@ -74,9 +89,24 @@ class TensorBoardSink(_Buffered):
         *,
         min_severity: Severity | str = "info",
         max_buffer: int = MAX_BUFFER,
+        histograms: bool = True,
+        histogram_every: int = 64,
     ) -> None:
         _protos()  # fail now, with the extra to install, not at the first finding
         super().__init__(min_severity=min_severity)
+        if (
+            isinstance(histogram_every, bool)
+            or not isinstance(histogram_every, int)
+            or histogram_every < 1
+        ):
+            raise ValueError(
+                f"TensorBoardSink: histogram_every={histogram_every!r} must be an integer >= 1 "
+                "(steps)"
+            )
+        self.histograms = bool(histograms)
+        #: What the sink wants measured for its histograms (see ``Sink.wants``).
+        self.wants = frozenset({"distributions"}) if self.histograms else frozenset()
+        self.wants_every = histogram_every
         self._init_buffer(max_buffer=max_buffer)
         self._log_dir = None if log_dir is None else _as_dir(log_dir)
         self.follows_logger = log_dir is None
@@ -122,6 +152,12 @@ class TensorBoardSink(_Buffered):
             return
         self._deliver(_record(_event(finding)))
 
+    def observe(self, obs: Observation, interval: int) -> None:
+        """Write the step's weight and gradient histograms, when it measured them."""
+        if obs.weight_hist is None or not self.histograms:
+            return
+        self._deliver(_record(_histograms(obs)), finding=False)
+
     def flush(self) -> None:
         """Write the events that failed before, in order; the rest is on disk already."""
         self._retry()
@@ -147,6 +183,8 @@ class TensorBoardSink(_Buffered):
             "follows_logger": self.follows_logger,
             "min_severity": self.min_severity,
             "max_buffer": self.max_buffer,
+            "histograms": self.histograms,
+            "histogram_every": self.wants_every,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -154,6 +192,9 @@ class TensorBoardSink(_Buffered):
         self._init_buffer(max_buffer=state["max_buffer"])
         self._log_dir = state["log_dir"]
         self.follows_logger = state["follows_logger"]
+        self.histograms = state.get("histograms", True)
+        self.wants = frozenset({"distributions"}) if self.histograms else frozenset()
+        self.wants_every = state.get("histogram_every", 64)
         self._file = None
         self._file_path = None
         self._owed = b""
@@ -224,6 +265,40 @@ def _event(finding: Finding) -> Any:
         tensor=tensor_util.make_tensor_proto(text.encode("utf-8", errors="backslashreplace")),
     )
     return event_pb2.Event(wall_time=time.time(), step=finding.step, summary=summary)
+
+
+#: The upper bin limits of the histograms, in log10 of the magnitude: exact zeros (at
+#: -12.5), then each half-decade bin of ``DISTRIBUTION_EDGES``, then the one past them.
+_LOG_LIMITS = np.array(
+    [-12.5, *(np.log10(DISTRIBUTION_EDGES)), np.log10(DISTRIBUTION_EDGES[-1]) + 0.5]
+)
+_LOG_CENTRES = _LOG_LIMITS - 0.25
+
+
+def _histograms(obs: Observation) -> Any:
+    """One event at the step holding each parameter's weight and gradient histograms."""
+    event_pb2, summary_pb2 = _protos()[:2]
+    summary = summary_pb2.Summary()
+    for kind, hists in (("weights", obs.weight_hist), ("gradients", obs.grad_hist)):
+        if hists is None:
+            continue
+        for name, counts in zip(obs.names, hists, strict=True):
+            finite = np.asarray(counts[:-1], np.float64)  # the last bin: non-finite values
+            total = float(finite.sum())
+            if total <= 0:
+                continue
+            used = np.flatnonzero(finite)
+            histo = summary_pb2.HistogramProto(
+                min=float(_LOG_LIMITS[used[0]] - 0.5),
+                max=float(_LOG_LIMITS[used[-1]]),
+                num=total,
+                sum=float(finite @ _LOG_CENTRES),
+                sum_squares=float(finite @ np.square(_LOG_CENTRES)),
+                bucket_limit=_LOG_LIMITS.tolist(),
+                bucket=finite.tolist(),
+            )
+            summary.value.add(tag=f"stethoscope/{kind}/{_tag(name)}", histo=histo)
+    return event_pb2.Event(wall_time=time.time(), step=obs.step, summary=summary)
 
 
 def _record(event: Any) -> bytes:
