@@ -1,0 +1,544 @@
+"""The report's figures, built with plotly from a :class:`~stethoscope.record.RunRecord`.
+
+Each builder returns a figure, or one sentence saying why there is none (nothing of that
+kind was recorded). Long series are thinned so that a record of a million steps still
+gives a figure a browser draws at once: the loss keeps the lowest and highest value of
+each bucket of steps (a spike survives), the per-layer charts keep evenly spaced sampled
+steps; a figure that was thinned says so in its title.
+
+This module imports plotly: import it only where plotly is wanted (``report`` does).
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import textwrap
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from stethoscope.findings import Finding
+from stethoscope.record.reader import Curve, LayerSeries
+from stethoscope.record.report import ZERO_LOG10, distribution_quantiles, escalations
+
+__all__ = [
+    "HEALTHY_UPDATE_RATIO",
+    "dead_saturated_figure",
+    "distribution_figure",
+    "gradient_flow_figure",
+    "loss_figure",
+    "thin_columns",
+    "update_ratio_figure",
+]
+
+#: Points of the loss line at most (a bucket's lowest and highest value each).
+LOSS_POINTS = 4000
+#: Columns (sampled steps) of a per-layer chart at most.
+MAX_COLUMNS = 2000
+#: Cells (names x steps) of a heat map at most: more names leave fewer columns.
+MAX_CELLS = 250_000
+#: Names drawn as one line each; more are drawn as a heat map.
+MAX_LINES = 20
+#: The update ratio (|update| / |weight| per step) of a healthy parameter: about 1e-3.
+HEALTHY_UPDATE_RATIO = (1e-4, 1e-2)
+#: Quantile points (steps x parameters) of the distribution chart at most, per kind.
+DISTRIBUTION_POINTS = 30_000
+
+SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
+_MARKERS = {"info": ("circle-open", 9), "warning": ("triangle-up", 11), "error": ("x", 11)}
+_ESCALATION = "rgba(255, 160, 0, 0.15)"
+_JUMP = {
+    "mode": "immediate",
+    "frame": {"duration": 0, "redraw": True},
+    "transition": {"duration": 0},
+}
+_LAYOUT = {
+    "template": "plotly_white",
+    "margin": {"l": 70, "r": 30, "t": 70, "b": 50},
+    "hoverlabel": {"align": "left"},
+    "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 0},
+}
+
+
+# -- thinning ---------------------------------------------------------------------------
+def thin_columns(n: int, limit: int) -> np.ndarray:
+    """Evenly spaced indices of at most ``limit`` of ``n`` columns, first and last kept."""
+    if n <= limit:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, max(limit, 2)).round().astype(np.int64))
+
+
+def _envelope(values: np.ndarray, limit: int) -> np.ndarray:
+    """Indices of the lowest and highest finite value of each of ``limit // 2`` buckets."""
+    n = len(values)
+    if n <= limit:
+        return np.arange(n)
+    bounds = np.linspace(0, n, limit // 2 + 1).astype(np.int64)
+    low = np.where(np.isfinite(values), values, np.inf)
+    high = np.where(np.isfinite(values), values, -np.inf)
+    keep = []
+    for a, b in itertools.pairwise(bounds):
+        if b > a:
+            keep += [a + int(np.argmin(low[a:b])), a + int(np.argmax(high[a:b]))]
+    return np.unique(np.array(keep, np.int64))
+
+
+def _thinned(shown: int, total: int, what: str = "sampled steps") -> str:
+    return "" if shown >= total else f" · {shown:,} of {total:,} {what} shown"
+
+
+def _columns(series: LayerSeries) -> np.ndarray:
+    limit = min(MAX_COLUMNS, max(200, MAX_CELLS // max(1, len(series.names))))
+    return thin_columns(len(series.steps), limit)
+
+
+def _lines(points: int) -> str:
+    """A line, with markers while it is too short to draw one."""
+    return "lines" if points > 1 else "lines+markers"
+
+
+def _present(series: LayerSeries | None) -> bool:
+    return series is not None and bool(series.names) and len(series.steps) > 0
+
+
+# -- small helpers ----------------------------------------------------------------------
+def _hover_text(text: str, width: int = 90) -> str:
+    """Plain text for a hover label: escaped and wrapped."""
+    return "<br>".join(html.escape(line, quote=False) for line in textwrap.wrap(text, width))
+
+
+def _log10(values: np.ndarray) -> np.ndarray:
+    """log10 of magnitudes for a colour scale: an exact zero one decade below the least
+    positive value, an infinity one decade above the greatest, NaN (not measured) kept."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.log10(np.abs(values))
+    finite = np.isfinite(z)
+    low = float(z[finite].min()) if finite.any() else -12.0
+    high = float(z[finite].max()) if finite.any() else 0.0
+    z[np.isneginf(z)] = low - 1.0
+    z[np.isposinf(z)] = high + 1.0
+    return z
+
+
+def _last_measured(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column's last value that is not NaN, and its row (-1: never measured)."""
+    measured = ~np.isnan(values)
+    rows = np.where(measured.any(axis=0), len(values) - 1 - np.argmax(measured[::-1], 0), -1)
+    last = np.where(rows >= 0, values[np.maximum(rows, 0), np.arange(values.shape[1])], np.nan)
+    return last, rows
+
+
+def _heatmap(
+    series: LayerSeries, cols: np.ndarray, label: str, *, log: bool = True, **trace
+) -> go.Heatmap:
+    """Names down, sampled steps across; the colour log10 of the value when ``log``, the
+    hover the value itself."""
+    raw = series.values[cols].T
+    return go.Heatmap(
+        x=series.steps[cols],
+        y=list(series.names),
+        z=(_log10(raw) if log else raw).astype(np.float32),
+        customdata=raw.astype(np.float32),
+        hovertemplate=f"%{{y}}<br>step %{{x}}<br>{label} %{{customdata:.3g}}<extra></extra>",
+        hoverongaps=False,
+        **trace,
+    )
+
+
+def _menu(buttons: list[dict], **where) -> dict:
+    """A plotly menu of ``buttons`` at the top right of a figure."""
+    return {
+        "buttons": buttons,
+        "x": 1.0,
+        "xanchor": "right",
+        "y": 1.02,
+        "yanchor": "bottom",
+        "showactive": True,
+        **where,
+    }
+
+
+def _scale(kind: str) -> dict:
+    return {"label": kind, "method": "relayout", "args": [{"yaxis.type": kind}]}
+
+
+def _height(names: int, base: int = 160, per: int = 14) -> int:
+    return int(np.clip(base + per * names, 380, 1400))
+
+
+# -- the loss ---------------------------------------------------------------------------
+def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -> go.Figure | str:
+    """The loss of every step, validation losses, the findings where they happened, the
+    sampler's escalations shaded and the non-finite losses as red crosses at the top."""
+    if not len(losses.steps):
+        return "No training loss was recorded yet (the run has not written a step)."
+    steps, values = losses.steps, losses.values
+    finite = np.isfinite(values)
+    shown = _envelope(values, LOSS_POINTS)
+    fig = go.Figure()
+    # the escalations, on a hidden [0, 1] axis so that they span the plot's height
+    spans = escalations(findings, int(steps[-1]))
+    if spans:
+        xs: list[float | None] = []
+        ys: list[float | None] = []
+        for a, b, _ in spans:
+            xs += [a, a, b, b, a, None]
+            ys += [0, 1, 1, 0, 0, None]
+        fig.add_scatter(
+            x=xs,
+            y=ys,
+            yaxis="y2",
+            fill="toself",
+            fillcolor=_ESCALATION,
+            mode="none",
+            name="sampler escalated (all detectors every step)",
+            hoveron="fills",
+            hoverinfo="name",
+            hoverlabel={"namelength": -1},
+        )
+    fig.add_scatter(
+        x=steps[shown],
+        y=values[shown],
+        mode=_lines(len(shown)),
+        name="training loss",
+        line={"color": "#1f77b4", "width": 1.3},
+        hovertemplate="step %{x}<br>loss %{y:.4g}<extra></extra>",
+    )
+    if len(validation.steps):
+        fig.add_scatter(
+            x=validation.steps,
+            y=validation.values,
+            mode="markers+lines",
+            name="validation loss",
+            customdata=validation.epochs,
+            marker={"symbol": "diamond", "size": 8, "color": "#2ca02c"},
+            line={"dash": "dot", "width": 1, "color": "#2ca02c"},
+            hovertemplate="step %{x} (epoch %{customdata})<br>validation loss %{y:.4g}"
+            "<extra></extra>",
+        )
+    bad = np.flatnonzero(~finite)
+    if len(bad):
+        picked = bad[thin_columns(len(bad), MAX_COLUMNS)]
+        fig.add_scatter(
+            x=steps[picked],
+            y=np.ones(len(picked)),
+            yaxis="y2",
+            mode="markers",
+            name=f"non-finite loss ({len(bad):,} step{'s' if len(bad) > 1 else ''})",
+            text=[str(v) for v in values[picked]],
+            marker={"symbol": "x", "size": 9, "color": "#d62728"},
+            hovertemplate="step %{x}<br>loss %{text}<extra></extra>",
+        )
+    _add_findings(fig, steps, values, finite, findings)
+    fig.update_layout(
+        _LAYOUT,
+        title="Training loss"
+        + _thinned(len(shown), len(steps), "steps")
+        + (" (lowest and highest of each bucket)" if len(shown) < len(steps) else ""),
+        xaxis={"title": "step"},
+        yaxis={"title": "loss"},
+        yaxis2={"overlaying": "y", "range": [0, 1.04], "visible": False, "fixedrange": True},
+        height=460,
+        hovermode="closest",
+        updatemenus=[_menu([_scale("linear"), _scale("log")], type="buttons", direction="left")],
+    )
+    return fig
+
+
+def _add_findings(fig, steps, values, finite, findings: Sequence[Finding]) -> None:
+    """A marker per finding (but the sampler's) at its step: on the loss curve where the
+    loss there is finite, else near the top."""
+    at = np.clip(np.searchsorted(steps, [f.step for f in findings]), 0, len(steps) - 1)
+    for severity, (symbol, size) in _MARKERS.items():
+        on_curve: tuple[list, list, list] = ([], [], [])
+        on_top: tuple[list, list, list] = ([], [], [])
+        for f, i in zip(findings, at, strict=True):
+            if f.detector == "sampler" or f.severity.value != severity:
+                continue
+            text = f"<b>{f.detector}</b> ({severity}" + (f", {f.where}" if f.where else "")
+            text += ")<br>" + _hover_text(f.message)
+            hit = steps[i] == f.step and finite[i]
+            x, y, t = on_curve if hit else on_top
+            x.append(f.step)
+            y.append(float(values[i]) if hit else 0.96)
+            t.append(text)
+        colour = SEVERITY_COLOURS[severity]
+        marker = {"symbol": symbol, "size": size, "color": colour, "line_color": colour}
+        first = True
+        for (x, y, t), axis in ((on_curve, "y"), (on_top, "y2")):
+            if x:
+                fig.add_scatter(
+                    x=x,
+                    y=y,
+                    yaxis=axis,
+                    mode="markers",
+                    name=f"{severity} finding",
+                    legendgroup=severity,
+                    showlegend=first,
+                    text=t,
+                    marker=marker,
+                    hovertemplate="step %{x}<br>%{text}<extra></extra>",
+                )
+                first = False
+
+
+# -- gradients and updates --------------------------------------------------------------
+def gradient_flow_figure(series: LayerSeries | None) -> go.Figure | str:
+    """A heat map of log10 gradient norm per parameter (input side at the top) over the
+    sampled steps, beside the last sample's norms as bars on a log axis."""
+    if not _present(series):
+        return "No per-parameter gradient norms were recorded."
+    cols = _columns(series)
+    last, rows = _last_measured(series.values)
+    names = list(series.names)
+    titles = ("log10 gradient norm over the sampled steps", "latest sample")
+    fig = make_subplots(
+        1,
+        2,
+        shared_yaxes=True,
+        column_widths=[0.74, 0.26],
+        horizontal_spacing=0.02,
+        subplot_titles=titles,
+    )
+    fig.add_trace(_heatmap(series, cols, "gradient norm", coloraxis="coloraxis"), row=1, col=1)
+    z_last = _log10(last)
+    floor = np.nanmin(z_last) if np.isfinite(z_last).any() else -12.0
+    fig.add_bar(
+        x=np.where(last > 0, last, 10.0**floor),
+        y=names,
+        orientation="h",
+        marker={"color": z_last, "coloraxis": "coloraxis"},
+        name="latest gradient norm",
+        customdata=np.stack([last, series.steps[np.maximum(rows, 0)]], axis=1),
+        hovertemplate="%{y}<br>gradient norm %{customdata[0]:.3g}"
+        "<br>at step %{customdata[1]}<extra></extra>",
+        row=1,
+        col=2,
+    )
+    fig.update_layout(
+        _LAYOUT,
+        title="Gradient flow: gradient norm per parameter" + _thinned(len(cols), len(series.steps)),
+        coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "log10 ‖g‖"}}},
+        height=_height(len(names)),
+        showlegend=False,
+    )
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_xaxes(type="log", title_text="gradient norm", row=1, col=2)
+    return fig
+
+
+def update_ratio_figure(series: LayerSeries | None) -> go.Figure | str:
+    """The update ratio (‖update‖ / ‖weight‖ of a step) of each parameter over time, the
+    healthy band shaded: a line each on a log axis, or a heat map for many parameters."""
+    if not _present(series):
+        return "No update ratios were recorded (they need two consecutive weight reads)."
+    low, high = HEALTHY_UPDATE_RATIO
+    band = f"healthy band {low:.0e} … {high:.0e} (about 1e-3)"
+    cols = _columns(series)
+    title = f"Update ratio ‖Δw‖ / ‖w‖ per parameter · {band}"
+    title += _thinned(len(cols), len(series.steps))
+    fig = go.Figure()
+    if len(series.names) <= MAX_LINES:
+        values = series.values[cols]
+        positive = values[values > 0]
+        floor = min(low / 100, float(positive.min()) / 10) if positive.size else low / 100
+        for j, name in enumerate(series.names):
+            raw = values[:, j]
+            fig.add_scatter(
+                x=series.steps[cols],
+                y=np.where(raw > 0, raw, floor),
+                customdata=raw,
+                mode=_lines(len(cols)),
+                name=name,
+                connectgaps=True,
+                hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>update ratio "
+                "%{customdata:.3g}<extra></extra>",
+            )
+        fig.add_hrect(
+            y0=low, y1=high, fillcolor="#2ca02c", opacity=0.12, line_width=0, layer="below"
+        )
+        shown = values[np.isfinite(values) & (values > 0)]
+        top = max(high * 10, float(shown.max()) * 2) if shown.size else high * 10
+        axis = {"type": "log", "range": [np.log10(floor / 2), np.log10(top)], "dtick": 1}
+        fig.update_layout(yaxis=axis, yaxis_title="update ratio (0 at the bottom)", height=480)
+    else:
+        centre, spread = np.log10(low * high) / 2, np.log10(high / low) / 2 + 2
+        colours = {"colorscale": "RdBu_r", "zmin": centre - spread, "zmax": centre + spread}
+        fig.add_trace(
+            _heatmap(series, cols, "update ratio", colorbar_title_text="log10", **colours)
+        )
+        fig.update_yaxes(autorange="reversed")
+        fig.update_layout(height=_height(len(series.names)))
+        title += " · white: healthy, blue: too small, red: too large"
+    fig.update_layout(_LAYOUT, title=title, xaxis={"title": "step"})
+    return fig
+
+
+# -- distributions ----------------------------------------------------------------------
+def _distribution_traces(series: LayerSeries | None, name: str, cols, axis: int) -> list:
+    """The 5-95% band, the 25-75% band, the median and the non-finite markers of one
+    parameter in one subplot (empty traces when it was not recorded)."""
+    xaxis, yaxis = f"x{axis if axis > 1 else ''}", f"y{axis if axis > 1 else ''}"
+    j = series.names.index(name) if series is not None and name in series.names else -1
+    if j < 0:
+        empty = {"x": [], "y": [], "xaxis": xaxis, "yaxis": yaxis}
+        return [go.Scatter(empty), go.Scatter(empty), go.Scatter(empty), go.Scatter(empty)]
+    counts = series.values[cols, j]
+    keep = ~np.isnan(counts).all(axis=1)
+    steps = series.steps[cols][keep].astype(np.int32)
+    quant, zeros, bad = distribution_quantiles(counts[keep])
+    mag = (10.0**quant).astype(np.float32)
+    common = {"xaxis": xaxis, "yaxis": yaxis, "showlegend": axis == 1, "hoverinfo": "skip"}
+    bands = [
+        go.Scatter(
+            x=np.concatenate([steps, steps[::-1]]),
+            y=np.concatenate([mag[:, hi], mag[::-1, lo]]),
+            fill="toself",
+            fillcolor=f"rgba(31, 119, 180, {alpha})",
+            mode="none",
+            name=label,
+            legendgroup=label,
+            **common,
+        )
+        for lo, hi, alpha, label in ((0, 4, 0.15, "5–95% of |values|"), (1, 3, 0.35, "25–75%"))
+    ]
+    common["hoverinfo"] = None
+    median = go.Scatter(
+        x=steps,
+        y=mag[:, 2],
+        mode=_lines(len(steps)),
+        line={"color": "#1f77b4", "width": 1.5},
+        name="median",
+        legendgroup="median",
+        customdata=np.stack([zeros, bad], axis=1).astype(np.float32),
+        hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>median |x| %{{y:.3g}}"
+        "<br>exact zeros %{customdata[0]:.1%} · non-finite %{customdata[1]:.1%}"
+        "<extra></extra>",
+        **common,
+    )
+    hit = bad > 0
+    nonfinite = go.Scatter(
+        x=steps[hit],
+        y=np.full(int(hit.sum()), 10.0**5, np.float32),
+        mode="markers",
+        marker={"symbol": "x", "color": "#d62728", "size": 8},
+        name="non-finite values",
+        legendgroup="bad",
+        customdata=bad[hit].astype(np.float32),
+        hovertemplate="step %{x}<br>non-finite %{customdata:.1%}<extra></extra>",
+        **common,
+    )
+    return [*bands, median, nonfinite]
+
+
+def distribution_figure(weights: LayerSeries | None, grads: LayerSeries | None) -> go.Figure | str:
+    """Quantile bands of |weight| and |gradient| over the sampled steps, for the
+    parameter chosen in a dropdown (one frame per parameter, so hundreds stay cheap)."""
+    present = [
+        (label, s) for label, s in (("weights", weights), ("gradients", grads)) if _present(s)
+    ]
+    if not present:
+        return "No weight or gradient distributions were recorded."
+    names = list(dict.fromkeys(n for _, s in present for n in s.names))
+    limit = int(np.clip(DISTRIBUTION_POINTS // len(names), 50, 500))
+    cols = {label: thin_columns(len(s.steps), limit) for label, s in present}
+    total = max(len(s.steps) for _, s in present)
+    shown = max(len(c) for c in cols.values())
+    titles = [f"|{label}|" for label, _ in present]
+    fig = make_subplots(
+        len(present), 1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=titles
+    )
+    frames = []
+    for name in names:
+        data = []
+        for axis, (label, s) in enumerate(present, start=1):
+            data += _distribution_traces(s, name, cols[label], axis)
+        frames.append(go.Frame(name=name, data=data))
+    fig.add_traces(list(frames[0].data))
+    fig.frames = frames
+    ticks = list(range(-12, 6, 2))
+    values, text = [10.0**ZERO_LOG10] + [10.0**t for t in ticks], ["0"] + [f"1e{t}" for t in ticks]
+    fig.update_yaxes(
+        type="log",
+        range=[ZERO_LOG10 - 0.3, 5.3],
+        title_text="magnitude",
+        tickvals=values,
+        ticktext=text,
+    )
+    fig.update_xaxes(title_text="step", row=len(present), col=1)
+    buttons = [{"label": name, "method": "animate", "args": [[name], _JUMP]} for name in names]
+    title = "Weight and gradient magnitudes of the chosen parameter (bands: quantiles)"
+    fig.update_layout(
+        _LAYOUT,
+        title=title + _thinned(shown, total),
+        updatemenus=[_menu(buttons, direction="down", y=1.13)],
+        height=300 + 260 * len(present),
+        hovermode="closest",
+    )
+    return fig
+
+
+# -- units ------------------------------------------------------------------------------
+def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | None):
+    """The fraction of dead units per layer and of saturated inputs per tanh/sigmoid
+    activation over time: lines, or a heat map for many layers."""
+    present = [
+        (title, s)
+        for title, s in (
+            ("Dead units: fraction of each layer's units that got no gradient", dead),
+            ("Saturated: fraction of each tanh/sigmoid's inputs in its flat tails", saturated),
+        )
+        if _present(s)
+    ]
+    if not present:
+        return "No dead-unit or saturation fractions were recorded."
+    heights = [len(s.names) if len(s.names) > MAX_LINES else 12 for _, s in present]
+    titles = [t for t, _ in present]
+    fig = make_subplots(
+        len(present),
+        1,
+        shared_xaxes=True,
+        vertical_spacing=0.12,
+        row_heights=heights,
+        subplot_titles=titles,
+    )
+    thinned = []
+    for row, (_, s) in enumerate(present, start=1):
+        cols = _columns(s)
+        thinned.append(_thinned(len(cols), len(s.steps)))
+        label = "dead" if s is dead else "saturated"
+        if len(s.names) > MAX_LINES:
+            trace = _heatmap(s, cols, f"{label} fraction", log=False, coloraxis="coloraxis")
+            fig.add_trace(trace, row=row, col=1)
+            fig.update_yaxes(autorange="reversed", row=row, col=1)
+        else:
+            for j, name in enumerate(s.names):
+                fig.add_scatter(
+                    x=s.steps[cols],
+                    y=s.values[cols, j],
+                    mode=_lines(len(cols)),
+                    name=name,
+                    connectgaps=True,
+                    legendgroup=label,
+                    legendgrouptitle_text=label,
+                    hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>{label} "
+                    "%{y:.1%}<extra></extra>",
+                    row=row,
+                    col=1,
+                )
+            fig.update_yaxes(range=[-0.02, 1.02], tickformat=".0%", row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(present), col=1)
+    fig.update_layout(
+        _LAYOUT,
+        title="Dead and saturated units" + next((t for t in thinned if t), ""),
+        legend={"orientation": "v", "y": 1, "yanchor": "top", "x": 1.02},
+        height=int(np.clip(200 + 14 * sum(heights), 420, 1400)),
+    )
+    if any(len(s.names) > MAX_LINES for _, s in present):
+        colours = {"colorscale": "Reds", "cmin": 0, "cmax": 1, "colorbar_title_text": "fraction"}
+        fig.update_layout(coloraxis=colours, legend={**_LAYOUT["legend"], "y": 1.04})
+    return fig

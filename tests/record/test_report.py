@@ -1,0 +1,358 @@
+"""``stethoscope report``: one self-contained HTML file of a run's record (and PNGs),
+checked for its numbers, opened in a real Chromium, and refused in one sentence when
+the record cannot be read."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("plotly")
+
+from stethoscope.cli import main
+from stethoscope.findings import Finding
+from stethoscope.record import RunRecord, report
+from stethoscope.record.figures import (
+    dead_saturated_figure,
+    distribution_figure,
+    gradient_flow_figure,
+    loss_figure,
+    update_ratio_figure,
+)
+from stethoscope.record.reader import Curve, LayerSeries
+from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
+
+from ._records import make_record
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHARTS = [key for key, _, _ in report.CHARTS]
+EXTERNAL = re.compile(
+    r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?\s*(?:https?:)?//", re.I
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("report") / "run"
+    make_record(directory)  # 300 steps, a NaN loss at 200, an escalation at 6
+    return directory
+
+
+@pytest.fixture(scope="module")
+def page(run) -> tuple[Path, str]:
+    [path] = report.write_report(run)
+    return path, path.read_text(encoding="utf-8")
+
+
+def _plot_data(html: str, div: str) -> list[dict]:
+    """The traces ``Plotly.newPlot`` draws in the div ``div``, arrays decoded."""
+    start = re.search(rf'Plotly\.newPlot\(\s*"{div}",\s*', html)
+    assert start, f"no chart {div}"
+    data, _ = json.JSONDecoder().raw_decode(html, start.end())
+    return [{k: _decoded(v) for k, v in trace.items()} for trace in data]
+
+
+def _decoded(value):
+    if isinstance(value, dict) and "bdata" in value:
+        array = np.frombuffer(base64.b64decode(value["bdata"]), np.dtype(value["dtype"]))
+        shape = value.get("shape")
+        return array.reshape([int(n) for n in str(shape).split(",")]) if shape else array
+    return value
+
+
+# -- the HTML file ----------------------------------------------------------------------
+def test_the_report_is_written_beside_the_record_and_is_self_contained(run, page):
+    path, html = page
+    assert path == run / "report.html"
+    assert not EXTERNAL.search(html), EXTERNAL.search(html)
+    assert "cdn.plot.ly" not in re.sub(r"<script[^>]*>.*?</script>", "", html, flags=re.S)
+    from plotly.offline import get_plotlyjs
+
+    assert html.count(get_plotlyjs()[:2000]) == 1  # plotly.js inlined exactly once
+    for key in CHARTS:
+        assert f'id="fig-{key}"' in html and f'"fig-{key}"' in html
+    assert "Left out" not in html
+    assert "synthetic" in html and "finished" in html and "300 (step 0 … 299)" in html
+
+
+def test_the_gradient_flow_holds_the_recorded_gradient_norms(run, page):
+    recorded = RunRecord(run).layers("grad_norm")
+    heat, bars = _plot_data(page[1], "fig-gradient_flow")
+    assert heat["type"] == "heatmap" and heat["y"] == list(recorded.names)
+    np.testing.assert_array_equal(np.asarray(heat["x"]), recorded.steps)
+    np.testing.assert_allclose(heat["z"], np.log10(recorded.values.T), rtol=1e-6)
+    np.testing.assert_allclose(heat["customdata"], recorded.values.T, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(bars["x"], float), recorded.latest(), rtol=1e-6)
+    # the input side at the top, the last parameter vanishing at the bottom
+    fig = report.figures(RunRecord(run))["gradient_flow"]
+    assert fig.layout.yaxis.autorange == "reversed"
+    assert fig.layout.xaxis2.type == "log"
+
+
+def test_the_loss_chart_marks_the_nan_the_findings_and_the_escalation(run, page):
+    record = RunRecord(run)
+    traces = {t.get("name", ""): t for t in _plot_data(page[1], "fig-loss")}
+    loss = traces["training loss"]
+    np.testing.assert_allclose(np.asarray(loss["y"], float), record.losses().values, rtol=1e-6)
+    [nan] = [t for name, t in traces.items() if name.startswith("non-finite loss")]
+    assert list(np.asarray(nan["x"])) == [200] and nan["yaxis"] == "y2"
+    errors = traces["error finding"]
+    assert list(errors["x"]) == [200] and "nonfinite_loss" in errors["text"][0]
+    assert list(traces["validation loss"]["x"]) == [99, 199, 299]
+    shade = traces["sampler escalated (all detectors every step)"]
+    assert shade["x"][:4] == [6, 6, 299, 299] and shade["fill"] == "toself"
+
+
+def test_every_finding_is_a_row_that_links_to_its_step(run, page):
+    html = page[1]
+    findings = RunRecord(run).findings()
+    assert findings
+    table = html[html.index('<section id="findings">') :]
+    assert table.count("<tr class=") == len(findings)
+    for f in findings:
+        assert f"stShow({f.step}, this)" in table
+        assert f'<td class="sev">{f.severity.value}</td>' in table
+        assert f.message.replace("'", "&#x27;")[:60] in table
+
+
+def test_a_chart_without_data_is_left_out_with_a_sentence(tmp_path):
+    make_record(tmp_path / "run", steps=120, nan_at=None)
+    with sqlite3.connect(tmp_path / "run" / "record.sqlite") as con:
+        con.execute("DELETE FROM layers WHERE kind IN ('weight_hist', 'grad_hist', 'dead')")
+    con.close()
+    out = tmp_path / "elsewhere" / "r.html"
+    assert report.write_report(tmp_path / "run", output=out) == [out]
+    html = out.read_text(encoding="utf-8")
+    assert "Left out: No weight or gradient distributions were recorded." in html
+    assert 'id="fig-distributions"' not in html and 'id="fig-dead_saturated"' in html
+    assert set(report.figures(tmp_path / "run")) == set(CHARTS) - {"distributions"}
+
+
+def test_a_record_without_steps_leaves_every_chart_out(tmp_path):
+    make_record(tmp_path / "run", steps=0, nan_at=None)
+    [path] = report.write_report(tmp_path / "run" / "record.sqlite")
+    html = path.read_text(encoding="utf-8")
+    assert html.count("Left out: ") == len(CHARTS)
+    assert "Plotly.newPlot" not in html and "No findings" in html
+    assert report.figures(tmp_path / "run") == {}
+
+
+def test_plotly_is_imported_only_for_a_report():
+    code = (
+        "import sys, stethoscope, stethoscope.record, stethoscope.cli; "
+        "print('plotly' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_without_plotly_the_report_says_what_to_install(run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    with pytest.raises(RuntimeError, match=r'pip install "stethoscope\[report\]"'):
+        report.write_report(run, output=run / "never.html")
+    assert not (run / "never.html").exists()
+
+
+# -- the figures, on their own ----------------------------------------------------------
+def _series(kind: str, steps: int, names: int, values=None) -> LayerSeries:
+    rng = np.random.default_rng(0)
+    if values is None:
+        values = 10.0 ** rng.uniform(-5, -1, (steps, names))
+    return LayerSeries(kind, tuple(f"p{i}" for i in range(names)), np.arange(steps) * 10, values)
+
+
+def test_long_series_are_thinned_and_say_so():
+    steps = np.arange(1_000_000)
+    values = 1.0 / (1 + steps * 1e-4)
+    values[123_457] = 1e6  # a spike survives the thinning
+    values[500_000] = np.nan
+    curve = Curve(steps, values, steps // 1000)
+    fig = loss_figure(curve, Curve(steps[:0], values[:0], steps[:0]), [])
+    line = next(t for t in fig.data if t.name == "training loss")
+    assert len(line.x) <= 4000 and 123_457 in line.x and np.nanmax(line.y) == 1e6
+    assert "4,000 of 1,000,000 steps shown" in fig.layout.title.text
+    heat = gradient_flow_figure(_series("grad_norm", 5000, 10))
+    assert heat.data[0].z.shape == (10, 2000) and "2,000 of 5,000" in heat.layout.title.text
+    assert heat.data[0].x[-1] == 49_990  # the last step is kept
+    many = update_ratio_figure(_series("update_ratio", 3000, 200))
+    assert many.data[0].type == "heatmap" and many.data[0].z.shape[1] <= 2000
+
+
+def test_the_update_ratio_band_and_zero_updates():
+    values = np.full((50, 3), 1e-3)
+    values[:, 2] = 0.0  # a frozen parameter stays on the chart, at the bottom
+    fig = update_ratio_figure(_series("update_ratio", 50, 3, values))
+    assert "1e-04 … 1e-02" in fig.layout.title.text and fig.layout.yaxis.type == "log"
+    [band] = fig.layout.shapes
+    assert (band.y0, band.y1) == (1e-4, 1e-2)
+    frozen = fig.data[2]
+    assert np.all(np.asarray(frozen.y) > 0) and np.all(np.asarray(frozen.customdata) == 0)
+
+
+def test_distribution_quantiles_follow_the_bins():
+    counts = np.zeros((3, DISTRIBUTION_BINS))
+    counts[0, 11] = 100  # all in (e9, e10]
+    counts[1, [0, 11, -1]] = [50, 40, 10]  # half zeros, a tenth non-finite
+    q, zeros, bad = report.distribution_quantiles(counts)
+    low, high = np.log10(DISTRIBUTION_EDGES[9]), np.log10(DISTRIBUTION_EDGES[10])
+    np.testing.assert_allclose(q[0], low + np.array(report.QUANTILES) * (high - low))
+    assert q[1, 0] == report.ZERO_LOG10 and low < q[1, 4] <= high
+    np.testing.assert_allclose([zeros[1], bad[1]], [0.5, 0.1])
+    assert np.isnan(q[2]).all() and np.isnan(zeros[2])
+
+
+def test_the_distribution_chart_has_a_frame_per_parameter():
+    counts = np.zeros((40, 300, DISTRIBUTION_BINS))
+    counts[..., 20] = 7
+    weights = _series("weight_hist", 40, 300, counts)
+    fig = distribution_figure(weights, None)
+    assert len(fig.frames) == 300 and len(fig.data) == 4
+    assert [b.label for b in fig.layout.updatemenus[0].buttons][:2] == ["p0", "p1"]
+    assert dead_saturated_figure(None, None) == (
+        "No dead-unit or saturation fractions were recorded."
+    )
+
+
+def test_escalations_end_when_the_sampler_returns():
+    def sampler(step, value):
+        return Finding(step, 0, "sampler", "info", "hot", value=value)
+
+    found = [sampler(5, 1), sampler(40, None), Finding(50, 0, "loss_spike", "warning", "x")]
+    found += [sampler(60, 1), sampler(61, 1)]
+    assert report.escalations(found, 99) == [(5, 40, "hot"), (60, 99, "hot (still escalated)")]
+
+
+# -- in a browser -----------------------------------------------------------------------
+def test_the_report_draws_in_chromium_without_errors(page, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    args = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-usage"]
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=args)
+        try:
+            tab = browser.new_page(viewport={"width": 1300, "height": 900})
+            tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            tab.on("pageerror", lambda e: errors.append(str(e)))
+            tab.goto(page[0].as_uri())
+            tab.wait_for_function(
+                f"document.querySelectorAll('.plotly-graph-div .main-svg').length >= "
+                f"{2 * len(CHARTS)}"
+            )
+            for key in CHARTS:
+                assert tab.locator(f"#fig-{key} .main-svg").count() >= 2, key
+            assert tab.locator("#fig-gradient_flow .heatmaplayer image").count() >= 1
+            shot = tmp_path / "report.png"
+            tab.screenshot(path=str(shot), full_page=True)
+            tab.locator("#findings a").last.click()
+            tab.wait_for_function("document.querySelector('tr.picked') !== null")
+            shapes = tab.evaluate(
+                "[...document.querySelectorAll('.st-chart .plotly-graph-div')]"
+                ".map(gd => (gd.layout.shapes || []).filter(s => s.x0 === 200).length)"
+            )
+            menu = "#fig-distributions .updatemenu-"
+            tab.locator(f"{menu}header-group").click()
+            options = tab.locator(f"{menu}dropdown-button")
+            chosen = options.nth(2).text_content()
+            options.nth(2).click()
+            tab.wait_for_function(
+                "([menu, name]) => document.querySelector(menu + 'header').textContent === name",
+                arg=[menu, chosen],
+            )
+            shown = tab.evaluate(
+                "document.getElementById('fig-distributions').data[2].hovertemplate"
+            )
+        finally:
+            browser.close()
+    assert errors == []
+    assert shapes == [1] * len(CHARTS)  # a line at step 200 on every chart
+    assert chosen in shown  # the dropdown drew the chosen parameter's distribution
+    from PIL import Image
+
+    image = np.asarray(Image.open(shot).convert("RGB"))
+    assert image.shape[0] > 2000
+    colours = np.unique(image.reshape(-1, 3)[::7], axis=0)
+    assert len(colours) > 200 and image.std() > 20
+
+
+# -- PNG --------------------------------------------------------------------------------
+def test_png_figures(run, tmp_path):
+    if report.find_browser() is None:
+        pytest.skip("no Chrome or Chromium for kaleido")
+    pytest.importorskip("kaleido")
+    from PIL import Image
+
+    written = report.write_report(run, output=tmp_path / "r.html", png_dir=tmp_path / "png")
+    assert written == [tmp_path / "r.html"] + [tmp_path / "png" / f"{k}.png" for k in CHARTS]
+    for path in written[1:]:
+        image = np.asarray(Image.open(path).convert("RGB"))
+        assert image.shape[1] == report.PNG_WIDTH and image.shape[0] >= 380, path
+        assert len(np.unique(image.reshape(-1, 3), axis=0)) > 50 and image.std() > 10, path
+
+
+def test_without_a_browser_the_html_is_written_and_pngs_are_refused(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "find_browser", lambda: None)
+    with pytest.raises(RuntimeError, match=r"need Chrome or Chromium.*apt-get install chromium"):
+        report.write_report(run, output=tmp_path / "r.html", png_dir=tmp_path / "png")
+    assert (tmp_path / "r.html").stat().st_size > 100_000
+    assert not (tmp_path / "png").exists()
+
+
+def test_browser_path_is_honoured(tmp_path, monkeypatch):
+    fake = tmp_path / "my-chrome"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("BROWSER_PATH", str(fake))
+    assert report.find_browser() == str(fake)
+    monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "nothing"))
+    assert report.find_browser() != str(tmp_path / "nothing")
+
+
+# -- the command ------------------------------------------------------------------------
+def test_the_command_prints_what_it_wrote(run, tmp_path, capsys):
+    out = tmp_path / "x.html"
+    assert main(["report", str(run), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(out)]
+
+
+def _garbage(path: Path) -> Path:
+    path.mkdir()
+    (path / "record.sqlite").write_bytes(b"not a database " * 1000)
+    return path
+
+
+def _truncated(path: Path) -> Path:
+    make_record(path, steps=50, nan_at=None)
+    data = (path / "record.sqlite").read_bytes()
+    (path / "record.sqlite").write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: p / "missing", "no such file or directory"),
+        (lambda p: p, "holds no run record"),
+        (lambda p: _garbage(p / "g"), "damaged"),
+        (lambda p: _truncated(p / "t"), "damaged"),
+    ],
+    ids=["missing", "empty-dir", "garbage", "truncated"],
+)
+def test_an_unreadable_record_is_one_sentence_and_exit_2(tmp_path, capsys, make, says):
+    path = make(tmp_path)
+    assert main(["report", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    lines = out.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stethoscope: ") and says in lines[0]
+    assert "Traceback" not in out.err
+    assert not list(tmp_path.rglob("report.html"))
