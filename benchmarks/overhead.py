@@ -62,12 +62,15 @@ import json
 import logging
 import math
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -78,6 +81,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks._machine import machine
 from stethoscope import LightningStethoscope
+from stethoscope.record import RunRecord
 
 THREADS = 2
 SEED = 0
@@ -91,7 +95,8 @@ STETHOSCOPE = "stethoscope"
 ANOMALY = "detect_anomaly"
 NAIVE = "naive"
 CALIBRATION = "stethoscope (calibration)"
-VARIANTS = (PLAIN, STETHOSCOPE, ANOMALY, NAIVE, CALIBRATION)
+RECORDED = "stethoscope + record"
+VARIANTS = (PLAIN, STETHOSCOPE, RECORDED, ANOMALY, NAIVE, CALIBRATION)
 
 DESCRIPTIONS = {
     PLAIN: "Lightning with no callback but the benchmark's own: the clock and the idle gate "
@@ -100,6 +105,9 @@ DESCRIPTIONS = {
     "sampler, stop_on='error') past calibration; sinks=[] only keeps this output clean: the "
     "default ConsoleSink prints nothing on a healthy run but the epoch summary, which falls "
     "outside the timed steps",
+    RECORDED: "LightningStethoscope(sinks=[], record=DIR): the same defaults, also keeping the "
+    "run's record (every loss, the sampled statistics, distributions every 256 steps, written "
+    "about once a second); a steady instance of its own, past calibration",
     ANOMALY: "autograd anomaly mode, switched on as Trainer(detect_anomaly=True) does",
     NAIVE: "callback: p.grad.norm().item() + math.isfinite for every parameter, every step",
     CALIBRATION: "a fresh LightningStethoscope(sinks=[]) over its first {n} steps (sampler hot: "
@@ -286,8 +294,13 @@ class Gate(Callback):
     calibration segment gets a fresh stethoscope, set up when its first step starts.
     """
 
-    def __init__(self, segments: Sequence[Segment], steady: LightningStethoscope) -> None:
-        self.steady = steady
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        steady: LightningStethoscope,
+        recorded: LightningStethoscope,
+    ) -> None:
+        self.steady, self.recorded = steady, recorded
         self.owner: list[str] = [s.variant for s in segments for _ in range(s.length)]
         self.starts = {s.start for s in segments}
         self.naive = NaiveGradCheck()
@@ -313,6 +326,8 @@ class Gate(Callback):
             self.calibration_runs.append(fresh)
         if key == STETHOSCOPE:
             self.active = [self.steady]
+        elif key == RECORDED:
+            self.active = [self.recorded]
         elif key == NAIVE:
             self.active = [self.naive]
         elif key == CALIBRATION:
@@ -333,6 +348,7 @@ class Gate(Callback):
         self.anomaly = False
         torch.set_anomaly_enabled(False, True)
         self.steady.on_train_end(trainer, pl_module)
+        self.recorded.on_train_end(trainer, pl_module)
 
 
 def _step_hook(name: str) -> Callable[..., None]:
@@ -347,6 +363,7 @@ def _step_hook(name: str) -> Callable[..., None]:
 def _run_hook(name: str) -> Callable[..., None]:
     def hook(self: Gate, *args: Any, **kwargs: Any) -> None:
         getattr(self.steady, name)(*args, **kwargs)
+        getattr(self.recorded, name)(*args, **kwargs)
 
     hook.__name__ = name
     return hook
@@ -413,9 +430,19 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
     preroll = calib_n + 1 + (every // 2 - calib_n - 1) % every
     rounds = cfg.rounds[spec.name]
     rng = random.Random(cfg.seed)
-    segments = schedule(rounds, cfg.segment, calib_n, preroll, rng, cfg.warmup)
+    segments = schedule(
+        rounds,
+        cfg.segment,
+        calib_n,
+        preroll,
+        rng,
+        cfg.warmup,
+        variants=(STETHOSCOPE, RECORDED, ANOMALY, NAIVE),
+    )
     total = segments[-1].start + segments[-1].length
-    gate = Gate(segments, steady)
+    record_dir = Path(tempfile.mkdtemp(prefix="stethoscope-bench-"))
+    recorded = LightningStethoscope(sinks=[], stop_on=None, record=record_dir / "run")
+    gate = Gate(segments, steady, recorded)
     clock = StepClock()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -450,6 +477,8 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
     if sorted(ms) != list(range(total)):
         raise RuntimeError(f"timed steps {min(ms)}..{max(ms)} ({len(ms)}), expected 0..{total - 1}")
     result = summarise(segments, ms, gate.sampled, gate.hot)
+    result["record"] = _record_cost(result, recorded)
+    shutil.rmtree(record_dir, ignore_errors=True)
     result["model"] = spec.name
     result["title"] = spec.title
     result["rounds"] = rounds
@@ -461,6 +490,24 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
         "calibration_runs": len(gate.calibration_runs),
     }
     return result
+
+
+def _record_cost(result: dict[str, Any], recorded: LightningStethoscope) -> dict[str, Any]:
+    """What recording adds to the same stethoscope, round by round (the two variants'
+    segments of one round against the same plain reference), and the record's size."""
+    with_record = result["variants"][RECORDED]["per_segment_ratio_of_means"]
+    without = result["variants"][STETHOSCOPE]["per_segment_ratio_of_means"]
+    paired = [a / b for a, b in zip(with_record, without, strict=True)]
+    path = recorded.recorder.path
+    size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+    with RunRecord(path) as record:
+        steps = len(record.losses().steps)
+    return {
+        "vs_stethoscope": {**_quartiles(paired), "ci95": _median_ci(paired), "n": len(paired)},
+        "bytes": size,
+        "steps": steps,
+        "bytes_per_1000_steps": size / steps * 1000 if steps else None,
+    }
 
 
 # -- statistics ----------------------------------------------------------------------
@@ -631,6 +678,15 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
                 f"{res['model']}: noise floor, a plain segment against the plain segments two "
                 f"away: {_ratio(null)}, 95% CI of the median {_ci(null)} (n={null['n']})."
             )
+    for res in results:
+        rec = res["record"]
+        notes.append(
+            f"{res['model']}: recording, the same stethoscope with record= against without, "
+            f"segment by segment in each round: {_ratio(rec['vs_stethoscope'])}, 95% CI "
+            f"{_ci(rec['vs_stethoscope'])} (n={rec['vs_stethoscope']['n']}); the record held "
+            f"{rec['steps']} steps in {rec['bytes'] / 1e6:.2f} MB, "
+            f"{rec['bytes_per_1000_steps'] / 1e3:.0f} kB per 1,000 steps."
+        )
     for res in results:
         split = res["variants"][STETHOSCOPE].get("step_ratio_by_kind", {})
         h = res["stethoscope_health"]

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.record._records import NAMES, make_record, synthetic_observation
 
 from stethoscope import Monitor
+from stethoscope.detectors import default_detectors
 from stethoscope.record import RecordError, RunRecord, RunRecorder
 from stethoscope.sinks import Sink
 from stethoscope.sinks.base import RunContext
 from stethoscope.testing import RecordingDetector
+
+from ._records import NAMES, make_record, synthetic_observation
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +52,13 @@ def test_the_record_keeps_every_loss_and_what_the_detectors_saw(tmp_path):
 
 def test_the_record_wants_its_statistics_at_its_own_cadence_capped_when_hot(tmp_path):
     steady = Monitor(sinks=[RunRecorder(tmp_path / "a", every=8)], escalate=False)
+    without = Monitor(escalate=False)
     plans = {step: steady.plan(step) for step in range(1, 33)}
     assert [s for s, p in plans.items() if "distributions" in p] == [8, 16, 24, 32]
-    assert {"grads", "weights", "updates", "units", "outputs"} <= plans[8]
+    # the per-layer statistics ride on the detectors' sampled steps: the record asks
+    # for its distributions and nothing more
+    for step, plan in plans.items():
+        assert plan - without.plan(step) <= {"distributions"}, step
     hot = Monitor(sinks=[RunRecorder(tmp_path / "b", every=8)])  # starts hot (calibrating)
     assert all("distributions" in hot.plan(s) for s in range(10))
 
@@ -99,7 +105,9 @@ def test_a_long_run_is_thinned_but_keeps_recent_steps_and_the_steps_with_finding
         tmp_path / "r", every=1, flush_seconds=0.0001, max_layer_steps=40,
         max_distribution_steps=10,
     )  # fmt: skip
-    monitor = Monitor(sinks=[recorder], stop_on=None, escalate=False)
+    every_step = RecordingDetector({"grads", "weights"}, name="every_step")
+    detectors = [*default_detectors(), every_step]
+    monitor = Monitor(detectors=detectors, sinks=[recorder], stop_on=None, escalate=False)
     monitor.start(RunContext())
     for step in range(400):
         loss = float("nan") if step == 50 else 1.0

@@ -75,16 +75,15 @@ class RunRecorder(Sink):
         ValueError: A bad argument, or a directory that cannot be created.
     """
 
-    #: What the record wants measured at its own cadence, beyond what the detectors ask.
-    wants = frozenset(
-        {"grads", "weights", "updates", "units", "activations", "outputs", "distributions"}
-    )
+    #: What the record wants measured at its own cadence, beyond what the detectors ask
+    #: (their sampled steps already bring every per-layer statistic it keeps).
+    wants = frozenset({"distributions"})
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
-        every: int = 64,
+        every: int = 256,
         flush_seconds: float = 1.0,
         max_layer_steps: int = 4096,
         max_distribution_steps: int = 512,
