@@ -21,10 +21,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_record_matches_what_the_detectors_saw(tmp_path):
+def _data_and_model(samples: int = 256, nan_at: int | None = None):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 12)).astype("float32")
+    x = rng.normal(size=(samples, 12)).astype("float32")
     y = np.argmax(x[:, :3], axis=1)
+    if nan_at is not None:
+        x[nan_at, 0] = np.nan
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
@@ -36,6 +38,11 @@ def test_the_record_matches_what_the_detectors_saw(tmp_path):
     model.compile(
         keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
+    return x, y, model
+
+
+def test_the_record_matches_what_the_detectors_saw(tmp_path):
+    x, y, model = _data_and_model()
     spy = RecordingDetector({"grads", "weights"}, name="spy")
     loss_spy = RecordingDetector({"loss"}, name="loss_spy")
     callback = KerasStethoscope(
@@ -56,7 +63,51 @@ def test_the_record_matches_what_the_detectors_saw(tmp_path):
         assert hist.values.shape[1:] == (len(grads.names), DISTRIBUTION_BINS)
         numel = [p["numel"] for p in record.config["model"]["parameters"]]
         np.testing.assert_array_equal(hist.values[-1].sum(axis=1), numel)
-        assert len(record.layers("saturated").names) == 1  # the tanh
+        # the record measures no more than the detectors ask (and distributions): no
+        # detector here looks at activations, so no saturation was measured
+        assert "saturated" not in record.kinds()
         assert record.config["optimizers"][0]["class"] == "SGD"
         assert [e["epoch"] for e in record.epochs()] == [0, 1, 2]
         assert record.finished
+
+
+def test_the_report_of_a_real_fit_draws_what_the_detectors_saw(tmp_path):
+    """A NaN sample stops the fit at step 20; its report, opened in Chromium, draws the
+    gradient norms and losses the detectors were given."""
+    pytest.importorskip("plotly")
+    from _browser import assert_not_blank, chart_data, open_in_chromium
+    from stethoscope.detectors import default_detectors
+    from stethoscope.record.report import write_report
+
+    x, y, model = _data_and_model(samples=1024, nan_at=32 * 20)  # the batch of step 20
+    spy = RecordingDetector({"grads"}, name="spy")
+    loss_spy = RecordingDetector({"loss"}, name="loss_spy")
+    callback = KerasStethoscope(
+        detectors=[*default_detectors(), spy, loss_spy],
+        sinks=[CapturingSink()],
+        record=tmp_path / "run",
+    )
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+    [page] = write_report(tmp_path / "run")
+
+    def read_charts(tab):
+        loss = tab.evaluate(
+            "document.getElementById('fig-loss').data.findIndex(t => t.name === 'training loss')"
+        )
+        return (
+            chart_data(tab, "gradient_flow", 0, "customdata"),
+            chart_data(tab, "gradient_flow", 0, "x"),
+            chart_data(tab, "loss", loss, "y"),
+        )
+
+    errors, (flow, steps, loss) = open_in_chromium(page, tmp_path / "shot.png", read_charts)
+    assert errors == []
+    assert_not_blank(tmp_path / "shot.png")
+    seen = {obs.step: obs.grad_norm for obs in spy.seen}
+    assert set(steps.astype(int)) <= set(seen) and len(steps) >= 5
+    for column, step in enumerate(steps.astype(int)):
+        np.testing.assert_allclose(flow[:, column], seen[step], rtol=1e-6)
+    expected = np.array([o.loss for o in loss_spy.seen], dtype=float)
+    assert np.isnan(expected[20]) and not np.isnan(expected[:20]).any()
+    assert len(expected) < 40  # the NaN stopped the fit
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)

@@ -4,10 +4,12 @@ saw, the whole loss curve, the configuration, and the distributions."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
+from stethoscope.detectors import default_detectors
 from stethoscope.record import RunRecord
 from stethoscope.statistics import DISTRIBUTION_BINS
 from stethoscope.testing import CapturingSink, RecordingDetector
@@ -76,3 +78,43 @@ def test_tensorboard_shows_each_parameters_histograms_at_the_recorded_steps(tmp_
         for e, counts in zip(events, weights.values[:, j], strict=True):
             np.testing.assert_array_equal(e.histogram_value.bucket, counts[:-1])
             assert e.histogram_value.num == counts.sum()  # every weight of the parameter
+
+
+def test_the_report_of_a_real_run_draws_what_the_detectors_saw(tmp_path):
+    """Train until a NaN stops the run, write its report, open it in Chromium: the
+    gradient-flow chart and the loss chart hold what the detectors were given."""
+    from _browser import assert_not_blank, chart_data, open_in_chromium
+    from stethoscope.record.report import write_report
+
+    pytest.importorskip("plotly")
+    spy = RecordingDetector({"grads"}, name="spy")
+    loss_spy = RecordingDetector({"loss"}, name="loss_spy")
+    callback = LightningStethoscope(
+        detectors=[*default_detectors(), spy, loss_spy],
+        sinks=[CapturingSink()],
+        record=tmp_path / "run",
+    )
+    torch.manual_seed(0)
+    fit(TinyMLP(fault="nan_input", onset=30), steps=60, callback=callback)
+    [page] = write_report(tmp_path / "run")
+
+    def read_charts(tab):
+        flow = chart_data(tab, "gradient_flow", 0, "customdata")
+        steps = chart_data(tab, "gradient_flow", 0, "x")
+        names = tab.evaluate("document.getElementById('fig-gradient_flow').data[0].y")
+        loss = tab.evaluate(
+            "document.getElementById('fig-loss').data.findIndex(t => t.name === 'training loss')"
+        )
+        return flow, steps, names, chart_data(tab, "loss", loss, "y")
+
+    errors, (flow, steps, names, loss) = open_in_chromium(page, tmp_path / "shot.png", read_charts)
+    assert errors == []
+    assert_not_blank(tmp_path / "shot.png")
+    assert names == list(spy.seen[0].names)
+    seen = {obs.step: obs.grad_norm for obs in spy.seen}
+    assert set(steps.astype(int)) <= set(seen) and len(steps) >= 10
+    for column, step in enumerate(steps.astype(int)):
+        np.testing.assert_allclose(flow[:, column], seen[step], rtol=1e-6)
+    expected = np.array([o.loss for o in loss_spy.seen], dtype=float)
+    assert len(loss) == len(expected) and np.isnan(expected[-1])  # stopped at the NaN
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)  # NaN where the loss was NaN
