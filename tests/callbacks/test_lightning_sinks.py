@@ -65,6 +65,37 @@ def test_mlflow_logger_and_sink_share_one_run(store: tuple[str, Any], tmp_path: 
     assert sink.dropped == 0
 
 
+def test_with_a_record_the_mlflow_run_gets_the_report_and_its_figures(
+    store: tuple[str, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("plotly")
+    from stethoscope.record import RunRecord
+    from stethoscope.record.report import figures, find_browser
+
+    uri, client = store
+    name = f"report-{uuid.uuid4().hex}"
+    logger = MLFlowLogger(
+        experiment_name=name, tracking_uri=uri, artifact_location=str(tmp_path / "artifacts")
+    )
+    sink = MLflowSink()
+    cb = LightningStethoscope(sinks=[sink], record=tmp_path / "run")
+    fit(TinyMLP(fault="nan_input", onset=30), steps=200, callback=cb, logger=logger)
+    listed = {a.path for a in client.list_artifacts(logger.run_id, "stethoscope/report")}
+    assert "stethoscope/report/report.html" in listed
+    html = Path(
+        client.download_artifacts(logger.run_id, "stethoscope/report/report.html", str(tmp_path))
+    ).read_text(encoding="utf-8")
+    assert "stethoscope report: run" in html and "nonfinite_loss" in html
+    with RunRecord(tmp_path / "run") as record:
+        assert f"{len(record.losses().steps)} (step 0 … 30)" in html  # the whole record
+        drawn = set(figures(record))
+    assert {"loss", "gradient_flow"} <= drawn
+    if find_browser() is not None:  # PNGs need a Chrome or Chromium
+        folder = "stethoscope/report/figures"
+        pngs = {a.path for a in client.list_artifacts(logger.run_id, folder)}
+        assert pngs == {f"{folder}/{name}.png" for name in drawn}
+
+
 def test_an_mlflow_sink_that_names_its_run_keeps_it(store: tuple[str, Any], tmp_path: Path) -> None:
     uri, client = store
     name = f"lightning-{uuid.uuid4().hex}"

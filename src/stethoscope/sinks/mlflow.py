@@ -8,6 +8,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,11 @@ class MLflowSink(_Background):
       training, ``stethoscope/stopped_by`` saying which and why.
     - at :meth:`close`, the artifacts ``stethoscope/findings.jsonl`` (every finding the
       sink received, one strict-JSON line each, as :class:`JSONLSink` writes them) and
-      ``stethoscope/summary.txt`` (each epoch's summary table as text).
+      ``stethoscope/summary.txt`` (each epoch's summary table as text); and, when the
+      callback keeps a record of the run (``record=``), its report:
+      ``stethoscope/report/report.html`` and each figure as a PNG in
+      ``stethoscope/report/figures/`` (PNGs need Chrome or Chromium on the machine;
+      without one the sink warns and attaches the HTML alone).
 
     Which run: ``run_id`` if given; otherwise the run of a Lightning ``MLFlowLogger``
     when the callback finds one at train start (findings join the logger's run instead
@@ -140,6 +145,7 @@ class MLflowSink(_Background):
         self._first_tagged: set[str] = set()
         self._in_use = False  # anything queued since the last close
         self._spool = _Spool()
+        self._record: Path | None = None  # the run's record, whose report goes with the run
 
     # -- public face ---------------------------------------------------------------------
     @property
@@ -165,10 +171,12 @@ class MLflowSink(_Background):
 
     def start(self, context: RunContext) -> None:
         """Join the framework's MLflow run when the run has one and the sink names no
-        run itself (:attr:`follows_logger`): one run, not two."""
+        run itself (:attr:`follows_logger`): one run, not two. Remember the run's record,
+        if it keeps one, to attach its report at :meth:`close`."""
         if self.follows_logger and (run := context.mlflow_run()) is not None:
             run_id, tracking_uri = run
             self.use_run(run_id, tracking_uri=tracking_uri)
+        self._record = context.record  # after use_run, which starts the sink afresh
 
     def use_run(self, run_id: str, *, tracking_uri: str | None = None) -> None:
         """Log to the existing run ``run_id`` from now on.
@@ -227,14 +235,34 @@ class MLflowSink(_Background):
         :attr:`dropped` (with a warning that says where their local copy is). A later
         emit starts a new worker and logs to the same run.
         """
+        if self._record is not None:
+            self._resolve()
+            self._write_report(self._record)
+            self._record = None
         if not self._in_use:
             return
-        if self._spool.files():
+        if self._spool.files() or self._spool.path("report") is not None:
             self._deliver(("artifacts", None), finding=False)
         self._deliver(("end", None), finding=False)
         drained = self._close_background()
         self._in_use = False
         self._spool.keep = not drained  # the local copy outlives the sink if the upload failed
+
+    def _write_report(self, record: Path) -> None:
+        """The record's report, into the spool for the artifacts (the record is complete:
+        the recorder, first among the sinks, closed it already)."""
+        try:
+            from stethoscope.record.report import write_report
+
+            folder = self._spool.folder("report")
+            write_report(record, output=folder / "report.html", png_dir=folder / "figures")
+        except Exception as exc:  # the report is a copy of the record: never cost the run
+            warnings.warn(
+                f"stethoscope: MLflowSink could not attach all of the run's report ({exc}); "
+                f"the record stays in {str(record)!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def __repr__(self) -> str:
         args = [
@@ -342,6 +370,9 @@ class MLflowSink(_Background):
         elif kind == "artifacts":
             for path in self._spool.files():
                 client.log_artifact(run_id, str(path), artifact_path=ARTIFACT_DIR)
+            report = self._spool.path("report")
+            if report is not None:
+                client.log_artifacts(run_id, str(report), artifact_path=f"{ARTIFACT_DIR}/report")
         elif kind == "end" and self._owns_run:
             client.set_terminated(run_id, "FINISHED")
 
@@ -394,14 +425,23 @@ class _Spool:
     def keep(self, value: bool) -> None:
         self._flags["keep"] = value
 
+    def _made(self) -> Path:
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="stethoscope-mlflow-"))
+            weakref.finalize(self, _remove_unless_kept, self.dir, self._flags)
+        return self.dir
+
+    def folder(self, name: str) -> Path:
+        """A folder of the spool, for artifacts that are whole directories."""
+        path = self._made() / name
+        path.mkdir(exist_ok=True)
+        return path
+
     def append(self, name: str, text: str) -> None:
         if self._flags["failed"]:
             return
         try:
-            if self.dir is None:
-                self.dir = Path(tempfile.mkdtemp(prefix="stethoscope-mlflow-"))
-                weakref.finalize(self, _remove_unless_kept, self.dir, self._flags)
-            with open(self.dir / name, "a", encoding="utf-8") as f:
+            with open(self._made() / name, "a", encoding="utf-8") as f:
                 f.write(text)
         except OSError:
             # The artifact is a copy: the metrics and tags still go to MLflow.
