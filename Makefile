@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/lightning_digits.py --fault lr
+	$(BIN)/python examples/lightning_digits.py --fault lr --record runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

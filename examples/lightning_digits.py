@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jsonl", default=None, help="also write findings to this JSONL file")
+    parser.add_argument(
+        "--record", default=None, help="keep the run's record in this directory, and report it"
+    )
     args = parser.parse_args(argv)
 
     L.seed_everything(args.seed, verbose=False)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     sinks = [ConsoleSink(), captured] + ([JSONLSink(args.jsonl)] if args.jsonl else [])
     trainer = L.Trainer(
         max_epochs=args.epochs,
-        callbacks=[LightningStethoscope(sinks=sinks)],
+        callbacks=[LightningStethoscope(sinks=sinks, record=args.record)],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -116,14 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f for f in captured.findings if f.severity != "info"]
     if not problems:
         print(f"stethoscope: no problem found in {trainer.global_step} steps.")
-        return 0
-    first = problems[0]
-    stopped = " and stopped training" if trainer.should_stop else ""
-    print(
-        f"stethoscope caught {first.detector} ({first.severity}) at step {first.step}{stopped}; "
-        f"{len(problems)} finding(s) in all, detectors: {', '.join(sorted(captured.detectors()))}."
-    )
+    else:
+        first = problems[0]
+        stopped = " and stopped training" if trainer.should_stop else ""
+        print(
+            f"stethoscope caught {first.detector} ({first.severity}) at step {first.step}"
+            f"{stopped}; {len(problems)} finding(s) in all, detectors: "
+            f"{', '.join(sorted(captured.detectors()))}."
+        )
+    if args.record:
+        print_report(args.record)
     return 0
+
+
+def print_report(record: str) -> None:
+    """Write the record's report and say where it is and how to look again."""
+    from stethoscope.record.report import write_report
+
+    html = write_report(record)[0]
+    print(
+        f"The run's report: {html}  (again: stethoscope report {record}; live: "
+        f"stethoscope watch {record})"
+    )
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_digits.py"
 
 
-def test_make_demo_catches_the_learning_rate_and_stops_early():
+def test_make_demo_catches_the_learning_rate_and_stops_early(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--fault", "lr"],
+        [sys.executable, str(EXAMPLE), "--fault", "lr", "--record", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -25,6 +25,9 @@ def test_make_demo_catches_the_learning_rate_and_stops_early():
     assert step < 14, "the loss of this run becomes NaN at step 14: stop before it"
     assert "stethoscope · epoch 0" in out  # the summary table
     assert "lower the LR" in out  # a message that says what to do
+    report = tmp_path / "demo" / "report.html"  # the demo's report, and where it is
+    assert f"The run's report: {report}" in out.replace("\n", "")
+    assert "exploding_gradients" in report.read_text(encoding="utf-8")
 
 
 KERAS_EXAMPLE = EXAMPLE.with_name("keras_digits.py")
@@ -42,12 +45,13 @@ def _run_keras_example(*args: str) -> str:
     ).stdout
 
 
-def test_the_keras_twin_stops_the_learning_rate_in_its_first_epoch():
-    out = _run_keras_example("--fault", "lr")
+def test_the_keras_twin_stops_the_learning_rate_in_its_first_epoch(tmp_path):
+    out = _run_keras_example("--fault", "lr", "--record", str(tmp_path / "demo"))
     step = int(out.split("stethoscope stopped training at step ")[1].split(":")[0])
     assert step < 57, "stopped inside the first epoch"
     assert "stethoscope · epoch 0" in out
     assert "lower the LR" in out
+    assert f"The run's report: {tmp_path / 'demo' / 'report.html'}" in out
 
 
 def test_the_keras_twin_finds_the_nan_batch_that_relu_hides_from_the_loss():
