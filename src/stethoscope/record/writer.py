@@ -63,8 +63,9 @@ class RunRecorder(Sink):
 
     Args:
         directory: The record's directory (created, with its parents).
-        every: Steps between the steps that measure every per-layer statistic and the
-            weight and gradient distributions for the record. The sampler shortens it
+        every: Steps between the steps that measure the weight and gradient
+            distributions for the record (the per-layer statistics come with the
+            detectors' own sampled steps, at no extra cost). The sampler shortens it
             while something looks wrong, as it does the detectors' intervals.
         flush_seconds: How often buffered rows are written.
         max_layer_steps: Sampled steps whose per-layer statistics are kept whole; past
