@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
+_BAD = ("error", "warning", "trace")  # plotly.js warns through console.trace
 _ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-usage"]
 
 
@@ -18,7 +19,8 @@ def open_in_chromium(
     page: Path, screenshot: Path, then: Callable[[Any], Any] | None = None
 ) -> tuple[list[str], Any]:
     """Open ``page``, wait until its charts are drawn, screenshot the whole page, then
-    run ``then(tab)``. Returns the console and page errors, and what ``then`` returned.
+    run ``then(tab)``. Returns the console errors and warnings and the page errors, and
+    what ``then`` returned.
     Skips when Chromium or playwright is missing."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
@@ -28,7 +30,8 @@ def open_in_chromium(
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=_ARGS)
         try:
             tab = browser.new_page(viewport={"width": 1300, "height": 900})
-            tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            # warnings too: what plotly.js cannot draw (a colour it cannot read, say)
+            tab.on("console", lambda m: errors.append(m.text) if m.type in _BAD else None)
             tab.on("pageerror", lambda e: errors.append(str(e)))
             tab.goto(page.as_uri())
             charts = tab.locator(".st-chart .plotly-graph-div").count()

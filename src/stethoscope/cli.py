@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; return its exit status (2: the record cannot be read)."""
+    """Run the command; return its exit status (2: the record cannot be read or the
+    report cannot be written; 1: what the report needs is not installed)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "report":
@@ -53,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RecordError as exc:
         print(f"stethoscope: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the record was read (a RecordError otherwise): the output
+        where = exc.filename if exc.filename is not None else "the report"
+        print(f"stethoscope: cannot write {where}: {exc.strerror or exc}.", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # plotly, kaleido or a browser for the PNGs is missing
+        print(f"stethoscope: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

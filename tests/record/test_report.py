@@ -197,6 +197,49 @@ def test_the_update_ratio_band_and_zero_updates():
     assert np.all(np.asarray(frozen.y) > 0) and np.all(np.asarray(frozen.customdata) == 0)
 
 
+def test_non_finite_gradients_are_red_cells_and_the_bars_say_which_step():
+    values = 10.0 ** np.tile(np.arange(-4.0, 0.0), (30, 1))  # steps 0 … 290, 4 parameters
+    values[20] = np.nan  # step 200: the loss went NaN, every gradient with it
+    values[25, 1] = np.inf
+    values[27, 3] = np.nan  # not measured on step 270: a gap, not a red cell
+    values[28:] = np.nan  # nothing finite after step 270
+    fig = gradient_flow_figure(_series("grad_norm", 30, 4, values), bad_steps=[200])
+    _, red, bars = fig.data
+    cells = np.asarray(red.z, float)
+    assert red.name == "non-finite" and np.nansum(cells) == 4 + 1  # step 200, and the inf
+    assert np.all(cells[:, 20] == 1) and cells[1, 25] == 1 and np.isnan(cells[3, 27])
+    assert "latest finite sample (step 270)" in [a.text for a in fig.layout.annotations]
+    np.testing.assert_allclose(bars.customdata[:, 0], [1e-4, 1e-3, 1e-2, 1e-1])
+    np.testing.assert_array_equal(bars.customdata[:, 1], [270, 270, 270, 260])
+    assert all(c.startswith("rgb") for c in bars.marker.color)  # colours, not numbers
+    assert "red: non-finite" in fig.layout.title.text
+    assert fig.layout.coloraxis.cmin == -4 and fig.layout.coloraxis.cmax == -1
+
+
+def test_the_update_ratio_shows_the_weight_matrices_the_detectors_judge():
+    config = {
+        "model": {
+            "parameters": [
+                {"name": "p0", "shape": [4, 3]},
+                {"name": "p1", "shape": [4]},  # a bias: starts at zero, moves by big ratios
+                {"name": "p2", "shape": [3, 3, 2, 2]},
+            ]
+        }
+    }
+    matrices = report.weight_matrices(config)
+    assert matrices == ["p0", "p2"]
+    fig = update_ratio_figure(_series("update_ratio", 20, 3), matrices)
+    assert [t.name for t in fig.data] == ["p0", "p2"]
+    assert "per weight matrix (2 of 3 parameters)" in fig.layout.title.text
+    assert report.weight_matrices({"model": "MLP"}) is None
+    assert len(update_ratio_figure(_series("update_ratio", 20, 3), None).data) == 3
+
+
+def test_a_run_of_a_few_steps_has_whole_step_ticks():
+    fig = gradient_flow_figure(_series("grad_norm", 1, 3))
+    assert fig.layout.xaxis.dtick == 1
+
+
 def test_distribution_quantiles_follow_the_bins():
     counts = np.zeros((3, DISTRIBUTION_BINS))
     counts[0, 11] = 100  # all in (e9, e10]
@@ -334,3 +377,15 @@ def test_an_unreadable_record_is_one_sentence_and_exit_2(tmp_path, capsys, make,
     assert len(lines) == 1 and lines[0].startswith("stethoscope: ") and says in lines[0]
     assert "Traceback" not in out.err
     assert not list(tmp_path.rglob("report.html"))
+
+
+def test_an_output_that_cannot_be_written_is_one_sentence_and_exit_2(run, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args in (
+        ["-o", str(afile / "x.html")],
+        ["-o", str(tmp_path / "r.html"), "--png", str(afile)],
+    ):
+        assert main(["report", str(run), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"stethoscope: cannot write {afile}")

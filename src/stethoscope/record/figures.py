@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
 from stethoscope.findings import Finding
@@ -166,7 +167,41 @@ def _scale(kind: str) -> dict:
 
 
 def _height(names: int, base: int = 160, per: int = 14) -> int:
-    return int(np.clip(base + per * names, 380, 1400))
+    """Tall enough that every name of a heat map gets its own readable row."""
+    return int(np.clip(base + per * names, 380, 4200))
+
+
+def _name_axis(names: int) -> dict:
+    """A heat map's names axis: every name labelled (plotly would skip some), input side
+    at the top, a smaller font when there are many."""
+    return {"autorange": "reversed", "dtick": 1, "tickfont": {"size": 11 if names <= 60 else 9}}
+
+
+def _step_ticks(steps: np.ndarray) -> dict:
+    """Whole steps on a step axis: a run of a few steps would get ticks at 0.5."""
+    span = int(steps[-1] - steps[0]) if len(steps) else 0
+    return {"title": "step", "dtick": 1, "tick0": 0} if span < 10 else {"title": "step"}
+
+
+def _nonfinite_cells(series: LayerSeries, cols: np.ndarray, bad_steps: np.ndarray, **trace):
+    """Red cells where a value is infinite, or NaN on a step whose loss or gradients were
+    non-finite (elsewhere a NaN means "not measured" and stays a gap); None if none."""
+    raw = series.values[cols].T
+    on_bad_step = np.isin(series.steps[cols], bad_steps)[None, :]
+    hit = np.isinf(raw) | (np.isnan(raw) & on_bad_step)
+    if not hit.any():
+        return None
+    return go.Heatmap(
+        x=series.steps[cols],
+        y=list(series.names),
+        z=np.where(hit, 1.0, np.nan).astype(np.float32),
+        colorscale=[[0, "#d62728"], [1, "#d62728"]],
+        showscale=False,
+        hoverongaps=False,
+        name="non-finite",
+        hovertemplate="%{y}<br>step %{x}<br>non-finite<extra></extra>",
+        **trace,
+    )
 
 
 # -- the loss ---------------------------------------------------------------------------
@@ -286,15 +321,22 @@ def _add_findings(fig, steps, values, finite, findings: Sequence[Finding]) -> No
 
 
 # -- gradients and updates --------------------------------------------------------------
-def gradient_flow_figure(series: LayerSeries | None) -> go.Figure | str:
+def gradient_flow_figure(
+    series: LayerSeries | None, bad_steps: Sequence[int] = ()
+) -> go.Figure | str:
     """A heat map of log10 gradient norm per parameter (input side at the top) over the
-    sampled steps, beside the last sample's norms as bars on a log axis."""
+    sampled steps, beside the last finite sample's norms as bars on a log axis. Norms are
+    as the backward pass left them, before any clipping; non-finite ones are red cells
+    (``bad_steps``: the steps whose loss or gradients were non-finite)."""
     if not _present(series):
         return "No per-parameter gradient norms were recorded."
     cols = _columns(series)
-    last, rows = _last_measured(series.values)
+    finite_values = np.where(np.isfinite(series.values), series.values, np.nan)
+    last, rows = _last_measured(finite_values)
     names = list(series.names)
-    titles = ("log10 gradient norm over the sampled steps", "latest sample")
+    latest = int(series.steps[rows.max()]) if (rows >= 0).any() else int(series.steps[-1])
+    bars_title = f"latest finite sample (step {latest})"
+    titles = ("log10 gradient norm over the sampled steps", bars_title)
     fig = make_subplots(
         1,
         2,
@@ -303,14 +345,24 @@ def gradient_flow_figure(series: LayerSeries | None) -> go.Figure | str:
         horizontal_spacing=0.02,
         subplot_titles=titles,
     )
-    fig.add_trace(_heatmap(series, cols, "gradient norm", coloraxis="coloraxis"), row=1, col=1)
+    heat = _heatmap(series, cols, "gradient norm", coloraxis="coloraxis")
+    fig.add_trace(heat, row=1, col=1)
+    bad = _nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
+    if bad is not None:
+        fig.add_trace(bad, row=1, col=1)
+    # the colour range of the finite norms: an infinite one is a red cell, not the top
+    z = np.where(np.isfinite(np.asarray(heat.customdata)), np.asarray(heat.z), np.nan)
+    low, high = (float(np.nanmin(z)), float(np.nanmax(z))) if np.isfinite(z).any() else (-12, 0)
+    high = max(high, low + 1e-6)
     z_last = _log10(last)
     floor = np.nanmin(z_last) if np.isfinite(z_last).any() else -12.0
+    # explicit colours: plotly.js does not map a bar's numbers through a shared colour axis
+    shade = np.clip((np.nan_to_num(z_last, nan=low) - low) / (high - low), 0, 1)
     fig.add_bar(
         x=np.where(last > 0, last, 10.0**floor),
         y=names,
         orientation="h",
-        marker={"color": z_last, "coloraxis": "coloraxis"},
+        marker={"color": sample_colorscale("Viridis", list(shade))},
         name="latest gradient norm",
         customdata=np.stack([last, series.steps[np.maximum(rows, 0)]], axis=1),
         hovertemplate="%{y}<br>gradient norm %{customdata[0]:.3g}"
@@ -320,26 +372,55 @@ def gradient_flow_figure(series: LayerSeries | None) -> go.Figure | str:
     )
     fig.update_layout(
         _LAYOUT,
-        title="Gradient flow: gradient norm per parameter" + _thinned(len(cols), len(series.steps)),
-        coloraxis={"colorscale": "Viridis", "colorbar": {"title": {"text": "log10 ‖g‖"}}},
+        title="Gradient flow: gradient norm per parameter, before clipping"
+        + (" · red: non-finite" if bad is not None else "")
+        + _thinned(len(cols), len(series.steps)),
+        coloraxis={
+            "colorscale": "Viridis",
+            "cmin": low,
+            "cmax": high,
+            "colorbar": {"title": {"text": "log10 ‖g‖"}},
+        },
         height=_height(len(names)),
         showlegend=False,
     )
-    fig.update_yaxes(autorange="reversed", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(_name_axis(len(names)), row=1, col=1)
+    fig.update_xaxes(_step_ticks(series.steps), row=1, col=1)
     fig.update_xaxes(type="log", title_text="gradient norm", row=1, col=2)
     return fig
 
 
-def update_ratio_figure(series: LayerSeries | None) -> go.Figure | str:
-    """The update ratio (‖update‖ / ‖weight‖ of a step) of each parameter over time, the
-    healthy band shaded: a line each on a log axis, or a heat map for many parameters."""
+def _only(series: LayerSeries, names: Sequence[str] | None) -> LayerSeries:
+    """``series`` restricted to ``names`` (all of it when None, or when none match)."""
+    if names is None:
+        return series
+    keep = [j for j, n in enumerate(series.names) if n in set(names)]
+    if not keep or len(keep) == len(series.names):
+        return series
+    picked = tuple(series.names[j] for j in keep)
+    return LayerSeries(series.kind, picked, series.steps, series.values[:, keep])
+
+
+def update_ratio_figure(
+    series: LayerSeries | None,
+    matrices: Sequence[str] | None = None,
+    bad_steps: Sequence[int] = (),
+) -> go.Figure | str:
+    """The update ratio (‖update‖ / ‖weight‖ of a step) of each weight matrix over time
+    (``matrices``: their names; biases and norm scales, which start at or near zero and
+    so move by large ratios while healthy, are left out, as the detectors leave them
+    out), the healthy band shaded: a line each on a log axis, or a heat map for many."""
     if not _present(series):
         return "No update ratios were recorded (they need two consecutive weight reads)."
+    everything = len(series.names)
+    series = _only(series, matrices)
     low, high = HEALTHY_UPDATE_RATIO
     band = f"healthy band {low:.0e} … {high:.0e} (about 1e-3)"
     cols = _columns(series)
-    title = f"Update ratio ‖Δw‖ / ‖w‖ per parameter · {band}"
+    which = "per parameter"
+    if len(series.names) < everything:
+        which = f"per weight matrix ({len(series.names)} of {everything} parameters)"
+    title = f"Update ratio ‖Δw‖ / ‖w‖ {which} · {band}"
     title += _thinned(len(cols), len(series.steps))
     fig = go.Figure()
     if len(series.names) <= MAX_LINES:
@@ -371,10 +452,14 @@ def update_ratio_figure(series: LayerSeries | None) -> go.Figure | str:
         fig.add_trace(
             _heatmap(series, cols, "update ratio", colorbar_title_text="log10", **colours)
         )
-        fig.update_yaxes(autorange="reversed")
-        fig.update_layout(height=_height(len(series.names)))
         title += " · white: healthy, blue: too small, red: too large"
-    fig.update_layout(_LAYOUT, title=title, xaxis={"title": "step"})
+        bad = _nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
+        if bad is not None:
+            fig.add_trace(bad.update(colorscale=[[0, "#000000"], [1, "#000000"]]))
+            title += ", black: non-finite"
+        fig.update_yaxes(_name_axis(len(series.names)))
+        fig.update_layout(height=_height(len(series.names)))
+    fig.update_layout(_LAYOUT, title=title, xaxis=_step_ticks(series.steps))
     return fig
 
 

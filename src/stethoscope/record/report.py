@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stethoscope.findings import Finding
-from stethoscope.record.reader import RunRecord
+from stethoscope.record.reader import Curve, RunRecord
 from stethoscope.record.store import record_file
 from stethoscope.statistics import DISTRIBUTION_EDGES
 
@@ -114,10 +114,14 @@ def _build(record: RunRecord) -> dict[str, go.Figure | str]:
         return record.layers(kind) if kind in kinds else None
 
     findings = record.findings()
+    losses = record.losses()
+    bad_steps = nonfinite_steps(losses, findings)
     return {
-        "loss": f.loss_figure(record.losses(), record.validation(), findings),
-        "gradient_flow": f.gradient_flow_figure(layers("grad_norm")),
-        "update_ratio": f.update_ratio_figure(layers("update_ratio")),
+        "loss": f.loss_figure(losses, record.validation(), findings),
+        "gradient_flow": f.gradient_flow_figure(layers("grad_norm"), bad_steps),
+        "update_ratio": f.update_ratio_figure(
+            layers("update_ratio"), weight_matrices(record.config), bad_steps
+        ),
         "distributions": f.distribution_figure(layers("weight_hist"), layers("grad_hist")),
         "dead_saturated": f.dead_saturated_figure(layers("dead"), layers("saturated")),
     }
@@ -179,6 +183,31 @@ def write_report(
 
 
 # -- what the charts draw, computed from the record ------------------------------------
+_NONFINITE_DETECTORS = frozenset({"nonfinite_loss", "nonfinite_gradients", "nonfinite_weights"})
+
+
+def nonfinite_steps(losses: Curve, findings: Sequence[Finding]) -> np.ndarray:
+    """The steps whose loss was non-finite or that a non-finite finding names: there a
+    missing per-layer value is a non-finite one, not one that was not measured."""
+    steps = set(losses.steps[~np.isfinite(losses.values)].tolist())
+    steps |= {f.step for f in findings if f.detector in _NONFINITE_DETECTORS}
+    return np.array(sorted(steps), np.int64)
+
+
+def weight_matrices(config: dict[str, Any]) -> list[str] | None:
+    """The names of the model's parameters of two or more dimensions (what the update
+    detectors judge), from the configuration; None when it does not say."""
+    model = config.get("model") if isinstance(config, dict) else None
+    parameters = model.get("parameters") if isinstance(model, dict) else None
+    if not isinstance(parameters, list):
+        return None
+    return [
+        p["name"]
+        for p in parameters
+        if isinstance(p, dict) and isinstance(p.get("shape"), list) and len(p["shape"]) >= 2
+    ]
+
+
 def escalations(findings: Sequence[Finding], last_step: int) -> list[tuple[int, int, str]]:
     """The sampler's escalations as ``(first step, last step, why)``: from a ``sampler``
     finding whose value is 1 (every interval capped at one step) to the next one whose
