@@ -8,7 +8,14 @@ from stethoscope.detectors.base import Detector
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.statistics import EVENT, GATHERED, with_requirements
 
-__all__ = ["Planner"]
+__all__ = ["SINK_HOT_SHORTENING", "Planner"]
+
+#: How much shorter a sink's cadence gets at most while the sampler is hot. What sinks
+#: ask for (a histogram of every element of every parameter) is the costliest reading:
+#: every step through a calibration or an escalation doubled the callback's cost there
+#: on MobileNetV2, and a picture of the distributions needs no more than a few per hot
+#: stretch.
+SINK_HOT_SHORTENING = 16
 
 
 class Planner:
@@ -35,10 +42,18 @@ class Planner:
         self.set_idle(frozenset())
 
     def sinks_want(self, statistics: frozenset[str], every: int) -> None:
-        """Measure ``statistics`` every ``every`` steps (capped like the detectors'
-        intervals while the sampler is hot) for the sinks that want them; 0: never."""
+        """Measure ``statistics`` every ``every`` steps for the sinks that want them (0:
+        never): capped like the detectors' intervals while the sampler is hot, down to
+        ``every // SINK_HOT_SHORTENING`` steps."""
         self._sink_wants = with_requirements(statistics) - EVENT - GATHERED
         self._sink_every = every if self._sink_wants else 0
+        self._sink_shortest = max(1, every // SINK_HOT_SHORTENING)
+
+    def sink_interval(self, step: int) -> int:
+        """How often the sinks' statistics are measured at ``step`` (0: never)."""
+        if not self._sink_every:
+            return 0
+        return max(self._sink_shortest, self.sampler.capped(self._sink_every, step))
 
     def set_idle(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run (they are neither run nor planned)."""
@@ -91,7 +106,7 @@ class Planner:
             planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
         if self.requested:
             planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)
-        if self._sink_every and step % self.sampler.capped(self._sink_every, step) == 0:
+        if self._sink_every and step % self.sink_interval(step) == 0:
             planned = planned | self._sink_wants
         return planned
 

@@ -48,9 +48,9 @@ class TensorBoardSink(_Buffered):
     Lightning users with a ``TensorBoardLogger`` and no ``log_dir`` here get the
     logger's ``log_dir``, so findings appear next to the run's own metrics.
 
-    With ``histograms`` on, every ``histogram_every`` steps (every step while the sampler
-    is hot) the callback measures each parameter's ``distributions`` statistic on the
-    device, and the sink writes it under ``stethoscope/weights/<name>`` and
+    With ``histograms`` on, every ``histogram_every`` steps (down to a sixteenth of that
+    while the sampler is hot) the callback measures each parameter's ``distributions``
+    statistic on the device, and the sink writes it under ``stethoscope/weights/<name>`` and
     ``stethoscope/gradients/<name>`` as a histogram of ``log10 |x|``: half-decade bins
     from -12 to 4, exact zeros counted at -12.5 (TensorBoard draws values on a linear
     axis, where magnitudes from 1e-12 to 1e4 would all sit at zero). Non-finite values
