@@ -138,7 +138,7 @@ def test_watch_follows_a_live_run_in_a_terminal_and_leaves_on_ctrl_c(tmp_path):
         )
         assert writer.poll() is None, "the record was still being written"
         text = _text(out)
-        assert "running" in text and "gradient flow" in text and "net.0.weight" in text
+        assert "running" in text and "gradient flow" in text and "0.weight" in text
         frames = re.findall(r"╭─ stethoscope watch.*?╯", text, re.S)
         assert frames and all(len(f.splitlines()) < LINES for f in frames)
         assert all(len(line) <= COLUMNS for f in frames for line in f.splitlines())
@@ -185,10 +185,18 @@ def test_once_draws_a_finished_run(finished):
     assert "1 non-finite step" in frame
     assert "!" in frame  # the NaN's bin in the sparkline
     assert any(block in frame for block in "▁▂▃▄▅▆▇█")
-    assert "net.4.weight" in frame  # not a terminal: every parameter listed
+    # not a terminal: every parameter listed, the module path they share said once
+    assert "under net." in frame and "│ 4.weight" in frame and "net.4.weight " not in frame
     assert max(len(line) for line in frame.splitlines()) <= COLUMNS
     # newest finding first
     assert frame.index("nonfinite_loss") < frame.index("sampler")
+
+
+def test_the_calibration_at_the_start_is_warming_up_not_an_escalation(tmp_path):
+    make_record(tmp_path / "run", steps=5, nan_at=None)  # the synthetic escalation is at 6
+    frame = _frame(tmp_path / "run")
+    assert "every step (warming up)" in frame and "escalated" not in frame
+    assert "findings · none" in frame and "none yet" not in frame  # a finished run
 
 
 def test_once_through_the_command(finished, capsys, monkeypatch):

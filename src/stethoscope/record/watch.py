@@ -182,6 +182,7 @@ class _Follower:
         self.findings: deque = deque(maxlen=FINDINGS_SHOWN)
         self.finding_count = 0
         self.severities: Counter[str] = Counter()
+        self.escalated = False  # an escalation the sampler has not ended yet
 
     def close(self) -> None:
         self.record.close()
@@ -238,6 +239,8 @@ class _Follower:
             self.findings.appendleft(f)
             self.finding_count += 1
             self.severities[str(f.severity)] += 1
+            if f.detector == "sampler":  # 1: escalated (every interval capped); None: ended
+                self.escalated = f.value == 1
         if time.monotonic() >= self._slow_due:
             self._read_sampled()
 
@@ -338,7 +341,10 @@ class _View:
         if f.interval is None:
             text.append("detectors not sampled yet", "dim")
         elif f.interval == 1 and (f.base_interval is None or f.base_interval > 1):
-            text.append("every step (escalated)", "bold yellow")
+            if f.escalated:
+                text.append("every step (escalated)", "bold yellow")
+            else:  # the calibration at the start of a run, not a suspicion
+                text.append("every step (warming up)")
         elif f.interval == 1:
             text.append("detectors every step")
         else:
@@ -373,14 +379,18 @@ class _View:
         hi = max(math.ceil(logs.max()) if len(logs) else 0, lo + 1)
         title.append(f" · step {f.grad_step:,} · log10 of the norm, 1e{lo} to 1e{hi}", "dim")
         keep, more = _pick(values, rows)
-        name_width = min(max(len(n) for n in f.grad_names), max(inner * 2 // 5, 12))
+        prefix = _shared_prefix(f.grad_names)
+        if prefix:
+            title.append(f" · under {prefix}", "dim")
+        names = [n[len(prefix) :] for n in f.grad_names]
+        name_width = min(max(len(n) for n in names), max(inner * 2 // 5, 12))
         bar_width = max(inner - name_width - 10 - 2, 4)
         grid = Table.grid(padding=(0, 1))
         grid.add_column(width=name_width, no_wrap=True)
         grid.add_column(width=bar_width, no_wrap=True)
         grid.add_column(width=10, no_wrap=True, justify="right")
         for i in keep:
-            name, v = f.grad_names[i], float(values[i])
+            name, v = names[i], float(values[i])
             if len(name) > name_width:
                 name = "…" + name[len(name) - name_width + 1 :]
             style = _grad_style(v)
@@ -400,7 +410,7 @@ class _View:
         f = self.f
         title = _line(Text("findings", "bold"))
         if not f.finding_count:
-            title.append(" · none yet", "dim")
+            title.append(" · none" if f.finished else " · none yet", "dim")
             return [title]
         counts = ", ".join(
             f"{f.severities[s]} {s}{'s' if f.severities[s] > 1 and s != 'info' else ''}"
@@ -548,3 +558,17 @@ def _inode(path: Path) -> int | None:
         return path.stat().st_ino
     except OSError:
         return None
+
+
+def _shared_prefix(names: Sequence[str]) -> str:
+    """The module path every name starts with (``model.transformer.``), up to and with
+    its last separator: it says nothing about a row and eats a narrow terminal."""
+    if len(names) < 2:
+        return ""
+    first, last = min(names), max(names)  # what these two share, every name shares
+    same = 0
+    while same < min(len(first), len(last)) and first[same] == last[same]:
+        same += 1
+    common = first[:same]
+    cut = max(common.rfind("."), common.rfind("/"))
+    return common[: cut + 1]
