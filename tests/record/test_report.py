@@ -389,3 +389,12 @@ def test_an_output_that_cannot_be_written_is_one_sentence_and_exit_2(run, tmp_pa
         assert main(["report", str(run), *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"stethoscope: cannot write {afile}")
+
+
+def test_the_header_says_when_the_detectors_fired_more_often_than_was_reported():
+    epochs = [
+        {"rows": [{"status": "error", "count": 300}, {"status": "ok", "count": 0}]},
+        {"rows": [{"status": "warning", "count": 16}]},
+    ]
+    assert "fired 316 times" in report._repeats(epochs, 5)
+    assert report._repeats(epochs, 316) == ""

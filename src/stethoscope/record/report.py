@@ -453,7 +453,8 @@ def _header(record: RunRecord, name: str, findings: list[Finding]) -> str:
             "Findings",
             f"{len(findings)} ("
             + ", ".join(f"{counts[s]} {s}" for s in ("error", "warning", "info"))
-            + ")",
+            + ")"
+            + _repeats(record.epochs(), len(findings)),
         ),
     ]
     if meta.get("world_size", "1") != "1":
@@ -473,6 +474,23 @@ def _header(record: RunRecord, name: str, findings: list[Finding]) -> str:
         )
     out.append("</header>")
     return "\n".join(out)
+
+
+def _repeats(epochs: list[dict[str, Any]], reported: int) -> str:
+    """How many times the detectors fired in all, when the epoch summaries counted more
+    than the findings reported (a finding that repeats unchanged is reported once)."""
+    fired = sum(
+        int(row.get("count") or 0)
+        for epoch in epochs
+        for row in epoch.get("rows", ())
+        if isinstance(row, dict) and row.get("status") != "ok"
+    )
+    if fired <= reported:
+        return ""
+    return (
+        f"; the detectors fired {fired:,} times (the epoch summaries' counts): a finding "
+        "that repeats unchanged is reported once"
+    )
 
 
 def _summary(value: Any) -> str:
