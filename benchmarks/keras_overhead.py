@@ -6,6 +6,7 @@ with Keras 3 and compared step for step:
 * ``plain``: ``model.fit`` with no callback but the benchmark's clock;
 * ``stethoscope``: ``KerasStethoscope(sinks=[], stop_on=None)``, the defaults, past
   its calibration window;
+* ``stethoscope + record``: the same with ``record=DIR``, the run's record kept;
 * ``TerminateOnNaN``: ``keras.callbacks.TerminateOnNaN()``;
 * ``check_numerics``: ``tf.debugging.enable_check_numerics()`` (every op's output
   checked; the train function is retraced with it on, and again with it off);
@@ -41,11 +42,14 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -64,15 +68,19 @@ DEFAULT_ROUNDS = {"mlp": 40, "cnn": 10}
 QUICK_ROUNDS = 2
 
 STETHOSCOPE = "stethoscope"
+RECORDED = "stethoscope + record"
 TERMINATE = "TerminateOnNaN"
 NUMERICS = "check_numerics"
 NOOP = "batch-end no-op"
-VARIANTS = (PLAIN, STETHOSCOPE, TERMINATE, NUMERICS, NOOP)
+VARIANTS = (PLAIN, STETHOSCOPE, RECORDED, TERMINATE, NUMERICS, NOOP)
 
 DESCRIPTIONS = {
     PLAIN: "model.fit with no callback but the benchmark's clock (on_train_batch_begin only)",
     STETHOSCOPE: "KerasStethoscope(sinks=[], stop_on=None): every detector, the adaptive "
     "sampler, past its calibration window",
+    RECORDED: "the same, also keeping the run's record (record=DIR: every loss, the sampled "
+    "statistics, distributions every 256 steps, written to SQLite once a second); each fit "
+    "reopens the record, a cost per fit, not per step",
     TERMINATE: "keras.callbacks.TerminateOnNaN(): reads the logged loss after every batch",
     NUMERICS: "tf.debugging.enable_check_numerics(): every op's output checked",
     NOOP: "a callback with an empty on_train_batch_end: Keras then waits for the batch-end "
@@ -166,6 +174,11 @@ def run_model(
     # several instances take turns, so the stethoscope's steps average over several traces
     # as the plain ones do (a traced function's speed is a draw: see the module docstring)
     steadies = [KerasStethoscope(sinks=[], stop_on=None) for _ in range(instances)]
+    records = Path(tempfile.mkdtemp(prefix="stethoscope-bench-"))
+    recorded = [
+        KerasStethoscope(sinks=[], stop_on=None, record=records / f"run{k}")
+        for k in range(instances)
+    ]
     clock = StepClock()
     rng = random.Random(SEED)
     preroll = 256  # past the stethoscope's calibration window, untimed
@@ -176,7 +189,7 @@ def run_model(
         preroll,
         rng,
         warmup,
-        variants=(STETHOSCOPE, TERMINATE, NUMERICS, NOOP),
+        variants=(STETHOSCOPE, RECORDED, TERMINATE, NUMERICS, NOOP),
         occasional=STETHOSCOPE,
         every=10**9,  # no occasional variant
     )
@@ -186,11 +199,12 @@ def run_model(
     }
     times: list[tuple[Segment, list[float]]] = []
     turns: dict[int, int] = {}  # segment index -> the stethoscope instance that ran it
+    recorded_turns = 0
     t0 = time.perf_counter()
     for i, seg in enumerate(segs):
         owner = seg.variant
         if seg.round < 0:  # the pre-roll: every instance past its calibration window
-            for steady in steadies:
+            for steady in (*steadies, *recorded):
                 _fit(model, spec, x, y, preroll, [clock, steady])
             times.append((seg, []))
             continue
@@ -198,6 +212,9 @@ def run_model(
         if owner == STETHOSCOPE:
             turns[i] = len(turns) % instances
             callbacks.append(steadies[turns[i]])
+        if owner == RECORDED:
+            callbacks.append(recorded[recorded_turns % instances])
+            recorded_turns += 1
         if owner == NUMERICS:
             tf.debugging.enable_check_numerics()
             model.train_function = None
@@ -213,7 +230,9 @@ def run_model(
     health = {
         "findings_steady": _findings(*steadies),
         "escalations_steady": sum(s.monitor.sampler.escalations for s in steadies),
+        "record_bytes": sum(f.stat().st_size for f in records.rglob("record.sqlite*")),
     }
+    shutil.rmtree(records, ignore_errors=True)
     return {
         "model": spec.name,
         "title": spec.title,
@@ -326,6 +345,9 @@ def markdown(results: list[dict[str, Any]], wall_s: float, segment: int) -> str:
         h = res["stethoscope_health"]
         draws = ", ".join(f"{r:.3f}x" for r in res["variants"][STETHOSCOPE]["per_instance"])
         notes.append(f"{res['model']}: each stethoscope instance's median ratio: {draws}.")
+        notes.append(
+            f"{res['model']}: the records held {h['record_bytes'] / 1e6:.1f} MB at the end."
+        )
         if null:
             notes.append(
                 f"{res['model']}: noise floor (plain vs plain two segments away) "

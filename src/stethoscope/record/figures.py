@@ -12,8 +12,6 @@ This module imports plotly: import it only where plotly is wanted (``report`` do
 from __future__ import annotations
 
 import html
-import itertools
-import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +20,7 @@ from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
 from stethoscope.findings import Finding
+from stethoscope.record import plotting as pl
 from stethoscope.record.reader import Curve, LayerSeries
 from stethoscope.record.report import ZERO_LOG10, distribution_quantiles, escalations
 
@@ -31,16 +30,11 @@ __all__ = [
     "distribution_figure",
     "gradient_flow_figure",
     "loss_figure",
-    "thin_columns",
     "update_ratio_figure",
 ]
 
 #: Points of the loss line at most (a bucket's lowest and highest value each).
 LOSS_POINTS = 4000
-#: Columns (sampled steps) of a per-layer chart at most.
-MAX_COLUMNS = 2000
-#: Cells (names x steps) of a heat map at most: more names leave fewer columns.
-MAX_CELLS = 250_000
 #: Names drawn as one line each; more are drawn as a heat map.
 MAX_LINES = 20
 #: The update ratio (|update| / |weight| per step) of a healthy parameter: about 1e-3.
@@ -56,152 +50,6 @@ _JUMP = {
     "frame": {"duration": 0, "redraw": True},
     "transition": {"duration": 0},
 }
-_LAYOUT = {
-    "template": "plotly_white",
-    "margin": {"l": 70, "r": 30, "t": 70, "b": 50},
-    "hoverlabel": {"align": "left"},
-    "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 0},
-}
-
-
-# -- thinning ---------------------------------------------------------------------------
-def thin_columns(n: int, limit: int) -> np.ndarray:
-    """Evenly spaced indices of at most ``limit`` of ``n`` columns, first and last kept."""
-    if n <= limit:
-        return np.arange(n)
-    return np.unique(np.linspace(0, n - 1, max(limit, 2)).round().astype(np.int64))
-
-
-def _envelope(values: np.ndarray, limit: int) -> np.ndarray:
-    """Indices of the lowest and highest finite value of each of ``limit // 2`` buckets."""
-    n = len(values)
-    if n <= limit:
-        return np.arange(n)
-    bounds = np.linspace(0, n, limit // 2 + 1).astype(np.int64)
-    low = np.where(np.isfinite(values), values, np.inf)
-    high = np.where(np.isfinite(values), values, -np.inf)
-    keep = []
-    for a, b in itertools.pairwise(bounds):
-        if b > a:
-            keep += [a + int(np.argmin(low[a:b])), a + int(np.argmax(high[a:b]))]
-    return np.unique(np.array(keep, np.int64))
-
-
-def _thinned(shown: int, total: int, what: str = "sampled steps") -> str:
-    return "" if shown >= total else f" · {shown:,} of {total:,} {what} shown"
-
-
-def _columns(series: LayerSeries) -> np.ndarray:
-    limit = min(MAX_COLUMNS, max(200, MAX_CELLS // max(1, len(series.names))))
-    return thin_columns(len(series.steps), limit)
-
-
-def _lines(points: int) -> str:
-    """A line, with markers while it is too short to draw one."""
-    return "lines" if points > 1 else "lines+markers"
-
-
-def _present(series: LayerSeries | None) -> bool:
-    return series is not None and bool(series.names) and len(series.steps) > 0
-
-
-# -- small helpers ----------------------------------------------------------------------
-def _hover_text(text: str, width: int = 90) -> str:
-    """Plain text for a hover label: escaped and wrapped."""
-    return "<br>".join(html.escape(line, quote=False) for line in textwrap.wrap(text, width))
-
-
-def _log10(values: np.ndarray) -> np.ndarray:
-    """log10 of magnitudes for a colour scale: an exact zero one decade below the least
-    positive value, an infinity one decade above the greatest, NaN (not measured) kept."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.log10(np.abs(values))
-    finite = np.isfinite(z)
-    low = float(z[finite].min()) if finite.any() else -12.0
-    high = float(z[finite].max()) if finite.any() else 0.0
-    z[np.isneginf(z)] = low - 1.0
-    z[np.isposinf(z)] = high + 1.0
-    return z
-
-
-def _last_measured(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each column's last value that is not NaN, and its row (-1: never measured)."""
-    measured = ~np.isnan(values)
-    rows = np.where(measured.any(axis=0), len(values) - 1 - np.argmax(measured[::-1], 0), -1)
-    last = np.where(rows >= 0, values[np.maximum(rows, 0), np.arange(values.shape[1])], np.nan)
-    return last, rows
-
-
-def _heatmap(
-    series: LayerSeries, cols: np.ndarray, label: str, *, log: bool = True, **trace
-) -> go.Heatmap:
-    """Names down, sampled steps across; the colour log10 of the value when ``log``, the
-    hover the value itself."""
-    raw = series.values[cols].T
-    return go.Heatmap(
-        x=series.steps[cols],
-        y=list(series.names),
-        z=(_log10(raw) if log else raw).astype(np.float32),
-        customdata=raw.astype(np.float32),
-        hovertemplate=f"%{{y}}<br>step %{{x}}<br>{label} %{{customdata:.3g}}<extra></extra>",
-        hoverongaps=False,
-        **trace,
-    )
-
-
-def _menu(buttons: list[dict], **where) -> dict:
-    """A plotly menu of ``buttons`` at the top right of a figure."""
-    return {
-        "buttons": buttons,
-        "x": 1.0,
-        "xanchor": "right",
-        "y": 1.02,
-        "yanchor": "bottom",
-        "showactive": True,
-        **where,
-    }
-
-
-def _scale(kind: str) -> dict:
-    return {"label": kind, "method": "relayout", "args": [{"yaxis.type": kind}]}
-
-
-def _height(names: int, base: int = 160, per: int = 14) -> int:
-    """Tall enough that every name of a heat map gets its own readable row."""
-    return int(np.clip(base + per * names, 380, 4200))
-
-
-def _name_axis(names: int) -> dict:
-    """A heat map's names axis: every name labelled (plotly would skip some), input side
-    at the top, a smaller font when there are many."""
-    return {"autorange": "reversed", "dtick": 1, "tickfont": {"size": 11 if names <= 60 else 9}}
-
-
-def _step_ticks(steps: np.ndarray) -> dict:
-    """Whole steps on a step axis: a run of a few steps would get ticks at 0.5."""
-    span = int(steps[-1] - steps[0]) if len(steps) else 0
-    return {"title": "step", "dtick": 1, "tick0": 0} if span < 10 else {"title": "step"}
-
-
-def _nonfinite_cells(series: LayerSeries, cols: np.ndarray, bad_steps: np.ndarray, **trace):
-    """Red cells where a value is infinite, or NaN on a step whose loss or gradients were
-    non-finite (elsewhere a NaN means "not measured" and stays a gap); None if none."""
-    raw = series.values[cols].T
-    on_bad_step = np.isin(series.steps[cols], bad_steps)[None, :]
-    hit = np.isinf(raw) | (np.isnan(raw) & on_bad_step)
-    if not hit.any():
-        return None
-    return go.Heatmap(
-        x=series.steps[cols],
-        y=list(series.names),
-        z=np.where(hit, 1.0, np.nan).astype(np.float32),
-        colorscale=[[0, "#d62728"], [1, "#d62728"]],
-        showscale=False,
-        hoverongaps=False,
-        name="non-finite",
-        hovertemplate="%{y}<br>step %{x}<br>non-finite<extra></extra>",
-        **trace,
-    )
 
 
 # -- the loss ---------------------------------------------------------------------------
@@ -212,7 +60,7 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
         return "No training loss was recorded yet (the run has not written a step)."
     steps, values = losses.steps, losses.values
     finite = np.isfinite(values)
-    shown = _envelope(values, LOSS_POINTS)
+    shown = pl.envelope(values, LOSS_POINTS)
     fig = go.Figure()
     # the escalations, on a hidden [0, 1] axis so that they span the plot's height
     spans = escalations(findings, int(steps[-1]))
@@ -237,7 +85,7 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
     fig.add_scatter(
         x=steps[shown],
         y=values[shown],
-        mode=_lines(len(shown)),
+        mode=pl.line_mode(len(shown)),
         name="training loss",
         line={"color": "#1f77b4", "width": 1.3},
         hovertemplate="step %{x}<br>loss %{y:.4g}<extra></extra>",
@@ -256,7 +104,7 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
         )
     bad = np.flatnonzero(~finite)
     if len(bad):
-        picked = bad[thin_columns(len(bad), MAX_COLUMNS)]
+        picked = bad[pl.thin_columns(len(bad), pl.MAX_COLUMNS)]
         fig.add_scatter(
             x=steps[picked],
             y=np.ones(len(picked)),
@@ -269,16 +117,22 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
         )
     _add_findings(fig, steps, values, finite, findings)
     fig.update_layout(
-        _LAYOUT,
+        pl.LAYOUT,
         title="Training loss"
-        + _thinned(len(shown), len(steps), "steps")
+        + pl.thinned(len(shown), len(steps), "steps")
         + (" (lowest and highest of each bucket)" if len(shown) < len(steps) else ""),
         xaxis={"title": "step"},
         yaxis={"title": "loss"},
         yaxis2={"overlaying": "y", "range": [0, 1.04], "visible": False, "fixedrange": True},
         height=460,
         hovermode="closest",
-        updatemenus=[_menu([_scale("linear"), _scale("log")], type="buttons", direction="left")],
+        updatemenus=[
+            pl.menu(
+                [pl.scale_button("linear"), pl.scale_button("log")],
+                type="buttons",
+                direction="left",
+            )
+        ],
     )
     return fig
 
@@ -294,7 +148,7 @@ def _add_findings(fig, steps, values, finite, findings: Sequence[Finding]) -> No
             if f.detector == "sampler" or f.severity.value != severity:
                 continue
             text = f"<b>{f.detector}</b> ({severity}" + (f", {f.where}" if f.where else "")
-            text += ")<br>" + _hover_text(f.message)
+            text += ")<br>" + pl.hover_text(f.message)
             hit = steps[i] == f.step and finite[i]
             x, y, t = on_curve if hit else on_top
             x.append(f.step)
@@ -328,11 +182,11 @@ def gradient_flow_figure(
     sampled steps, beside the last finite sample's norms as bars on a log axis. Norms are
     as the backward pass left them, before any clipping; non-finite ones are red cells
     (``bad_steps``: the steps whose loss or gradients were non-finite)."""
-    if not _present(series):
+    if not pl.present(series):
         return "No per-parameter gradient norms were recorded."
-    cols = _columns(series)
+    cols = pl.columns(series)
     finite_values = np.where(np.isfinite(series.values), series.values, np.nan)
-    last, rows = _last_measured(finite_values)
+    last, rows = pl.last_measured(finite_values)
     names = list(series.names)
     latest = int(series.steps[rows.max()]) if (rows >= 0).any() else int(series.steps[-1])
     bars_title = f"latest finite sample (step {latest})"
@@ -345,16 +199,16 @@ def gradient_flow_figure(
         horizontal_spacing=0.02,
         subplot_titles=titles,
     )
-    heat = _heatmap(series, cols, "gradient norm", coloraxis="coloraxis")
+    heat = pl.heatmap(series, cols, "gradient norm", coloraxis="coloraxis")
     fig.add_trace(heat, row=1, col=1)
-    bad = _nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
+    bad = pl.nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
     if bad is not None:
         fig.add_trace(bad, row=1, col=1)
     # the colour range of the finite norms: an infinite one is a red cell, not the top
     z = np.where(np.isfinite(np.asarray(heat.customdata)), np.asarray(heat.z), np.nan)
     low, high = (float(np.nanmin(z)), float(np.nanmax(z))) if np.isfinite(z).any() else (-12, 0)
     high = max(high, low + 1e-6)
-    z_last = _log10(last)
+    z_last = pl.log10_colour(last)
     floor = np.nanmin(z_last) if np.isfinite(z_last).any() else -12.0
     # explicit colours: plotly.js does not map a bar's numbers through a shared colour axis
     shade = np.clip((np.nan_to_num(z_last, nan=low) - low) / (high - low), 0, 1)
@@ -371,21 +225,21 @@ def gradient_flow_figure(
         col=2,
     )
     fig.update_layout(
-        _LAYOUT,
+        pl.LAYOUT,
         title="Gradient flow: gradient norm per parameter, before clipping"
         + (" · red: non-finite" if bad is not None else "")
-        + _thinned(len(cols), len(series.steps)),
+        + pl.thinned(len(cols), len(series.steps)),
         coloraxis={
             "colorscale": "Viridis",
             "cmin": low,
             "cmax": high,
             "colorbar": {"title": {"text": "log10 ‖g‖"}},
         },
-        height=_height(len(names)),
+        height=pl.height_for(len(names)),
         showlegend=False,
     )
-    fig.update_yaxes(_name_axis(len(names)), row=1, col=1)
-    fig.update_xaxes(_step_ticks(series.steps), row=1, col=1)
+    fig.update_yaxes(pl.name_axis(len(names)), row=1, col=1)
+    fig.update_xaxes(pl.step_ticks(series.steps), row=1, col=1)
     fig.update_xaxes(type="log", title_text="gradient norm", row=1, col=2)
     return fig
 
@@ -410,18 +264,18 @@ def update_ratio_figure(
     (``matrices``: their names; biases and norm scales, which start at or near zero and
     so move by large ratios while healthy, are left out, as the detectors leave them
     out), the healthy band shaded: a line each on a log axis, or a heat map for many."""
-    if not _present(series):
+    if not pl.present(series):
         return "No update ratios were recorded (they need two consecutive weight reads)."
     everything = len(series.names)
     series = _only(series, matrices)
     low, high = HEALTHY_UPDATE_RATIO
     band = f"healthy band {low:.0e} … {high:.0e} (about 1e-3)"
-    cols = _columns(series)
+    cols = pl.columns(series)
     which = "per parameter"
     if len(series.names) < everything:
         which = f"per weight matrix ({len(series.names)} of {everything} parameters)"
     title = f"Update ratio ‖Δw‖ / ‖w‖ {which} · {band}"
-    title += _thinned(len(cols), len(series.steps))
+    title += pl.thinned(len(cols), len(series.steps))
     fig = go.Figure()
     if len(series.names) <= MAX_LINES:
         values = series.values[cols]
@@ -433,7 +287,7 @@ def update_ratio_figure(
                 x=series.steps[cols],
                 y=np.where(raw > 0, raw, floor),
                 customdata=raw,
-                mode=_lines(len(cols)),
+                mode=pl.line_mode(len(cols)),
                 name=name,
                 connectgaps=True,
                 hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>update ratio "
@@ -450,16 +304,16 @@ def update_ratio_figure(
         centre, spread = np.log10(low * high) / 2, np.log10(high / low) / 2 + 2
         colours = {"colorscale": "RdBu_r", "zmin": centre - spread, "zmax": centre + spread}
         fig.add_trace(
-            _heatmap(series, cols, "update ratio", colorbar_title_text="log10", **colours)
+            pl.heatmap(series, cols, "update ratio", colorbar_title_text="log10", **colours)
         )
         title += " · white: healthy, blue: too small, red: too large"
-        bad = _nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
+        bad = pl.nonfinite_cells(series, cols, np.asarray(bad_steps, np.int64))
         if bad is not None:
             fig.add_trace(bad.update(colorscale=[[0, "#000000"], [1, "#000000"]]))
             title += ", black: non-finite"
-        fig.update_yaxes(_name_axis(len(series.names)))
-        fig.update_layout(height=_height(len(series.names)))
-    fig.update_layout(_LAYOUT, title=title, xaxis=_step_ticks(series.steps))
+        fig.update_yaxes(pl.name_axis(len(series.names)))
+        fig.update_layout(height=pl.height_for(len(series.names)))
+    fig.update_layout(pl.LAYOUT, title=title, xaxis=pl.step_ticks(series.steps))
     return fig
 
 
@@ -495,7 +349,7 @@ def _distribution_traces(series: LayerSeries | None, name: str, cols, axis: int)
     median = go.Scatter(
         x=steps,
         y=mag[:, 2],
-        mode=_lines(len(steps)),
+        mode=pl.line_mode(len(steps)),
         line={"color": "#1f77b4", "width": 1.5},
         name="median",
         legendgroup="median",
@@ -524,13 +378,13 @@ def distribution_figure(weights: LayerSeries | None, grads: LayerSeries | None) 
     """Quantile bands of |weight| and |gradient| over the sampled steps, for the
     parameter chosen in a dropdown (one frame per parameter, so hundreds stay cheap)."""
     present = [
-        (label, s) for label, s in (("weights", weights), ("gradients", grads)) if _present(s)
+        (label, s) for label, s in (("weights", weights), ("gradients", grads)) if pl.present(s)
     ]
     if not present:
         return "No weight or gradient distributions were recorded."
     names = list(dict.fromkeys(n for _, s in present for n in s.names))
     limit = int(np.clip(DISTRIBUTION_POINTS // len(names), 50, 500))
-    cols = {label: thin_columns(len(s.steps), limit) for label, s in present}
+    cols = {label: pl.thin_columns(len(s.steps), limit) for label, s in present}
     total = max(len(s.steps) for _, s in present)
     shown = max(len(c) for c in cols.values())
     titles = [f"|{label}|" for label, _ in present]
@@ -558,9 +412,9 @@ def distribution_figure(weights: LayerSeries | None, grads: LayerSeries | None) 
     buttons = [{"label": name, "method": "animate", "args": [[name], _JUMP]} for name in names]
     title = "Weight and gradient magnitudes of the chosen parameter (bands: quantiles)"
     fig.update_layout(
-        _LAYOUT,
-        title=title + _thinned(shown, total),
-        updatemenus=[_menu(buttons, direction="down", y=1.13)],
+        pl.LAYOUT,
+        title=title + pl.thinned(shown, total),
+        updatemenus=[pl.menu(buttons, direction="down", y=1.13)],
         height=300 + 260 * len(present),
         hovermode="closest",
     )
@@ -577,7 +431,7 @@ def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | Non
             ("Dead units: fraction of each layer's units that got no gradient", dead),
             ("Saturated: fraction of each tanh/sigmoid's inputs in its flat tails", saturated),
         )
-        if _present(s)
+        if pl.present(s)
     ]
     if not present:
         return "No dead-unit or saturation fractions were recorded."
@@ -593,11 +447,11 @@ def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | Non
     )
     thinned = []
     for row, (_, s) in enumerate(present, start=1):
-        cols = _columns(s)
-        thinned.append(_thinned(len(cols), len(s.steps)))
+        cols = pl.columns(s)
+        thinned.append(pl.thinned(len(cols), len(s.steps)))
         label = "dead" if s is dead else "saturated"
         if len(s.names) > MAX_LINES:
-            trace = _heatmap(s, cols, f"{label} fraction", log=False, coloraxis="coloraxis")
+            trace = pl.heatmap(s, cols, f"{label} fraction", log=False, coloraxis="coloraxis")
             fig.add_trace(trace, row=row, col=1)
             fig.update_yaxes(autorange="reversed", row=row, col=1)
         else:
@@ -605,7 +459,7 @@ def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | Non
                 fig.add_scatter(
                     x=s.steps[cols],
                     y=s.values[cols, j],
-                    mode=_lines(len(cols)),
+                    mode=pl.line_mode(len(cols)),
                     name=name,
                     connectgaps=True,
                     legendgroup=label,
@@ -618,12 +472,12 @@ def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | Non
             fig.update_yaxes(range=[-0.02, 1.02], tickformat=".0%", row=row, col=1)
     fig.update_xaxes(title_text="step", row=len(present), col=1)
     fig.update_layout(
-        _LAYOUT,
+        pl.LAYOUT,
         title="Dead and saturated units" + next((t for t in thinned if t), ""),
         legend={"orientation": "v", "y": 1, "yanchor": "top", "x": 1.02},
         height=int(np.clip(200 + 14 * sum(heights), 420, 1400)),
     )
     if any(len(s.names) > MAX_LINES for _, s in present):
         colours = {"colorscale": "Reds", "cmin": 0, "cmax": 1, "colorbar_title_text": "fraction"}
-        fig.update_layout(coloraxis=colours, legend={**_LAYOUT["legend"], "y": 1.04})
+        fig.update_layout(coloraxis=colours, legend={**pl.LAYOUT["legend"], "y": 1.04})
     return fig
