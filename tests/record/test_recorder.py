@@ -206,6 +206,12 @@ def test_a_killed_run_leaves_a_readable_record(tmp_path):
         assert not record.finished  # it never closed
         steps = record.losses().steps
         assert len(steps) > 50 and list(steps) == list(range(len(steps)))
+    pytest.importorskip("plotly")
+    from stethoscope.cli import main
+
+    assert main(["report", str(tmp_path / "r")]) == 0  # and it reports
+    page = (tmp_path / "r" / "report.html").read_text(encoding="utf-8")
+    assert "stopped without closing its record" in page and 'id="fig-gradient_flow"' in page
 
 
 def test_what_cannot_be_read_is_one_sentence(tmp_path):
