@@ -122,6 +122,9 @@ class Monitor:
             escalate=escalate,
             hot_steps=hot_steps,
         )
+        #: Detectors whose warnings and errors a recovery ladder answers instead of the
+        #: policy (see ``Decision.spared``); set by the callbacks' ``recover=``.
+        self.spared: frozenset[str] = frozenset()
         #: Every finding counted, sent to the sinks and summed up per epoch.
         self.ledger = Ledger(sinks, repeat_after=repeat_after)
         self.stopped_by: Finding | None = None
@@ -224,7 +227,7 @@ class Monitor:
             self.ledger.record(f, hold=self.held.findings if hold else None)
         for f in notes:
             self.ledger.record(f)
-        decision = decide(findings, self.stop_on, self.raise_on)
+        decision = decide(findings, self.stop_on, self.raise_on, self.spared)
         if hold:
             held = self.held.decision
             if decision.stop and (held is None or (decision.raise_ and not held.raise_)):

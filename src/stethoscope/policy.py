@@ -31,11 +31,14 @@ class Policy:
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome for one step: continue, stop gracefully, or raise."""
+    """The outcome for one step: continue, stop gracefully, or raise; and, when a
+    recovery ladder answers some detectors, their warnings and errors (``spared``), which
+    stop nothing here."""
 
     stop: bool = False
     raise_: bool = False
     reason: Finding | None = None
+    spared: tuple[Finding, ...] = ()
 
 
 def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Policy:
@@ -63,12 +66,24 @@ def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Polic
     return Policy(detectors=names)
 
 
-def decide(findings: Sequence[Finding], stop_on: Policy, raise_on: Policy) -> Decision:
-    """Stop or raise on the first finding that matches; ``raise_on`` wins over ``stop_on``."""
+def decide(
+    findings: Sequence[Finding],
+    stop_on: Policy,
+    raise_on: Policy,
+    spare: frozenset[str] = frozenset(),
+) -> Decision:
+    """Stop or raise on the first finding that matches; ``raise_on`` wins over ``stop_on``.
+
+    Findings of the detectors in ``spare`` (those a recovery ladder answers) never stop or
+    raise: their warnings and errors come back in ``Decision.spared``.
+    """
+    spared = tuple(f for f in findings if f.detector in spare and f.severity >= Severity.WARNING)
+    if spared:
+        findings = [f for f in findings if f.detector not in spare]
     for finding in findings:
         if raise_on.matches(finding):
-            return Decision(stop=True, raise_=True, reason=finding)
+            return Decision(stop=True, raise_=True, reason=finding, spared=spared)
     for finding in findings:
         if stop_on.matches(finding):
-            return Decision(stop=True, reason=finding)
-    return Decision()
+            return Decision(stop=True, reason=finding, spared=spared)
+    return Decision(spared=spared) if spared else Decision()

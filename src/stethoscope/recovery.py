@@ -1,0 +1,394 @@
+"""The recovery ladder: skip a bad step, cool the learning rate, roll back to a healthy
+snapshot, and only then stop. Framework-free: the adapters skip, scale and restore; this
+module decides which, when, and says so in findings.
+
+Each rung escalates when the one below has not helped:
+
+1. **skip**: a step whose loss or gradients are non-finite, or past the detectors' bar
+   (``loss_spike``, ``exploding_gradients``), is not applied;
+2. **cool down**: ``cool_after`` skips within ``window`` steps scale the learning rate by
+   ``cool_factor`` for ``cool_steps`` steps, on top of the user's schedule;
+3. **roll back**: ``rollback_after`` more skips during a cool-down, or an error the skip
+   could not prevent (weights gone non-finite, a loss climbing for a stretch), restores
+   the last healthy snapshot and goes on with the next batches (those since the
+   snapshot are skipped), cooled again;
+4. **stop**: a roll back needed after ``max_rollbacks`` of them, or with no snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stethoscope.findings import Finding, Severity
+from stethoscope.policy import Decision
+
+__all__ = [
+    "RECOVERABLE",
+    "RECOVERY",
+    "Ladder",
+    "Recoverer",
+    "Recovery",
+    "Rung",
+    "parse_recover",
+]
+
+#: The ``detector`` field of the findings the ladder reports.
+RECOVERY = "recovery"
+
+#: Detectors whose errors the ladder answers (by a skip already made, or a roll back)
+#: instead of stopping: what a bad batch or a learning-rate excursion produces. Any other
+#: error stops as ``stop_on`` says.
+RECOVERABLE = frozenset(
+    {
+        "nonfinite_loss",
+        "nonfinite_gradients",
+        "nonfinite_weights",
+        "exploding_gradients",
+        "loss_spike",
+        "unstable_loss",
+        "large_updates",
+    }
+)
+
+_SNAPSHOT_PLACES = ("auto", "memory", "disk")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Recovery: {name}={value!r} must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What ``recover=`` does: the rungs of the ladder and when each is climbed.
+
+    Args:
+        cool_after: Skipped steps within ``window`` steps that start a cool-down.
+        window: Steps over which skips are counted.
+        cool_factor: The learning rate is multiplied by this during a cool-down.
+        cool_steps: Steps a cool-down lasts (the user's schedule goes on underneath).
+        rollback_after: Skipped steps during a cool-down that roll back.
+        max_rollbacks: Roll backs in a run; the next one needed stops training.
+        snapshot_every: Steps between snapshots, taken only when the run was healthy
+            (no skip and no warning in those steps). One is taken when training starts.
+        keep_snapshots: Snapshots kept at most (the oldest go first).
+        snapshot_in: ``"memory"`` (host memory), ``"disk"`` (``snapshot_dir``, or a
+            temporary directory), or ``"auto"``: memory for state under
+            ``memory_limit_bytes``, else disk.
+        snapshot_dir: Where ``"disk"`` snapshots go.
+        memory_limit_bytes: The ``"auto"`` bound on a snapshot kept in memory.
+
+    Raises:
+        ValueError: A bad value, named with the valid range.
+    """
+
+    cool_after: int = 3
+    window: int = 100
+    cool_factor: float = 0.1
+    cool_steps: int = 200
+    rollback_after: int = 3
+    max_rollbacks: int = 3
+    snapshot_every: int = 100
+    keep_snapshots: int = 2
+    snapshot_in: str = "auto"
+    snapshot_dir: str | None = None
+    memory_limit_bytes: int = 2 * 1024**3
+
+    def __post_init__(self) -> None:
+        for name in ("cool_after", "window", "cool_steps", "rollback_after", "snapshot_every"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("keep_snapshots", self.keep_snapshots)
+        _positive_int("max_rollbacks", self.max_rollbacks, minimum=0)
+        _positive_int("memory_limit_bytes", self.memory_limit_bytes, minimum=0)
+        factor = self.cool_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+            raise ValueError(f"Recovery: cool_factor={factor!r} must be a number in (0, 1)")
+        if self.snapshot_in not in _SNAPSHOT_PLACES:
+            raise ValueError(
+                f"Recovery: snapshot_in={self.snapshot_in!r} is not valid; use one of "
+                f"{', '.join(map(repr, _SNAPSHOT_PLACES))}"
+            )
+        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
+            raise ValueError(f"Recovery: snapshot_dir={self.snapshot_dir!r} must be a str")
+
+
+def parse_recover(value: Any) -> Recovery | None:
+    """``recover=``: ``False``/``None`` (off), ``True`` (the default ladder) or a
+    :class:`Recovery`.
+
+    Raises:
+        ValueError: Anything else, named with the valid choices.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Recovery()
+    if isinstance(value, Recovery):
+        return value
+    raise ValueError(
+        f"recover={value!r} is not valid; use False (off), True (the default ladder) or "
+        "stethoscope.Recovery(...)"
+    )
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One act of the ladder: what was done at which step, and why."""
+
+    step: int
+    act: str  # "skip", "cool", "restore_lr", "rollback", "stop"
+    why: str
+
+
+@dataclass
+class _State:
+    skips: deque[int] = field(default_factory=deque)  # recent skipped steps
+    cool_from: int | None = None  # the step the cool-down began, while cooling
+    cool_until: int = -1  # the first step at the user's learning rate again
+    skips_cooling: int = 0  # skipped steps since the cool-down began
+    rollbacks: int = 0
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"skip": 0, "cool": 0, "rollback": 0, "stop": 0}
+    )
+    history: list[Rung] = field(default_factory=list)
+    trouble: int = -(10**9)  # the last step with a skip or a warning
+
+
+class Ladder:
+    """Climbs the rungs for one run. The adapter tells it what happened (:meth:`skipped`,
+    :meth:`failed`, :meth:`saw`) and asks what to do (:meth:`lr_scale`,
+    :meth:`snapshot_due`); each act comes back as findings, and a roll back or a stop
+    as the word ``"rollback"`` or ``"stop"``.
+
+    Args:
+        settings: The ladder's thresholds.
+    """
+
+    def __init__(self, settings: Recovery) -> None:
+        self.settings = settings
+        self.s = _State()
+
+    # -- what happened --------------------------------------------------------------------
+    def skipped(self, step: int, epoch: int, why: str) -> tuple[list[Finding], str | None]:
+        """Step ``step`` was not applied because ``why``. Returns the findings and what
+        to do next: None, ``"rollback"`` or ``"stop"``."""
+        s, cfg = self.s, self.settings
+        s.counts["skip"] += 1
+        s.trouble = step
+        s.skips.append(step)
+        while s.skips and s.skips[0] <= step - cfg.window:
+            s.skips.popleft()
+        found = [self._act(step, epoch, "skip", f"{why}; the step was not applied", "info")]
+        if self.cooling(step):
+            s.skips_cooling += 1
+            if s.skips_cooling >= cfg.rollback_after:
+                why = (
+                    f"{s.skips_cooling} steps skipped during the cool-down from step {s.cool_from}"
+                )
+                return found, self._need_rollback(step, epoch, why, found)
+        elif len(s.skips) >= cfg.cool_after:
+            found.append(self._cool(step, epoch, f"{len(s.skips)} steps skipped in {cfg.window}"))
+        return found, None
+
+    def failed(self, step: int, epoch: int, finding: Finding) -> tuple[list[Finding], str]:
+        """An error a skip could not prevent (``finding``, on an applied step): roll back,
+        or stop when that is no longer possible."""
+        self.s.trouble = step
+        found: list[Finding] = []
+        why = f"{finding.detector} ({finding.severity}) at step {finding.step}"
+        return found, self._need_rollback(step, epoch, why, found)
+
+    def was_skipped(self, step: int) -> bool:
+        """Whether ``step`` is among the recent skipped steps."""
+        return step in self.s.skips
+
+    def saw(self, step: int, epoch: int, troubled: bool) -> list[Finding]:
+        """Step ``step`` was judged (``troubled``: a warning or an error the ladder
+        answers): it is unhealthy for snapshots. Reports the end of a cool-down."""
+        if troubled:
+            self.s.trouble = max(self.s.trouble, step)
+        return self._end_of_cooling(step, epoch)
+
+    def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> list[Finding]:
+        """The adapter restored the snapshot of ``to_step`` at ``step`` (``what``: what it
+        restored). The ladder cools down again from here."""
+        s = self.s
+        s.rollbacks += 1
+        s.skips.clear()
+        s.skips_cooling = 0
+        s.trouble = step
+        found = [
+            self._act(
+                step,
+                epoch,
+                "rollback",
+                f"rolled back to the snapshot of step {to_step} ({what}); the batches of "
+                f"steps {to_step + 1}…{step} are skipped (roll back {s.rollbacks} of "
+                f"{self.settings.max_rollbacks})",
+                "warning",
+            )
+        ]
+        found.append(self._cool(step, epoch, "after the roll back"))
+        return found
+
+    # -- what to do -----------------------------------------------------------------------
+    def cooling(self, step: int) -> bool:
+        return self.s.cool_from is not None and step < self.s.cool_until
+
+    def lr_scale(self, step: int) -> float:
+        """The factor on the learning rate at ``step``: ``cool_factor`` while cooling."""
+        return self.settings.cool_factor if self.cooling(step) else 1.0
+
+    def snapshot_due(self, step: int) -> bool:
+        """Whether to snapshot after ``step``: on the cadence, and healthy since the last
+        ``snapshot_every`` steps (no skip, no warning, not cooling)."""
+        every = self.settings.snapshot_every
+        return step % every == 0 and step - self.s.trouble >= every and not self.cooling(step)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many skips, cool-downs, roll backs and stops the run has had."""
+        return dict(self.s.counts)
+
+    @property
+    def history(self) -> list[Rung]:
+        return list(self.s.history)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        s = self.s
+        return {
+            "skips": list(s.skips),
+            "cool_from": s.cool_from,
+            "cool_until": s.cool_until,
+            "skips_cooling": s.skips_cooling,
+            "rollbacks": s.rollbacks,
+            "counts": dict(s.counts),
+            "history": [asdict(r) for r in s.history],
+            "trouble": s.trouble,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = _State()
+        s.skips = deque(int(v) for v in state.get("skips", ()))
+        s.cool_from = state.get("cool_from")
+        s.cool_until = int(state.get("cool_until", -1))
+        s.skips_cooling = int(state.get("skips_cooling", 0))
+        s.rollbacks = int(state.get("rollbacks", 0))
+        s.counts.update(state.get("counts", {}))
+        s.history = [Rung(**r) for r in state.get("history", ())]
+        s.trouble = int(state.get("trouble", s.trouble))
+        self.s = s
+
+    # -- the rungs ------------------------------------------------------------------------
+    def _cool(self, step: int, epoch: int, why: str) -> Finding:
+        s, cfg = self.s, self.settings
+        s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + cfg.cool_steps, 0
+        return self._act(
+            step,
+            epoch,
+            "cool",
+            f"{why}: the learning rate is scaled by {cfg.cool_factor:g} for {cfg.cool_steps} "
+            f"steps (to step {s.cool_until - 1}), on top of the schedule",
+            "warning",
+        )
+
+    def _end_of_cooling(self, step: int, epoch: int) -> list[Finding]:
+        s = self.s
+        if s.cool_from is None or step < s.cool_until:
+            return []
+        s.cool_from = None
+        why = "the cool-down is over: the learning rate follows the schedule again"
+        return [self._act(step, epoch, "restore_lr", why, "info")]
+
+    def _need_rollback(self, step: int, epoch: int, why: str, found: list[Finding]) -> str:
+        s, cfg = self.s, self.settings
+        if s.rollbacks >= cfg.max_rollbacks:
+            found.append(self._stop(step, epoch, f"{why}, after {s.rollbacks} roll backs"))
+            return "stop"
+        return "rollback"
+
+    def stop_without_snapshot(self, step: int, epoch: int, why: str) -> Finding:
+        """The roll back that was needed has no snapshot to go to: stop."""
+        return self._stop(step, epoch, f"{why}, and there is no healthy snapshot to roll back to")
+
+    def _stop(self, step: int, epoch: int, why: str) -> Finding:
+        history = "; ".join(f"{r.act} at {r.step}" for r in self.s.history[-12:])
+        return self._act(
+            step,
+            epoch,
+            "stop",
+            f"the recovery ladder gave up: {why}. What it did: {history or 'nothing'}",
+            "error",
+        )
+
+    def _act(self, step: int, epoch: int, act: str, why: str, severity: str) -> Finding:
+        s = self.s
+        if act in s.counts:
+            s.counts[act] += act != "skip"  # skips are counted in skipped()
+        s.history.append(Rung(step, act, why))
+        message = why[0].upper() + why[1:] + "."
+        return Finding(step, epoch, RECOVERY, severity, message, where=act)
+
+
+class Recoverer:
+    """A monitor's ladder, for the adapters: it reports the ladder's acts through the
+    monitor's ledger (to every sink, the record and the epoch summary), turns the errors
+    the ladder answers into its rungs instead of a stop, and keeps the roll back the
+    adapter owes (:attr:`rollback_due`).
+
+    Args:
+        monitor: The callback's monitor; its policy spares :data:`RECOVERABLE` from now.
+        settings: The ladder's thresholds.
+    """
+
+    def __init__(self, monitor: Any, settings: Recovery) -> None:
+        self.monitor = monitor
+        self.ladder = Ladder(settings)
+        monitor.spared = RECOVERABLE
+        #: A roll back the adapter owes, at the end of the step that asked for it.
+        self.rollback_due: str | None = None
+
+    def skipped(self, step: int, epoch: int, why: str) -> Decision:
+        """The adapter did not apply step ``step``, because ``why``."""
+        found, action = self.ladder.skipped(step, epoch, why)
+        return self._act(found, action, why)
+
+    def review(self, step: int, epoch: int, decision: Decision) -> Decision:
+        """The monitor judged step ``step``: answer its spared findings (an error on a
+        step that was applied asks for a roll back), report the end of a cool-down."""
+        found: list[Finding] = []
+        action, why = None, ""
+        for f in decision.spared:
+            if self.ladder.was_skipped(f.step) or f.severity < Severity.ERROR or action:
+                continue
+            more, action = self.ladder.failed(step, epoch, f)
+            found += more
+            why = f"{f.detector} ({f.severity}) at step {f.step}"
+        found += self.ladder.saw(step, epoch, troubled=bool(decision.spared))
+        out = self._act(found, action, why)
+        return out if out.stop or not decision.stop else decision
+
+    def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> None:
+        """The adapter restored the snapshot of ``to_step``."""
+        self.rollback_due = None
+        for f in self.ladder.rolled_back(step, epoch, to_step, what):
+            self.monitor.ledger.record(f)
+
+    def no_snapshot(self, step: int, epoch: int) -> Decision:
+        """The roll back owed has nowhere to go: stop."""
+        why, self.rollback_due = self.rollback_due or "a roll back was needed", None
+        return self._act([self.ladder.stop_without_snapshot(step, epoch, why)], "stop", why)
+
+    def _act(self, found: list[Finding], action: str | None, why: str) -> Decision:
+        for f in found:
+            self.monitor.ledger.record(f)
+        if action == "rollback":
+            self.rollback_due = why
+        if action != "stop":
+            return Decision()
+        reason = found[-1]
+        self.monitor.note_stop(reason)
+        return Decision(stop=True, raise_=self.monitor.raise_on.matches(reason), reason=reason)

@@ -1,0 +1,149 @@
+"""The recovery ladder on its own: its settings, its rungs in order, and how a monitor's
+policy hands it the errors it answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from stethoscope import Monitor
+from stethoscope.findings import Finding
+from stethoscope.observation import Observation
+from stethoscope.recovery import RECOVERY, Ladder, Recoverer, Recovery, parse_recover
+from stethoscope.testing import CapturingSink
+
+
+def test_recover_takes_false_true_or_a_recovery():
+    assert parse_recover(False) is None and parse_recover(None) is None
+    assert parse_recover(True) == Recovery()
+    custom = Recovery(cool_after=5)
+    assert parse_recover(custom) is custom
+    with pytest.raises(ValueError, match=r"recover='yes' is not valid; use False .* True .*"):
+        parse_recover("yes")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"cool_factor": 2.0}, r"cool_factor=2.0 must be a number in \(0, 1\)"),
+        ({"window": 0}, "window=0 must be an integer >= 1"),
+        ({"max_rollbacks": -1}, "max_rollbacks=-1 must be an integer >= 0"),
+        ({"snapshot_in": "cloud"}, "snapshot_in='cloud' is not valid; use one of 'auto'"),
+        ({"cool_steps": 2.5}, "cool_steps=2.5 must be an integer"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        Recovery(**kwargs)
+
+
+def _ladder(**kw) -> Ladder:
+    settings = {"cool_after": 3, "window": 10, "cool_steps": 20, "rollback_after": 2}
+    return Ladder(Recovery(**{**settings, **kw}))
+
+
+def test_skips_spread_out_never_cool_but_three_in_a_window_do():
+    ladder = _ladder()
+    for step in (5, 20, 35, 50):  # one per window
+        found, action = ladder.skipped(step, 0, "the loss is NaN")
+        assert action is None and [f.where for f in found] == ["skip"]
+    assert ladder.lr_scale(51) == 1.0
+    ladder.skipped(52, 0, "x")
+    found, action = ladder.skipped(55, 0, "the gradient norm is past its bar")
+    assert action is None and [f.where for f in found] == ["skip", "cool"]
+    cool = found[1]
+    assert cool.detector == RECOVERY and cool.severity == "warning"
+    assert "3 steps skipped in 10" in cool.message and "scaled by 0.1 for 20 steps" in cool.message
+    assert ladder.lr_scale(56) == 0.1 and ladder.lr_scale(75) == 0.1 and ladder.lr_scale(76) == 1
+    assert ladder.saw(70, 0, troubled=False) == []
+    [restored] = ladder.saw(76, 0, troubled=False)
+    assert restored.where == "restore_lr" and ladder.lr_scale(77) == 1.0
+    assert ladder.counts == {"skip": 6, "cool": 1, "rollback": 0, "stop": 0}
+
+
+def test_skips_during_a_cool_down_roll_back_then_cool_again_then_stop():
+    ladder = _ladder(max_rollbacks=1)
+    for step in (1, 2, 3):
+        ladder.skipped(step, 0, "x")
+    assert ladder.cooling(4)
+    _, action = ladder.skipped(5, 0, "x")
+    assert action is None
+    _, action = ladder.skipped(6, 0, "x")
+    assert action == "rollback"
+    found = ladder.rolled_back(6, 0, to_step=0, what="weights, optimizer")
+    assert [f.where for f in found] == ["rollback", "cool"]
+    assert "rolled back to the snapshot of step 0" in found[0].message.lower()
+    assert "steps 1…6 are skipped" in found[0].message and "roll back 1 of 1" in found[0].message
+    assert ladder.cooling(7) and not ladder.was_skipped(3)  # the window starts afresh
+    ladder.skipped(8, 0, "x")
+    found, action = ladder.skipped(9, 0, "x")
+    assert action == "stop"
+    stop = found[-1]
+    assert stop.severity == "error" and stop.where == "stop"
+    assert "gave up" in stop.message and "after 1 roll backs" in stop.message
+    assert "skip at 1" in stop.message and "rollback at 6" in stop.message  # the history
+    assert ladder.counts == {"skip": 7, "cool": 2, "rollback": 1, "stop": 1}
+
+
+def test_an_error_on_an_applied_step_rolls_back():
+    ladder = _ladder()
+    bad = Finding(40, 0, "nonfinite_weights", "error", "weights are NaN", where="w")
+    found, action = ladder.failed(40, 0, bad)
+    assert action == "rollback" and found == []
+    ladder_done = _ladder(max_rollbacks=0)
+    found, action = ladder_done.failed(40, 0, bad)
+    assert action == "stop" and "nonfinite_weights (error) at step 40" in found[0].message
+
+
+def test_snapshots_only_on_the_cadence_and_only_when_healthy():
+    ladder = _ladder(snapshot_every=10)
+    assert [s for s in range(1, 41) if ladder.snapshot_due(s)] == [10, 20, 30, 40]
+    ladder.saw(23, 0, troubled=True)  # a warning at 23: not healthy until 33
+    assert [s for s in range(24, 61) if ladder.snapshot_due(s)] == [40, 50, 60]
+    ladder.skipped(61, 0, "x")
+    assert not ladder.snapshot_due(70) and ladder.snapshot_due(80)
+
+
+def test_the_ladder_survives_a_checkpoint():
+    ladder = _ladder()
+    for step in (1, 2, 3):
+        ladder.skipped(step, 0, "x")
+    again = _ladder()
+    again.load_state_dict(ladder.state_dict())
+    assert again.state_dict() == ladder.state_dict()
+    assert again.lr_scale(5) == 0.1 and again.history == ladder.history
+
+
+def _obs(step: int, loss: float) -> Observation:
+    return Observation(step=step, epoch=0, loss=loss)
+
+
+def test_a_monitor_with_a_ladder_does_not_stop_on_what_the_ladder_answers():
+    sink = CapturingSink()
+    monitor = Monitor(sinks=[sink])
+    recoverer = Recoverer(monitor, Recovery(max_rollbacks=1))
+    for step in range(3):
+        monitor.observe(_obs(step, 1.0))
+    # the step was skipped, then judged: the NaN is reported, nothing stops
+    assert not recoverer.skipped(3, 0, "the loss is NaN").stop
+    decision = recoverer.review(3, 0, monitor.observe(_obs(3, float("nan"))))
+    assert not decision.stop and recoverer.rollback_due is None
+    assert sink.at_least("error")[0].detector == "nonfinite_loss"  # nothing hidden
+    assert monitor.stopped_by is None
+    # a NaN on a step that was applied asks for a roll back
+    decision = recoverer.review(9, 0, monitor.observe(_obs(9, float("nan"))))
+    assert not decision.stop and "nonfinite_loss (error) at step 9" in recoverer.rollback_due
+    recoverer.rolled_back(9, 0, to_step=0, what="everything")
+    assert [f.where for f in sink.findings if f.detector == RECOVERY][-2:] == ["rollback", "cool"]
+    # the next one has no roll back left: stop, for the ladder's reason
+    decision = recoverer.review(12, 0, monitor.observe(_obs(12, float("nan"))))
+    assert decision.stop and decision.reason.detector == RECOVERY
+    assert monitor.stopped_by is decision.reason
+
+
+def test_without_a_snapshot_the_roll_back_is_a_stop():
+    monitor = Monitor(sinks=[])
+    recoverer = Recoverer(monitor, Recovery())
+    recoverer.review(5, 0, monitor.observe(_obs(5, float("nan"))))
+    assert recoverer.rollback_due
+    decision = recoverer.no_snapshot(5, 0)
+    assert decision.stop and "no healthy snapshot" in decision.reason.message
