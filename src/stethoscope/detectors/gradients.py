@@ -78,6 +78,30 @@ class ExplodingGradients(Detector):
         # log10 norms; ``initial`` is frozen after the warm-up
         return {"history": [], "initial": None, "seen": 0, "streak": 0, "last": None}
 
+    def _baseline(self) -> tuple[float, float]:
+        """The median log10 norm of the window, and the margin (in decades) above it that
+        an explosion must pass when the z-score applies."""
+        hist = self.state["history"]
+        center = median(hist)
+        spread = MAD_TO_SIGMA * median([abs(h - center) for h in hist])
+        return center, max(math.log10(self.factor), self.z * spread)
+
+    def threshold(self) -> float | None:
+        """The global gradient norm above which the next step is an explosion (a warning
+        or worse), or None while the detector is still learning the run's level.
+
+        The recovery ladder skips a step past it. It folds the rule's two cases into
+        one number: above the median by the z-score margin (and above the initial norm),
+        or ``initial_factor`` times the initial norm and ``factor`` times the median.
+        """
+        st = self.state
+        if st["seen"] < self.warmup or st["initial"] is None:
+            return None
+        center, margin = self._baseline()
+        with_z = max(center + margin, st["initial"])
+        far = max(st["initial"] + math.log10(self.initial_factor), center + math.log10(self.factor))
+        return 10 ** min(with_z, far)
+
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         norms = obs.grad_norm
@@ -89,9 +113,7 @@ class ExplodingGradients(Detector):
         hist = st["history"]
         findings: list[Finding] = []
         if st["seen"] >= self.warmup:
-            center = median(hist)
-            spread = MAD_TO_SIGMA * median([abs(h - center) for h in hist])
-            margin = max(math.log10(self.factor), self.z * spread)
+            center, margin = self._baseline()
             over = log_norm - center
             if log_norm - st["initial"] >= math.log10(self.initial_factor):
                 margin = math.log10(self.factor)  # far above where the run started: no z

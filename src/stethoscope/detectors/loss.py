@@ -84,6 +84,24 @@ class LossSpike(Detector):
         if "seen" not in state and state.get("initial") is not None:
             self.state["seen"] = self.memory  # a checkpoint from before the count: mature
 
+    def _bar(self, center: float) -> float:
+        """The jump above ``center`` a spike must pass, before the z-score."""
+        st = self.state
+        return max(
+            self.tail * st["envelope"] * max(1.0, self.memory / max(st["seen"], 1)) ** 0.5,
+            self.min_jump * abs(st["initial"]),
+            (self.ratio - 1) * max(center, 0.0),
+        )
+
+    def threshold(self) -> float | None:
+        """The loss above which the next step is a spike, or None while warming up. The
+        recovery ladder skips a step past it."""
+        win = self.state["window"]
+        if len(win) < self.warmup or self.state["initial"] is None:
+            return None
+        center = self._sorted.median(win)
+        return center + max(self._bar(center), self.z * robust_sigma(win, center))
+
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         if not is_finite(loss):
@@ -98,11 +116,7 @@ class LossSpike(Detector):
         if len(win) >= self.warmup:
             center = self._sorted.median(win)
             jump = loss - center
-            bar = max(
-                self.tail * st["envelope"] * max(1.0, self.memory / max(st["seen"], 1)) ** 0.5,
-                self.min_jump * abs(st["initial"]),
-                (self.ratio - 1) * max(center, 0.0),
-            )
+            bar = self._bar(center)
             if jump > bar / 2:  # only then can the z-score matter: skip the MAD on most steps
                 bar = max(bar, self.z * robust_sigma(win, center))
             if jump > bar / 2 and jump > self.min_jump * abs(st["initial"]):
