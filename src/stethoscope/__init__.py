@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from stethoscope.findings import Finding, Severity, TrainingProblem
 from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
+from stethoscope.recovery import Recovery
 
 if TYPE_CHECKING:
     from stethoscope.callbacks.keras import KerasStethoscope
@@ -22,6 +23,7 @@ __all__ = [
     "LightningStethoscope",
     "Monitor",
     "Observation",
+    "Recovery",
     "Severity",
     "TrainingProblem",
 ]

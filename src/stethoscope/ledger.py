@@ -12,10 +12,14 @@ from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
 from stethoscope.summary import EpochSummary, SummaryRow
 
-__all__ = ["SAMPLER", "Ledger"]
+__all__ = ["RECOVERY", "SAMPLER", "Ledger"]
 
 #: The ``detector`` field of the info findings the sampler reports.
 SAMPLER = "sampler"
+#: The ``detector`` field of the findings the recovery ladder reports.
+RECOVERY = "recovery"
+#: Whose findings are all sent, repeats too: each says what was done at that step.
+_ACTS = frozenset({SAMPLER, RECOVERY})
 
 _STATUS = {Severity.INFO: "info", Severity.WARNING: "warning", Severity.ERROR: "error"}
 
@@ -65,7 +69,7 @@ class Ledger:
         if f.rank:
             key += f"|{f.rank}"  # the same problem on another rank is news of its own
         last = self.last_sent.get(key)
-        if last is not None and 0 <= f.step - last < self.repeat_after and f.detector != SAMPLER:
+        if last is not None and 0 <= f.step - last < self.repeat_after and f.detector not in _ACTS:
             return  # an identical finding went out recently: count it, do not flood the sinks
         self.last_sent[key] = f.step
         if hold is not None and not self.writes:

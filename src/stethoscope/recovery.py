@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stethoscope.findings import Finding, Severity
+from stethoscope.ledger import RECOVERY
 from stethoscope.policy import Decision
 
 __all__ = [
@@ -33,9 +34,6 @@ __all__ = [
     "Rung",
     "parse_recover",
 ]
-
-#: The ``detector`` field of the findings the ladder reports.
-RECOVERY = "recovery"
 
 #: Detectors whose errors the ladder answers (by a skip already made, or a roll back)
 #: instead of stopping: what a bad batch or a learning-rate excursion produces. Any other
@@ -180,7 +178,8 @@ class Ladder:
         s.skips.append(step)
         while s.skips and s.skips[0] <= step - cfg.window:
             s.skips.popleft()
-        found = [self._act(step, epoch, "skip", f"{why}; the step was not applied", "info")]
+        kept = "the weights and the optimizer's state stay as they were"
+        found = [self._act(step, epoch, "skip", f"skipped step {step}: {why}; {kept}", "info")]
         if self.cooling(step):
             s.skips_cooling += 1
             if s.skips_cooling >= cfg.rollback_after:
@@ -356,9 +355,12 @@ class Recoverer:
         found, action = self.ladder.skipped(step, epoch, why)
         return self._act(found, action, why)
 
-    def review(self, step: int, epoch: int, decision: Decision) -> Decision:
-        """The monitor judged step ``step``: answer its spared findings (an error on a
-        step that was applied asks for a roll back), report the end of a cool-down."""
+    def review(self, decision: Decision) -> Decision:
+        """The monitor judged a step: answer its spared findings (an error on a step
+        that was applied asks for a roll back)."""
+        if not decision.spared:
+            return decision
+        step, epoch = decision.spared[-1].step, decision.spared[-1].epoch
         found: list[Finding] = []
         action, why = None, ""
         for f in decision.spared:
@@ -367,7 +369,7 @@ class Recoverer:
             more, action = self.ladder.failed(step, epoch, f)
             found += more
             why = f"{f.detector} ({f.severity}) at step {f.step}"
-        found += self.ladder.saw(step, epoch, troubled=bool(decision.spared))
+        found += self.ladder.saw(step, epoch, troubled=True)
         out = self._act(found, action, why)
         return out if out.stop or not decision.stop else decision
 

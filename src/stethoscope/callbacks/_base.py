@@ -12,6 +12,7 @@ from stethoscope.findings import Finding, TrainingProblem
 from stethoscope.monitor import Monitor
 from stethoscope.policy import Decision, StopOn
 from stethoscope.record.writer import RunRecorder
+from stethoscope.recovery import Recoverer, Recovery, parse_recover
 from stethoscope.sinks import ConsoleSink, Sink
 from stethoscope.summary import EpochSummary
 
@@ -38,10 +39,13 @@ class StethoscopeBase:
         escalate: bool,
         hot_steps: int,
         record: str | os.PathLike[str] | None,
+        recover: bool | Recovery = False,
     ) -> None:
         """Make the monitor (which validates every argument); a console by default; with
         ``record``, a :class:`RunRecorder` first among the sinks (so that it has closed
-        the record when a later sink attaches its report)."""
+        the record when a later sink attaches its report); with ``recover``, the
+        recovery ladder that answers the errors it can mend instead of stopping."""
+        settings = parse_recover(recover)
         #: Writes the run's record (``record=``), or ``None``.
         self.recorder = RunRecorder(record) if record is not None else None
         sinks = [ConsoleSink()] if sinks is None else list(sinks)
@@ -55,6 +59,8 @@ class StethoscopeBase:
             hot_steps=hot_steps,
         )
         self.summaries = []
+        #: The recovery ladder (``recover=``), or ``None``.
+        self.recoverer = Recoverer(self.monitor, settings) if settings is not None else None
 
     def _describe(self, framework: dict[str, Any]) -> dict[str, Any]:
         """The run's configuration for its record: ``framework``'s description of the
@@ -66,13 +72,28 @@ class StethoscopeBase:
         """The directory of the run's record (``record=``), or ``None``."""
         return self.recorder.directory if self.recorder is not None else None
 
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the callback: the monitor's state, the ladder's."""
+        state = {"version": 1, "monitor": self.monitor.state_dict()}
+        if self.recoverer is not None:
+            state["recovery"] = self.recoverer.ladder.state_dict()
+        return state
+
+    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state.get("monitor", {}))
+        if self.recoverer is not None and "recovery" in state:
+            self.recoverer.ladder.load_state_dict(state["recovery"])
+
     @property
     def stopped_by(self) -> Finding | None:
         """The finding that stopped (or raised in) the run, if any."""
         return self.monitor.stopped_by
 
     def _act(self, decision: Decision) -> None:
-        """Do what ``decision`` says: raise :class:`TrainingProblem`, or stop gracefully."""
+        """Do what ``decision`` says: raise :class:`TrainingProblem`, or stop gracefully
+        (what the recovery ladder answers, it answers first)."""
+        if decision.spared and self.recoverer is not None:
+            decision = self.recoverer.review(decision)
         if decision.raise_:
             self._before_raise()
             raise TrainingProblem(decision.reason)

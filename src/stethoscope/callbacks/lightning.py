@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -25,9 +24,11 @@ from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
+from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.record import Reading, StepRecord
+from stethoscope.callbacks._lightning.recovery import LightningRecovery
 from stethoscope.callbacks._lightning.reductions import (
     RankTiming,
     ReductionSet,
@@ -38,6 +39,7 @@ from stethoscope.detectors import Detector
 from stethoscope.distributed import RankMeeting
 from stethoscope.observation import Observation
 from stethoscope.policy import StopOn
+from stethoscope.recovery import Recovery
 from stethoscope.sinks import Sink
 
 __all__ = ["LightningStethoscope"]
@@ -91,6 +93,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             gradient distributions, every finding, the configuration) for
             ``stethoscope report`` and ``stethoscope watch``; ``None`` (default): no
             record. Rank zero writes it. See :class:`stethoscope.record.RunRecorder`.
+        recover: ``False`` (default), ``True`` or a :class:`stethoscope.Recovery`: skip a
+            bad step, cool the learning rate, roll back to a snapshot, then stop.
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices.
@@ -115,6 +119,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         labels_from: Callable[[Any], Any] | None = None,
         val_loss_key: str | None = None,
         record: str | os.PathLike[str] | None = None,
+        recover: bool | Recovery = False,
     ) -> None:
         super().__init__()
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
@@ -135,6 +140,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             escalate=escalate,
             hot_steps=hot_steps,
             record=record,
+            recover=recover,
         )
         self.log_stats = bool(log_stats)
         self.max_lag = max_lag
@@ -155,6 +161,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._meeting: RankMeeting | None = None
         self._timing: RankTiming | None = None
         self._replicas: ReplicaChecksums | None = None
+        self._recovery: LightningRecovery | None = None
 
     # -- set-up -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -190,6 +197,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._printer = context.printer
         self.monitor.start(context)
+        if self.recoverer is not None:
+            self._recovery = LightningRecovery(self.recoverer, self._act)
+            self._recovery.start(trainer, pl_module)
         if self._meeting is not None:
             self._watch_replicas(trainer, pl_module)
 
@@ -219,6 +229,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     ) -> None:
         record = self._record
         step = trainer.global_step
+        if self._recovery is not None and step != record.step:
+            self._recovery.new_step(step, trainer.current_epoch)
         if step == record.step:  # a later micro-batch of an accumulated step
             if record.sampled:
                 for r in self._reductions.run(record.plan):
@@ -235,6 +247,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        if self._recovery is not None:
+            self._recovery.judge(optimizer)
         record = self._record
         if not record.sampled:
             return  # not a sampled step: nothing to do here
@@ -286,6 +300,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             if reading is not None:
                 self._reader.push(reading, reading.values)
         self._drain(trainer, wait=False)
+        if self._recovery is not None and trainer.global_step != record.step:
+            self._recovery.after_step(trainer, pl_module, record.step)
         if self._meeting is not None:
             step = record.step
             if trainer.global_step != step and self._meeting.due(step):  # the optimizer stepped
@@ -297,6 +313,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     ) -> None:
         if self._timing is not None:
             self._timing.before_backward()
+        if self._recovery is not None:
+            self._recovery.saw_loss(trainer, pl_module, loss)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._timing is not None:
@@ -363,6 +381,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._forward is not None:
             self._forward.detach()  # never leave a hook on the user's model
+        if self._recovery is not None:
+            self._recovery.close()  # nor a wrapper on the user's optimizers
+            self._recovery = None
         if stage == "fit":
             self.monitor.close()
             self._trainer = None
@@ -374,10 +395,10 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     # -- checkpointing ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "monitor": self.monitor.state_dict()}
+        return self._checkpoint_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.monitor.load_state_dict(state_dict.get("monitor", {}))
+        self._load_checkpoint_state(state_dict)
 
     # -- internals ----------------------------------------------------------------------
     def _stop_training(self) -> None:
@@ -421,27 +442,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         return float(self.monitor.interval("exploding_gradients"))
 
     def _look_if_nonfinite(self, trainer: pl.Trainer, judged: Observation) -> None:
-        """After a non-finite loss on a step whose gradients or weights were not measured,
-        read them at once, while they are still there (judged in the step's own batch end;
-        a reading judged later, on a GPU, would find the next step's), and have every
-        detector that reads them judge what the step lacked, due or not: the parameter that
-        went bad is named on this step, whatever the schedule. Off the healthy path."""
-        loss = judged.loss
-        if loss is None or math.isfinite(loss):
-            return
-        if judged.grad_norm is not None and judged.weight_norm is not None:
-            return
-        if judged.step != self._record.step or not self.monitor.judges_replicated:
-            return  # off rank zero under DDP, the detectors that would read them are idle
-        reading = self._reductions.gradients_and_weights_now(judged.step, judged.epoch, judged.lr)
-        if reading is None:
-            return
-        obs = self._reductions.observation(reading, reading.values.numpy(), self.monitor.rank)
-        if judged.grad_norm is not None:
-            obs.grad_norm = None  # judged already
-        if judged.weight_norm is not None:
-            obs.weight_norm = None
-        self._act(self.monitor.observe(obs, forced=True))
+        decision = look_if_nonfinite(judged, self._record.step, self.monitor, self._reductions)
+        if decision is not None:
+            self._act(decision)
 
 
 def _all_gather(trainer: pl.Trainer, packet: np.ndarray) -> np.ndarray:

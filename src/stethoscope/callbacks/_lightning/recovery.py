@@ -1,0 +1,349 @@
+"""The recovery ladder in a Lightning run: which step to skip (the gate around each
+optimizer's ``step``), the learning rate of a cool-down, and the snapshots a roll back
+goes to. What to do when is :mod:`stethoscope.recovery`'s.
+
+How a skip works. Lightning hands ``optimizer.step`` a closure that runs the training
+step, the backward pass and ``on_before_optimizer_step`` (where the gate judges the
+step: its loss and its gradients, before any clipping). The gate runs that closure
+itself, then either does not call the optimizer at all (a skip: the weights, the
+optimizer's state and its step count stay exactly as they were) or calls it, with the
+learning rate scaled for the optimizer step alone while the ladder cools it down (the
+user's scheduler never sees the scaling).
+
+Where it reads the verdict. On the CPU a tensor's value is host memory: the gate reads
+the loss and the gradient norm at once. (A GPU run needs the verdict on the device, a
+fused optimizer's ``found_inf``: not built yet.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stethoscope.policy import Decision
+from stethoscope.recovery import Recoverer, Recovery
+
+__all__ = ["LightningRecovery", "Snapshots", "StepGate", "refuse_unrecoverable"]
+
+#: Optimizers that call their closure more than once per step: the gate runs it once.
+_MANY_CLOSURE_CALLS = ("LBFGS",)
+
+
+def refuse_unrecoverable(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise when a step of these optimizers cannot be skipped by the gate.
+
+    Raises:
+        ValueError: An optimizer that evaluates its closure several times per step.
+    """
+    for opt in optimizers:
+        if type(opt).__name__ in _MANY_CLOSURE_CALLS:
+            raise ValueError(
+                f"recover= cannot skip the steps of {type(opt).__name__}, which evaluates "
+                "the loss several times per step; use recover=False with it"
+            )
+
+
+class StepGate:
+    """Wraps each optimizer's ``step``: a step judged bad is not applied, a cooled one
+    is applied at the scaled learning rate.
+
+    Args:
+        recoverer: The ladder (its ``lr_scale``) and where skips are reported.
+        thresholds: The loss and gradient-norm bars now, ``(loss, grad)`` (None: none).
+        on_skip: Called with ``(why,)`` when a step is skipped.
+    """
+
+    def __init__(
+        self,
+        recoverer: Recoverer,
+        thresholds: Callable[[], tuple[float | None, float | None]],
+        on_skip: Callable[[str], None],
+    ) -> None:
+        self.recoverer = recoverer
+        self.thresholds = thresholds
+        self.on_skip = on_skip
+        self.step = 0  # the global step being taken
+        self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite gradients
+        self._installed: list[tuple[torch.optim.Optimizer, Any]] = []
+        self._losses: list[float] = []  # this step's losses (micro-batches), unnormalised
+        self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
+
+    # -- installing --------------------------------------------------------------------
+    def install(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            had = opt.__dict__.get("step")
+            original = opt.step
+
+            def guarded(*args: Any, _opt=opt, _original=original, **kwargs: Any) -> Any:
+                return self._step(_opt, _original, args, kwargs)
+
+            # keep the marks of who wrapped it before (an LR scheduler checks for its own)
+            functools.update_wrapper(guarded, original)
+            opt.step = guarded  # type: ignore[method-assign]
+            self._installed.append((opt, had))
+
+    def uninstall(self) -> None:
+        """Give every optimizer its own ``step`` back."""
+        for opt, had in self._installed:
+            if had is None:
+                opt.__dict__.pop("step", None)
+            else:
+                opt.step = had  # type: ignore[method-assign]
+        self._installed.clear()
+
+    # -- per step ----------------------------------------------------------------------
+    def new_step(self, step: int) -> None:
+        self.step = step
+        self._losses.clear()
+        self._verdicts.clear()
+
+    def saw_loss(self, loss: torch.Tensor, scale: float) -> None:
+        """A micro-batch's loss as it goes into ``backward`` (``scale`` undoes Lightning's
+        division by the accumulated batches)."""
+        self._losses.append(float(loss.detach().float()) * scale)
+
+    def judge(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+        """Judge the step ``optimizer`` is about to take from its loss and ``grads``
+        (before clipping): keep why it must be skipped, or None."""
+        self._verdicts[id(optimizer)] = self._why(grads)
+
+    def _why(self, grads: list[torch.Tensor]) -> str | None:
+        losses = self._losses
+        bad = [v for v in losses if not math.isfinite(v)]
+        if bad:
+            return f"the loss is {bad[0]}"
+        norm = _global_norm(grads)
+        if not math.isfinite(norm):
+            if self.scaler_skips_nonfinite:
+                return None  # the GradScaler skips this step itself: not counted twice
+            return "a gradient is non-finite"
+        loss_bar, grad_bar = self.thresholds()
+        worst = max(losses, default=None)
+        if loss_bar is not None and worst is not None and worst > loss_bar:
+            return f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
+        if grad_bar is not None and norm > grad_bar:
+            return (
+                f"the gradient norm {norm:.3g} is past the exploding_gradients bar {grad_bar:.3g}"
+            )
+        return None
+
+    def _step(self, opt: torch.optim.Optimizer, original: Any, args: tuple, kwargs: dict) -> Any:
+        closure = kwargs.pop("closure", None)
+        if closure is None and args:
+            closure, args = args[0], args[1:]
+        result = closure() if closure is not None else None  # forward, backward, judge
+        why = self._verdicts.pop(id(opt), None)
+        if why is not None:
+            self.on_skip(why)
+            return result
+        scale = self.recoverer.ladder.lr_scale(self.step)
+        if scale == 1.0:
+            return original(*args, closure=lambda: result, **kwargs)
+        saved = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * scale
+        try:
+            return original(*args, closure=lambda: result, **kwargs)
+        finally:
+            for group, lr in zip(opt.param_groups, saved, strict=True):
+                group["lr"] = lr
+
+
+def _global_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm of all of ``grads`` together (0 without any)."""
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+
+
+@dataclass
+class Snapshot:
+    step: int
+    state: dict[str, Any] | None  # in memory, or None when on disk
+    path: Path | None
+    nbytes: int
+    seconds: float
+
+
+def _host_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory (a state that training cannot
+    change underneath)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class Snapshots:
+    """The last healthy states of the run: the module's weights and buffers, every
+    optimizer's and scheduler's state, and stethoscope's own (detectors and sampler).
+
+    Args:
+        settings: How many to keep, and where (memory or disk).
+    """
+
+    def __init__(self, settings: Recovery) -> None:
+        self.settings = settings
+        self.kept: deque[Snapshot] = deque()
+        self._dir: Path | None = None
+
+    def take(self, step: int, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot:
+        began = time.perf_counter()
+        state = {
+            "module": _host_copy(module.state_dict()),
+            "optimizers": [_host_copy(o.state_dict()) for o in trainer.optimizers],
+            "schedulers": [
+                _host_copy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs
+            ],
+            "monitor": copy.deepcopy(monitor.state_dict()),
+        }
+        nbytes = _nbytes(state)
+        path = None
+        if self._on_disk(nbytes):
+            path = self._directory() / f"snapshot-{step}.pt"
+            torch.save(state, path)
+            state = None
+        snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began)
+        self.kept.append(snap)
+        while len(self.kept) > self.settings.keep_snapshots:
+            old = self.kept.popleft()
+            if old.path is not None:
+                old.path.unlink(missing_ok=True)
+        return snap
+
+    def restore(self, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot | None:
+        """Put the newest snapshot back; None when there is none."""
+        if not self.kept:
+            return None
+        snap = self.kept[-1]
+        state = snap.state if snap.state is not None else torch.load(snap.path, weights_only=False)
+        module.load_state_dict(state["module"])
+        for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        monitor.load_state_dict(state["monitor"])
+        return snap
+
+    def close(self) -> None:
+        for snap in self.kept:
+            if snap.path is not None:
+                snap.path.unlink(missing_ok=True)
+        self.kept.clear()
+        if self._dir is not None and self.settings.snapshot_dir is None:
+            with contextlib.suppress(OSError):  # not empty: something of the user's
+                self._dir.rmdir()
+
+    def _on_disk(self, nbytes: int) -> bool:
+        where = self.settings.snapshot_in
+        return where == "disk" or (where == "auto" and nbytes > self.settings.memory_limit_bytes)
+
+    def _directory(self) -> Path:
+        if self._dir is None:
+            chosen = self.settings.snapshot_dir
+            if chosen is not None:
+                self._dir = Path(chosen)
+                self._dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self._dir = Path(tempfile.mkdtemp(prefix="stethoscope-snapshots-"))
+        return self._dir
+
+
+#: What a roll back puts back, for its finding.
+_RESTORED = "weights and buffers, optimizer and scheduler state, detectors and sampler"
+
+
+class LightningRecovery:
+    """The ladder in a Lightning run: the gate, the snapshots and the ladder, driven
+    from the callback's hooks.
+
+    Args:
+        recoverer: The monitor's ladder.
+        act: The callback's way of acting on a decision (stop or raise).
+    """
+
+    def __init__(self, recoverer: Recoverer, act: Callable[[Decision], None]) -> None:
+        self.recoverer = recoverer
+        self.act = act
+        self.monitor = recoverer.monitor
+        self.snapshots = Snapshots(recoverer.ladder.settings)
+        self.gate = StepGate(recoverer, self._thresholds, self._skipped)
+        self.epoch = 0
+        self._bars = {d.name: d for d in self.monitor.detectors}
+
+    def start(self, trainer: Any, module: torch.nn.Module) -> None:
+        """Wrap the optimizers and take the first snapshot (before the first step)."""
+        refuse_unrecoverable(trainer.optimizers)
+        plugin = trainer.strategy.precision_plugin
+        self.gate.scaler_skips_nonfinite = getattr(plugin, "scaler", None) is not None
+        self.gate.install(trainer.optimizers)
+        self.snapshots.take(trainer.global_step, trainer, module, self.monitor)
+
+    def new_step(self, step: int, epoch: int) -> None:
+        self.gate.new_step(step)
+        self.epoch = epoch
+
+    def saw_loss(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
+        automatic = getattr(module, "automatic_optimization", True)
+        self.gate.saw_loss(loss, trainer.accumulate_grad_batches if automatic else 1)
+
+    def judge(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        self.gate.judge(optimizer, grads)
+
+    def after_step(self, trainer: Any, module: torch.nn.Module, step: int) -> None:
+        """After the optimizer step ``step``: end a cool-down, roll back if the ladder
+        owes one, else snapshot when due."""
+        for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
+            self.monitor.ledger.record(f)
+        if self.recoverer.rollback_due is not None:
+            snap = self.snapshots.restore(trainer, module, self.monitor)
+            if snap is None:
+                self.act(self.recoverer.no_snapshot(step, self.epoch))
+            else:
+                self.recoverer.rolled_back(step, self.epoch, snap.step, _RESTORED)
+        elif self.recoverer.ladder.snapshot_due(step):
+            self.snapshots.take(step, trainer, module, self.monitor)
+
+    def close(self) -> None:
+        self.gate.uninstall()
+        self.snapshots.close()
+
+    def _thresholds(self) -> tuple[float | None, float | None]:
+        spike, explode = self._bars.get("loss_spike"), self._bars.get("exploding_gradients")
+        return (
+            spike.threshold() if spike is not None else None,
+            explode.threshold() if explode is not None else None,
+        )
+
+    def _skipped(self, why: str) -> None:
+        self.act(self.recoverer.skipped(self.gate.step, self.epoch, why))

@@ -1,0 +1,212 @@
+"""LightningStethoscope(recover=...) on real training: a skipped step leaves the weights
+and the optimizer exactly as a run that never saw the batch, a cool-down scales the
+learning rate for the optimizer alone, a roll back restores the last healthy snapshot,
+and a fault that persists ends in a stop with the ladder's history."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from stethoscope import LightningStethoscope, Recovery
+from stethoscope.recovery import RECOVERY
+from stethoscope.testing import CapturingSink
+
+FEATURES, CLASSES = 12, 3
+
+
+def batches(n: int, *, poison: dict[int, str] | None = None, seed: int = 0) -> list:
+    """``n`` fixed batches; ``poison`` maps a batch index to ``"nan"`` (a NaN input)."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(FEATURES, CLASSES, generator=g)
+    out = []
+    for i in range(n):
+        x = torch.randn(16, FEATURES, generator=g)
+        y = (x @ teacher).argmax(1)
+        if (poison or {}).get(i) == "nan":
+            x = x.clone()
+            x[0, 0] = math.nan
+        out.append((x, y))
+    return out
+
+
+class Net(L.LightningModule):
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, CLASSES))
+        self.optimizer, self.lr = optimizer, lr
+        self.seen_lr: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = self.parameters()
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr / 20, weight_decay=0.01)
+        if self.optimizer == "adamw-fused":
+            return torch.optim.AdamW(params, lr=self.lr / 20, weight_decay=0.01, fused=True)
+        raise ValueError(self.optimizer)
+
+
+def train(model: Net, data: list, callbacks: list, **kw: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kw,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+    return trainer
+
+
+def _same_state(a: Net, b: Net, trainer_a: L.Trainer, trainer_b: L.Trainer) -> None:
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    sa, sb = trainer_a.optimizers[0].state_dict(), trainer_b.optimizers[0].state_dict()
+    for key, state in sa["state"].items():
+        for field, value in state.items():
+            other = sb["state"][key][field]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (key, field)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-fused"])
+def test_a_skipped_step_is_as_if_the_batch_was_never_seen(optimizer):
+    poisoned = batches(60, poison={41: "nan"})
+    torch.manual_seed(0)
+    model = Net(optimizer)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    trainer = train(model, poisoned, [callback])
+    assert trainer.global_step == 60 and not trainer.should_stop  # every step taken
+    torch.manual_seed(0)
+    twin = Net(optimizer)
+    twin_trainer = train(twin, [b for i, b in enumerate(poisoned) if i != 41], [])
+    _same_state(model, twin, trainer, twin_trainer)  # bit for bit, state step counts too
+    [skip] = [f for f in sink.findings if f.detector == RECOVERY]
+    assert skip.step == 41 and skip.where == "skip" and "the loss is nan" in skip.message
+    assert any(f.detector == "nonfinite_loss" and f.step == 41 for f in sink.findings)
+    assert callback.recoverer.ladder.counts == {"skip": 1, "cool": 0, "rollback": 0, "stop": 0}
+    assert "step" not in trainer.optimizers[0].__dict__  # the optimizer's own step is back
+
+
+class SpySGD(torch.optim.SGD):
+    """Keeps the learning rate each step is applied with."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.applied: list[float] = []
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.applied.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+class SpyNet(Net):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        opt = SpySGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.99)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_cool_down_scales_the_learning_rate_on_top_of_the_schedule_then_restores_it():
+    data = batches(60, poison={40: "nan", 42: "nan"})
+    torch.manual_seed(0)
+    model = SpyNet()
+    settings = Recovery(cool_after=2, window=10, cool_steps=5, cool_factor=0.5)
+    sink = CapturingSink()
+    trainer = train(model, data, [LightningStethoscope(sinks=[sink], recover=settings)])
+    applied = trainer.optimizers[0].applied
+    assert len(applied) == 58  # two skipped
+    schedule = [0.1 * 0.99**s for s in range(60) if s not in (40, 42)]
+    cooled = [i for i, s in enumerate(s for s in range(60) if s not in (40, 42)) if 43 <= s <= 47]
+    for i, (lr, planned) in enumerate(zip(applied, schedule, strict=True)):
+        assert lr == pytest.approx(planned * (0.5 if i in cooled else 1.0)), i
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.99**60)
+    acts = [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
+    assert acts == [(40, "skip"), (42, "skip"), (42, "cool"), (48, "restore_lr")]
+
+
+class Spy(L.Callback):
+    """After stethoscope's batch end: the module's weights at chosen steps."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps, self.weights = steps, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step - 1 in self.steps:
+            self.weights[trainer.global_step - 1] = {
+                k: v.clone() for k, v in pl_module.state_dict().items()
+            }
+
+
+def test_skips_during_a_cool_down_roll_back_to_the_last_healthy_snapshot():
+    data = batches(60, poison={25: "nan", 27: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=10, cool_steps=10)
+    torch.manual_seed(0)
+    model = Net("adamw")
+    sink = CapturingSink()
+    spy = Spy({27})
+    callback = LightningStethoscope(sinks=[sink], recover=settings)
+    trainer = train(model, data, [callback, spy])
+    assert trainer.global_step == 60 and not trainer.should_stop
+    torch.manual_seed(0)
+    twin = Net("adamw")
+    train(twin, data[:21], [])  # the snapshot of step 20 holds the weights after 21 steps
+    for name, value in twin.state_dict().items():
+        assert torch.equal(spy.weights[27][name], value), name
+    acts = [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
+    assert acts[:5] == [(25, "skip"), (25, "cool"), (27, "skip"), (27, "rollback"), (27, "cool")]
+    rollback = next(f for f in sink.findings if f.where == "rollback")
+    assert "snapshot of step 20" in rollback.message and "steps 21…27" in rollback.message
+    assert callback.recoverer.ladder.counts["rollback"] == 1
+
+
+def test_a_fault_that_persists_climbs_the_ladder_and_stops():
+    data = batches(200, poison={i: "nan" for i in range(30, 200)})
+    settings = Recovery(snapshot_every=10, max_rollbacks=2)
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=settings)
+    trainer = train(Net("sgd"), data, [callback])
+    assert trainer.should_stop and trainer.global_step < 60
+    stop = callback.stopped_by
+    assert stop.detector == RECOVERY and stop.severity == "error"
+    assert "gave up" in stop.message and "after 2 roll backs" in stop.message
+    counts = callback.recoverer.ladder.counts
+    assert counts["rollback"] == 2 and counts["stop"] == 1 and counts["cool"] >= 2
+
+
+def test_a_healthy_run_takes_no_action():
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    train(Net("adamw"), batches(250), [callback])
+    assert [f for f in sink.findings if f.detector == RECOVERY] == []
+    assert callback.recoverer.ladder.counts == {"skip": 0, "cool": 0, "rollback": 0, "stop": 0}
+
+
+def test_bad_recover_values_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"recover='always' is not valid; use False"):
+        LightningStethoscope(recover="always")
+
+
+def test_an_optimizer_whose_step_cannot_be_skipped_is_refused():
+    class LBFGSNet(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(ValueError, match="recover= cannot skip the steps of LBFGS"):
+        train(LBFGSNet(), batches(4), [LightningStethoscope(sinks=[], recover=True)])
