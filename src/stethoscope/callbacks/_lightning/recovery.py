@@ -23,6 +23,7 @@ import functools
 import math
 import tempfile
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -298,6 +299,15 @@ class LightningRecovery:
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
         refuse_unrecoverable(trainer.optimizers)
+        device = trainer.strategy.root_device
+        if device.type != "cpu":
+            warnings.warn(
+                f"stethoscope: recover= reads each step's loss and gradient norm on the host, "
+                f"which on {device.type} waits for the device every step; the device-side "
+                "skip (a fused optimizer's found_inf) is not built yet",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         plugin = trainer.strategy.precision_plugin
         self.gate.scaler_skips_nonfinite = getattr(plugin, "scaler", None) is not None
         self.gate.install(trainer.optimizers)
