@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--record", default=None, help="keep the run's record in this directory, and report it"
     )
+    parser.add_argument(
+        "--recover", action="store_true", help="skip bad steps, cool the LR, roll back, then stop"
+    )
     args = parser.parse_args(argv)
 
     L.seed_everything(args.seed, verbose=False)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     sinks = [ConsoleSink(), captured] + ([JSONLSink(args.jsonl)] if args.jsonl else [])
     trainer = L.Trainer(
         max_epochs=args.epochs,
-        callbacks=[LightningStethoscope(sinks=sinks, record=args.record)],
+        callbacks=[LightningStethoscope(sinks=sinks, record=args.record, recover=args.recover)],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -125,17 +125,22 @@ def test_a_monitor_with_a_ladder_does_not_stop_on_what_the_ladder_answers():
         monitor.observe(_obs(step, 1.0))
     # the step was skipped, then judged: the NaN is reported, nothing stops
     assert not recoverer.skipped(3, 0, "the loss is NaN").stop
+    recoverer.settle(3)
     decision = recoverer.review(monitor.observe(_obs(3, float("nan"))))
     assert not decision.stop and recoverer.rollback_due is None
     assert sink.at_least("error")[0].detector == "nonfinite_loss"  # nothing hidden
     assert monitor.stopped_by is None
     # a NaN on a step that was applied asks for a roll back
+    recoverer.settle(9)
     decision = recoverer.review(monitor.observe(_obs(9, float("nan"))))
     assert not decision.stop and "nonfinite_loss (error) at step 9" in recoverer.rollback_due
     recoverer.rolled_back(9, 0, to_step=0, what="everything")
     assert [f.where for f in sink.findings if f.detector == RECOVERY][-2:] == ["rollback", "cool"]
-    # the next one has no roll back left: stop, for the ladder's reason
+    # judged before its step was settled (an early micro-batch), it waits for the verdict
     decision = recoverer.review(monitor.observe(_obs(12, float("nan"))))
+    assert not decision.stop
+    # the next one has no roll back left: stop, for the ladder's reason
+    decision = recoverer.settle(12)
     assert decision.stop and decision.reason.detector == RECOVERY
     assert monitor.stopped_by is decision.reason
 
@@ -143,6 +148,7 @@ def test_a_monitor_with_a_ladder_does_not_stop_on_what_the_ladder_answers():
 def test_without_a_snapshot_the_roll_back_is_a_stop():
     monitor = Monitor(sinks=[])
     recoverer = Recoverer(monitor, Recovery())
+    recoverer.settle(5)
     recoverer.review(monitor.observe(_obs(5, float("nan"))))
     assert recoverer.rollback_due
     decision = recoverer.no_snapshot(5, 0)

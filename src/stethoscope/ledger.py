@@ -65,6 +65,9 @@ class Ledger:
         stats["by_severity"][f.severity.value] = stats["by_severity"].get(f.severity.value, 0) + 1
         if f.severity > stats["worst"].severity:
             stats["worst"] = f
+        if f.detector in _ACTS:  # what was done, by kind (the recovery ladder's rungs)
+            acts = stats.setdefault("acts", {})
+            acts[f.where] = acts.get(f.where, 0) + 1
         key = f"{f.detector}|{f.where}|{f.severity.value}"
         if f.rank:
             key += f"|{f.rank}"  # the same problem on another rank is news of its own
@@ -159,6 +162,8 @@ class Ledger:
                     + ("still sampling hot" if hot else "back at base intervals"),
                 )
             )
+        if RECOVERY in self._epoch:
+            rows.append(_recovery_row(self._epoch[RECOVERY]))
         if quiet:
             intervals = sorted({interval(n) for n in quiet})
             every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
@@ -245,3 +250,29 @@ class Ledger:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.last_sent = dict(state.get("last_sent", {}))
+
+
+#: How the epoch summary words each act of the recovery ladder, by count.
+_ACT_WORDS = {
+    "skip": ("skipped {n} step", "skipped {n} steps"),
+    "cool": ("cooled the LR once", "cooled the LR {n}x"),
+    "restore_lr": ("restored the LR", "restored the LR {n}x"),
+    "rollback": ("rolled back once", "rolled back {n}x"),
+    "stop": ("then stopped", "then stopped"),
+}
+
+
+def _recovery_row(stats: dict[str, Any]) -> SummaryRow:
+    """The ladder's row: what it did this epoch, by act."""
+    acts = stats.get("acts", {})
+    words = [
+        (one if acts[act] == 1 else many).format(n=acts[act])
+        for act, (one, many) in _ACT_WORDS.items()
+        if acts.get(act)
+    ]
+    return SummaryRow(
+        detector=RECOVERY,
+        status=_STATUS[stats["worst"].severity],
+        count=stats["count"],
+        verdict=", ".join(words),
+    )

@@ -349,6 +349,9 @@ class Recoverer:
         monitor.spared = RECOVERABLE
         #: A roll back the adapter owes, at the end of the step that asked for it.
         self.rollback_due: str | None = None
+        #: The last step whose optimizer step was applied or skipped (see :meth:`settle`).
+        self.settled = -1
+        self._pending: list[Finding] = []  # errors judged before their step was settled
 
     def skipped(self, step: int, epoch: int, why: str) -> Decision:
         """The adapter did not apply step ``step``, because ``why``."""
@@ -361,17 +364,33 @@ class Recoverer:
         if not decision.spared:
             return decision
         step, epoch = decision.spared[-1].step, decision.spared[-1].epoch
-        found: list[Finding] = []
-        action, why = None, ""
-        for f in decision.spared:
-            if self.ladder.was_skipped(f.step) or f.severity < Severity.ERROR or action:
-                continue
-            more, action = self.ladder.failed(step, epoch, f)
-            found += more
-            why = f"{f.detector} ({f.severity}) at step {f.step}"
-        found += self.ladder.saw(step, epoch, troubled=True)
-        out = self._act(found, action, why)
+        # an error of a step not settled yet (a micro-batch before the optimizer step)
+        # waits for the gate's verdict on that step
+        waiting = [f for f in decision.spared if f.step > self.settled]
+        self._pending += [f for f in waiting if f.severity >= Severity.ERROR]
+        found = self.ladder.saw(step, epoch, troubled=True)
+        out = self._answer([f for f in decision.spared if f.step <= self.settled], found)
         return out if out.stop or not decision.stop else decision
+
+    def settle(self, step: int) -> Decision:
+        """The optimizer step of ``step`` was applied or skipped: answer the errors that
+        waited for it."""
+        self.settled = step
+        ready = [f for f in self._pending if f.step <= step]
+        self._pending = [f for f in self._pending if f.step > step]
+        return self._answer(ready, [])
+
+    def _answer(self, spared: list[Finding], found: list[Finding]) -> Decision:
+        """An error on a step that was applied (not skipped) asks for a roll back."""
+        action, why = None, ""
+        for f in spared:
+            if self.ladder.was_skipped(f.step) or f.severity < Severity.ERROR:
+                continue
+            more, action = self.ladder.failed(f.step, f.epoch, f)
+            found = found + more
+            why = f"{f.detector} ({f.severity}) at step {f.step}"
+            break
+        return self._act(found, action, why)
 
     def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> None:
         """The adapter restored the snapshot of ``to_step``."""

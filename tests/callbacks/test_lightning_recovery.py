@@ -21,7 +21,8 @@ FEATURES, CLASSES = 12, 3
 
 
 def batches(n: int, *, poison: dict[int, str] | None = None, seed: int = 0) -> list:
-    """``n`` fixed batches; ``poison`` maps a batch index to ``"nan"`` (a NaN input)."""
+    """``n`` fixed batches; ``poison`` maps a batch index to ``"nan"`` (a NaN input) or
+    ``"spike"`` (inputs 100x too large and every label wrong)."""
     g = torch.Generator().manual_seed(seed)
     teacher = torch.randn(FEATURES, CLASSES, generator=g)
     out = []
@@ -31,6 +32,8 @@ def batches(n: int, *, poison: dict[int, str] | None = None, seed: int = 0) -> l
         if (poison or {}).get(i) == "nan":
             x = x.clone()
             x[0, 0] = math.nan
+        if (poison or {}).get(i) == "spike":
+            x, y = x * 100.0, (y + 1) % CLASSES  # confidently wrong: a loss spike
         out.append((x, y))
     return out
 
@@ -100,6 +103,8 @@ def test_a_skipped_step_is_as_if_the_batch_was_never_seen(optimizer):
     assert any(f.detector == "nonfinite_loss" and f.step == 41 for f in sink.findings)
     assert callback.recoverer.ladder.counts == {"skip": 1, "cool": 0, "rollback": 0, "stop": 0}
     assert "step" not in trainer.optimizers[0].__dict__  # the optimizer's own step is back
+    [row] = [r for r in callback.summaries[-1].rows if r.detector == RECOVERY]
+    assert row.verdict == "skipped 1 step" and row.status == "info"
 
 
 class SpySGD(torch.optim.SGD):
@@ -172,6 +177,9 @@ def test_skips_during_a_cool_down_roll_back_to_the_last_healthy_snapshot():
     rollback = next(f for f in sink.findings if f.where == "rollback")
     assert "snapshot of step 20" in rollback.message and "steps 21…27" in rollback.message
     assert callback.recoverer.ladder.counts["rollback"] == 1
+    [row] = [r for r in callback.summaries[-1].rows if r.detector == RECOVERY]
+    assert row.status == "warning"
+    assert row.verdict == "skipped 2 steps, cooled the LR 2x, restored the LR, rolled back once"
 
 
 def test_a_fault_that_persists_climbs_the_ladder_and_stops():
@@ -210,3 +218,69 @@ def test_an_optimizer_whose_step_cannot_be_skipped_is_refused():
 
     with pytest.raises(ValueError, match="recover= cannot skip the steps of LBFGS"):
         train(LBFGSNet(), batches(4), [LightningStethoscope(sinks=[], recover=True)])
+
+
+def test_with_gradient_clipping_a_spike_is_judged_before_the_clipping():
+    data = batches(80, poison={60: "spike"})
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    trainer = train(Net("sgd"), data, [callback], gradient_clip_val=1.0)
+    assert trainer.global_step == 80
+    [skip] = [f for f in sink.findings if f.detector == RECOVERY]
+    assert skip.step == 60 and "past the" in skip.message
+
+
+def test_an_accumulated_step_with_one_bad_micro_batch_is_skipped_whole():
+    data = batches(80, poison={41: "nan"})  # micro-batch 1 of step 10 (4 per step)
+    torch.manual_seed(0)
+    model = Net("adamw")
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    trainer = train(model, data, [callback], accumulate_grad_batches=4)
+    assert trainer.global_step == 20
+    torch.manual_seed(0)
+    twin = Net("adamw")
+    twin_trainer = train(twin, data[:40] + data[44:], [], accumulate_grad_batches=4)
+    _same_state(model, twin, trainer, twin_trainer)
+    assert [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY] == [(10, "skip")]
+
+
+class TwoOptimizers(Net):
+    """Manual optimization, an optimizer per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, second = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        return loss
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.SGD(self.net[0].parameters(), lr=0.05, momentum=0.9),
+            torch.optim.Adam(self.net[2].parameters(), lr=1e-3),
+        )
+
+
+def test_manual_optimization_with_two_optimizers_skips_both_and_counts_one_step():
+    data = batches(60, poison={30: "nan"})
+    torch.manual_seed(0)
+    model = TwoOptimizers()
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    trainer = train(model, data, [callback])
+    torch.manual_seed(0)
+    twin = TwoOptimizers()
+    train(twin, data[:30] + data[31:], [])
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    skips = [f for f in sink.findings if f.detector == RECOVERY]
+    assert [f.where for f in skips] == ["skip"] and not trainer.should_stop

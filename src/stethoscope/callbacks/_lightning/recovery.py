@@ -63,6 +63,7 @@ class StepGate:
         recoverer: The ladder (its ``lr_scale``) and where skips are reported.
         thresholds: The loss and gradient-norm bars now, ``(loss, grad)`` (None: none).
         on_skip: Called with ``(why,)`` when a step is skipped.
+        on_settle: Called with the step once its optimizer step was applied or skipped.
     """
 
     def __init__(
@@ -70,15 +71,18 @@ class StepGate:
         recoverer: Recoverer,
         thresholds: Callable[[], tuple[float | None, float | None]],
         on_skip: Callable[[str], None],
+        on_settle: Callable[[int], None],
     ) -> None:
         self.recoverer = recoverer
         self.thresholds = thresholds
         self.on_skip = on_skip
+        self.on_settle = on_settle
         self.step = 0  # the global step being taken
         self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite gradients
         self._installed: list[tuple[torch.optim.Optimizer, Any]] = []
         self._losses: list[float] = []  # this step's losses (micro-batches), unnormalised
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
+        self._skipped_step = -1
 
     # -- installing --------------------------------------------------------------------
     def install(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -146,16 +150,25 @@ class StepGate:
         result = closure() if closure is not None else None  # forward, backward, judge
         why = self._verdicts.pop(id(opt), None)
         if why is not None:
-            self.on_skip(why)
-            return result
+            if self._skipped_step != self.step:  # several optimizers: one skip per step
+                self._skipped_step = self.step
+                self.on_skip(why)
+        else:
+            self._apply(opt, original, args, kwargs, result)
+        self.on_settle(self.step)
+        return result
+
+    def _apply(self, opt: Any, original: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """The optimizer's own step, at the cooled learning rate while the ladder cools."""
         scale = self.recoverer.ladder.lr_scale(self.step)
         if scale == 1.0:
-            return original(*args, closure=lambda: result, **kwargs)
+            original(*args, closure=lambda: result, **kwargs)
+            return
         saved = [group["lr"] for group in opt.param_groups]
         for group in opt.param_groups:
             group["lr"] = group["lr"] * scale
         try:
-            return original(*args, closure=lambda: result, **kwargs)
+            original(*args, closure=lambda: result, **kwargs)
         finally:
             for group, lr in zip(opt.param_groups, saved, strict=True):
                 group["lr"] = lr
@@ -292,7 +305,7 @@ class LightningRecovery:
         self.act = act
         self.monitor = recoverer.monitor
         self.snapshots = Snapshots(recoverer.ladder.settings)
-        self.gate = StepGate(recoverer, self._thresholds, self._skipped)
+        self.gate = StepGate(recoverer, self._thresholds, self._skipped, self._settled)
         self.epoch = 0
         self._bars = {d.name: d for d in self.monitor.detectors}
 
@@ -357,3 +370,6 @@ class LightningRecovery:
 
     def _skipped(self, why: str) -> None:
         self.act(self.recoverer.skipped(self.gate.step, self.epoch, why))
+
+    def _settled(self, step: int) -> None:
+        self.act(self.recoverer.settle(step))
