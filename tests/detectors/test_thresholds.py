@@ -47,3 +47,12 @@ def test_the_loss_bar_is_where_loss_spike_fires(seed):
     assert bar is not None
     assert _fires(detector, make_obs(999, loss=bar * 1.0001 + 1e-9))
     assert not _fires(detector, make_obs(999, loss=bar * 0.9999))
+
+
+def test_passed_by_is_the_threshold_for_a_spike_and_none_otherwise():
+    detector = LossSpike()
+    for step in range(100):
+        detector.update(make_obs(step, loss=1.0 + 0.01 * (step % 7)))
+    bar = detector.threshold()
+    assert detector.passed_by(bar * 1.01) == bar
+    assert detector.passed_by(bar * 0.99) is None and detector.passed_by(1.0) is None

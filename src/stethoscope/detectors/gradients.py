@@ -72,6 +72,7 @@ class ExplodingGradients(Detector):
         self.factor, self.z = float(factor), float(z)
         self.initial_factor = float(initial_factor)
         self.warmup, self.window, self.patience = warmup, window, patience
+        self._bar_cache: tuple[tuple | None, float] = (None, math.inf)
         super().__init__()
 
     def _initial_state(self) -> dict:
@@ -97,10 +98,14 @@ class ExplodingGradients(Detector):
         st = self.state
         if st["seen"] < self.warmup or st["initial"] is None:
             return None
+        key = (st["seen"], st["initial"])  # the bar moves only when the detector runs
+        if self._bar_cache[0] == key:
+            return self._bar_cache[1]
         center, margin = self._baseline()
         with_z = max(center + margin, st["initial"])
         far = max(st["initial"] + math.log10(self.initial_factor), center + math.log10(self.factor))
-        return 10 ** min(with_z, far)
+        self._bar_cache = (key, 10 ** min(with_z, far))
+        return self._bar_cache[1]
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state

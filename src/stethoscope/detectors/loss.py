@@ -94,13 +94,25 @@ class LossSpike(Detector):
         )
 
     def threshold(self) -> float | None:
-        """The loss above which the next step is a spike, or None while warming up. The
-        recovery ladder skips a step past it."""
+        """The loss above which the next step is a spike, or None while warming up."""
         win = self.state["window"]
         if len(win) < self.warmup or self.state["initial"] is None:
             return None
         center = self._sorted.median(win)
         return center + max(self._bar(center), self.z * robust_sigma(win, center))
+
+    def passed_by(self, loss: float) -> float | None:
+        """:meth:`threshold` if ``loss`` is past it, else None: what the recovery ladder
+        asks every step, cheap on a healthy one (the z-score only for a jump past the
+        other bars, as the rule itself does)."""
+        win = self.state["window"]
+        if len(win) < self.warmup or self.state["initial"] is None:
+            return None
+        center = self._sorted.median(win)
+        if loss - center <= self._bar(center):
+            return None
+        bar = self.threshold()
+        return bar if bar is not None and loss > bar else None
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss

@@ -61,7 +61,8 @@ class StepGate:
 
     Args:
         recoverer: The ladder (its ``lr_scale``) and where skips are reported.
-        thresholds: The loss and gradient-norm bars now, ``(loss, grad)`` (None: none).
+        thresholds: Given the step's loss, the loss bar it passed (None: not past it)
+            and the gradient-norm bar now (None: none yet).
         on_skip: Called with ``(why,)`` when a step is skipped.
         on_settle: Called with the step once its optimizer step was applied or skipped.
     """
@@ -69,7 +70,7 @@ class StepGate:
     def __init__(
         self,
         recoverer: Recoverer,
-        thresholds: Callable[[], tuple[float | None, float | None]],
+        thresholds: Callable[[float | None], tuple[float | None, float | None]],
         on_skip: Callable[[str], None],
         on_settle: Callable[[int], None],
     ) -> None:
@@ -133,9 +134,9 @@ class StepGate:
             if self.scaler_skips_nonfinite:
                 return None  # the GradScaler skips this step itself: not counted twice
             return "a gradient is non-finite"
-        loss_bar, grad_bar = self.thresholds()
         worst = max(losses, default=None)
-        if loss_bar is not None and worst is not None and worst > loss_bar:
+        loss_bar, grad_bar = self.thresholds(worst)
+        if loss_bar is not None:
             return f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
         if grad_bar is not None and norm > grad_bar:
             return (
@@ -361,10 +362,10 @@ class LightningRecovery:
         self.gate.uninstall()
         self.snapshots.close()
 
-    def _thresholds(self) -> tuple[float | None, float | None]:
+    def _thresholds(self, loss: float | None) -> tuple[float | None, float | None]:
         spike, explode = self._bars.get("loss_spike"), self._bars.get("exploding_gradients")
         return (
-            spike.threshold() if spike is not None else None,
+            spike.passed_by(loss) if spike is not None and loss is not None else None,
             explode.threshold() if explode is not None else None,
         )
 
