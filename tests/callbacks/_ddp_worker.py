@@ -80,6 +80,8 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
     "sleep": ({"rank_fault": "sleep"}, {}, 24, {}, False),
     # BatchNorm buffers DDP does not re-broadcast: each rank's running statistics drift
     "buffers": ({"norm": True}, {}, 24, {"broadcast_buffers": False}, False),
+    # the recovery ladder: rank 1's NaN at step 37 is skipped by both ranks, at once
+    "recover": ({"rank_fault": "nan", "onset": 37}, {"recover": True}, 64, {}, False),
 }
 
 
@@ -124,6 +126,9 @@ def run(out: Path, name: str) -> None:
         "should_stop": trainer.should_stop,
         "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
         "raised": raised,
+        # the replicas' weights, to compare across ranks
+        "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "skips": callback.recoverer.ladder.counts["skip"] if callback.recoverer else None,
     }
     (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -26,7 +26,7 @@ from stethoscope.record import RunRecord
 from stethoscope.testing import CapturingSink
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
-SCENARIOS = ("healthy", "nan", "nan_raise", "perturb", "sleep", "buffers")
+SCENARIOS = ("healthy", "nan", "nan_raise", "perturb", "sleep", "buffers", "recover")
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
 TIMEOUT = 180
 
@@ -166,6 +166,18 @@ def test_unsynchronised_batchnorm_buffers_are_a_warning(runs):
     assert found[0]["where"].endswith(("running_mean", "running_var")) and found[0]["rank"] == 1
     for r in ranks(runs, "buffers"):
         assert r["global_step"] == 24 and r["stopped_by"] is None
+
+
+def test_a_nan_batch_on_one_rank_is_skipped_by_both_and_the_run_finishes(runs):
+    first, second = ranks(runs, "recover")
+    for r in (first, second):
+        assert r["global_step"] == 64 and not r["should_stop"] and r["stopped_by"] is None
+        assert r["skips"] == 1
+    assert first["checksum"] == second["checksum"]  # the replicas are still the same
+    found = findings(runs, "recover")
+    [skip] = [f for f in found if f["detector"] == "recovery"]
+    assert skip["step"] == 37 and "on another rank, the loss is non-finite" in skip["message"]
+    assert any(f["detector"] == "nonfinite_loss" and f["rank"] == 1 for f in found)
 
 
 def test_a_single_process_never_meets(monkeypatch):

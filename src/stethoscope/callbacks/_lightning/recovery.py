@@ -121,25 +121,32 @@ class StepGate:
 
     def judge(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
         """Judge the step ``optimizer`` is about to take from its loss and ``grads``
-        (before clipping): keep why it must be skipped, or None."""
-        self._verdicts[id(optimizer)] = self._why(grads)
+        (before clipping): keep why it must be skipped, or None. Under DDP every rank
+        takes the verdict of the worst of them (a NaN batch on one rank is skipped by
+        all), so the replicas stay the same."""
+        verdict = self._why(grads)
+        if _world_size() > 1:
+            verdict = _agree(verdict, grads[0].device if grads else torch.device("cpu"))
+        self._verdicts[id(optimizer)] = verdict[1] if verdict is not None else None
 
-    def _why(self, grads: list[torch.Tensor]) -> str | None:
+    def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
+        """Why this step must not be applied, as ``(code, sentence)`` (the code indexes
+        :data:`_REASONS`), or None."""
         losses = self._losses
         bad = [v for v in losses if not math.isfinite(v)]
         if bad:
-            return f"the loss is {bad[0]}"
+            return 4, f"the loss is {bad[0]}"
         norm = _global_norm(grads)
         if not math.isfinite(norm):
             if self.scaler_skips_nonfinite:
                 return None  # the GradScaler skips this step itself: not counted twice
-            return "a gradient is non-finite"
+            return 3, "a gradient is non-finite"
         worst = max(losses, default=None)
         loss_bar, grad_bar = self.thresholds(worst)
         if loss_bar is not None:
-            return f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
+            return 1, f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
         if grad_bar is not None and norm > grad_bar:
-            return (
+            return 2, (
                 f"the gradient norm {norm:.3g} is past the exploding_gradients bar {grad_bar:.3g}"
             )
         return None
@@ -173,6 +180,33 @@ class StepGate:
         finally:
             for group, lr in zip(opt.param_groups, saved, strict=True):
                 group["lr"] = lr
+
+
+#: Why a step is skipped, by how bad: 1 + the index is the code the ranks agree on
+#: (the largest wins).
+_REASONS = (
+    "the loss is past the loss_spike bar",
+    "the gradient norm is past the exploding_gradients bar",
+    "a gradient is non-finite",
+    "the loss is non-finite",
+)
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, str] | None:
+    """Every rank's verdict, the worst of them: this rank's own reason when it is the
+    one that saw it, else what another rank saw."""
+    mine = verdict[0] if verdict is not None else 0
+    worst = torch.tensor([mine], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    code = int(worst.item())
+    if code == mine:
+        return verdict
+    return code, f"on another rank, {_REASONS[code - 1]}"
 
 
 def _global_norm(grads: list[torch.Tensor]) -> float:
