@@ -284,3 +284,24 @@ def test_manual_optimization_with_two_optimizers_skips_both_and_counts_one_step(
         assert torch.equal(a, b), name
     skips = [f for f in sink.findings if f.detector == RECOVERY]
     assert [f.where for f in skips] == ["skip"] and not trainer.should_stop
+
+
+def test_the_report_marks_the_skips_the_cool_downs_and_the_roll_back(tmp_path):
+    pytest.importorskip("plotly")
+    from stethoscope.record.report import cool_downs, figures
+
+    data = batches(60, poison={25: "nan", 27: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=10, cool_steps=10)
+    torch.manual_seed(0)
+    callback = LightningStethoscope(sinks=[], recover=settings, record=tmp_path / "run")
+    train(Net("adamw"), data, [callback])
+    from stethoscope.record import RunRecord
+
+    with RunRecord(tmp_path / "run") as record:
+        spans = cool_downs(record.findings(), 59)
+        loss = figures(record)["loss"]
+    assert [(a, b) for a, b, _ in spans] == [(25, 27), (27, 38)]  # cooled, cooled again
+    traces = {t.name: t for t in loss.data}
+    assert list(traces["skipped step (2)"].x) == [25, 27]
+    assert [x for x in traces["rolled back"].x if x is not None] == [27, 27]
+    assert "learning rate cooled (recovery)" in traces

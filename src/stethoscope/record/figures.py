@@ -20,9 +20,15 @@ from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
 from stethoscope.findings import Finding
+from stethoscope.ledger import RECOVERY
 from stethoscope.record import plotting as pl
 from stethoscope.record.reader import Curve, LayerSeries
-from stethoscope.record.report import ZERO_LOG10, distribution_quantiles, escalations
+from stethoscope.record.report import (
+    ZERO_LOG10,
+    cool_downs,
+    distribution_quantiles,
+    escalations,
+)
 
 __all__ = [
     "HEALTHY_UPDATE_RATIO",
@@ -45,6 +51,9 @@ DISTRIBUTION_POINTS = 30_000
 SEVERITY_COLOURS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#7f7f7f"}
 _MARKERS = {"info": ("circle-open", 9), "warning": ("triangle-up", 11), "error": ("x", 11)}
 _ESCALATION = "rgba(255, 160, 0, 0.15)"
+_COOLING = "rgba(31, 119, 180, 0.12)"
+#: Findings drawn by their own traces, not as markers on the loss curve.
+_DRAWN_APART = frozenset({"sampler", RECOVERY})
 _JUMP = {
     "mode": "immediate",
     "frame": {"duration": 0, "redraw": True},
@@ -62,26 +71,11 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
     finite = np.isfinite(values)
     shown = pl.envelope(values, LOSS_POINTS)
     fig = go.Figure()
-    # the escalations, on a hidden [0, 1] axis so that they span the plot's height
-    spans = escalations(findings, int(steps[-1]))
-    if spans:
-        xs: list[float | None] = []
-        ys: list[float | None] = []
-        for a, b, _ in spans:
-            xs += [a, a, b, b, a, None]
-            ys += [0, 1, 1, 0, 0, None]
-        fig.add_scatter(
-            x=xs,
-            y=ys,
-            yaxis="y2",
-            fill="toself",
-            fillcolor=_ESCALATION,
-            mode="none",
-            name="sampler escalated (all detectors every step)",
-            hoveron="fills",
-            hoverinfo="name",
-            hoverlabel={"namelength": -1},
-        )
+    # stretches shaded on a hidden [0, 1] axis, so that they span the plot's height
+    last = int(steps[-1])
+    escalated = "sampler escalated (all detectors every step)"
+    _shade(fig, escalations(findings, last), _ESCALATION, escalated)
+    _shade(fig, cool_downs(findings, last), _COOLING, "learning rate cooled (recovery)")
     fig.add_scatter(
         x=steps[shown],
         y=values[shown],
@@ -116,6 +110,7 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
             hovertemplate="step %{x}<br>loss %{text}<extra></extra>",
         )
     _add_findings(fig, steps, values, finite, findings)
+    _add_recovery(fig, findings)
     fig.update_layout(
         pl.LAYOUT,
         title="Training loss"
@@ -124,7 +119,8 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
         xaxis={"title": "step"},
         yaxis={"title": "loss"},
         yaxis2={"overlaying": "y", "range": [0, 1.04], "visible": False, "fixedrange": True},
-        height=460,
+        height=500,
+        margin={**pl.LAYOUT["margin"], "t": 110},  # room for a legend of two rows
         hovermode="closest",
         updatemenus=[
             pl.menu(
@@ -137,6 +133,64 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
     return fig
 
 
+def _shade(fig: go.Figure, spans: list[tuple[int, int, str]], colour: str, name: str) -> None:
+    """Shade each ``(first step, last step, why)`` over the plot's height."""
+    if not spans:
+        return
+    xs: list[float | None] = []
+    ys: list[float | None] = []
+    for a, b, _ in spans:
+        xs += [a, a, b, b, a, None]
+        ys += [0, 1, 1, 0, 0, None]
+    fig.add_scatter(
+        x=xs,
+        y=ys,
+        yaxis="y2",
+        fill="toself",
+        fillcolor=colour,
+        mode="none",
+        name=name,
+        hoveron="fills",
+        hoverinfo="name",
+        hoverlabel={"namelength": -1},
+    )
+
+
+def _add_recovery(fig: go.Figure, findings: Sequence[Finding]) -> None:
+    """The recovery ladder's acts: skipped steps as grey crosses near the top, roll backs
+    as dashed vertical lines (cool-downs are shaded by the caller)."""
+    acts = [f for f in findings if f.detector == RECOVERY]
+    skips = [f for f in acts if f.where == "skip"]
+    if skips:
+        fig.add_scatter(
+            x=[f.step for f in skips],
+            y=[0.9] * len(skips),
+            yaxis="y2",
+            mode="markers",
+            name=f"skipped step ({len(skips):,})",
+            text=[pl.hover_text(f.message) for f in skips],
+            marker={"symbol": "x-thin-open", "size": 10, "color": "#555", "line_width": 2},
+            hovertemplate="step %{x}<br>%{text}<extra></extra>",
+        )
+    rollbacks = [f for f in acts if f.where == "rollback"]
+    if rollbacks:
+        xs: list[float | None] = []
+        ys: list[float | None] = []
+        for f in rollbacks:
+            xs += [f.step, f.step, None]
+            ys += [0, 1, None]
+        fig.add_scatter(
+            x=xs,
+            y=ys,
+            yaxis="y2",
+            mode="lines",
+            name="rolled back",
+            line={"color": "#9467bd", "dash": "dash", "width": 2},
+            text=[pl.hover_text(f.message) for f in rollbacks for _ in range(3)],
+            hovertemplate="step %{x}<br>%{text}<extra></extra>",
+        )
+
+
 def _add_findings(fig, steps, values, finite, findings: Sequence[Finding]) -> None:
     """A marker per finding (but the sampler's) at its step: on the loss curve where the
     loss there is finite, else near the top."""
@@ -145,7 +199,7 @@ def _add_findings(fig, steps, values, finite, findings: Sequence[Finding]) -> No
         on_curve: tuple[list, list, list] = ([], [], [])
         on_top: tuple[list, list, list] = ([], [], [])
         for f, i in zip(findings, at, strict=True):
-            if f.detector == "sampler" or f.severity.value != severity:
+            if f.detector in _DRAWN_APART or f.severity.value != severity:
                 continue
             text = f"<b>{f.detector}</b> ({severity}" + (f", {f.where}" if f.where else "")
             text += ")<br>" + pl.hover_text(f.message)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stethoscope.findings import Finding
+from stethoscope.ledger import RECOVERY
 from stethoscope.record.reader import Curve, RunRecord
 from stethoscope.record.store import record_file
 from stethoscope.statistics import DISTRIBUTION_EDGES
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHARTS",
+    "cool_downs",
     "distribution_quantiles",
     "escalations",
     "figures",
@@ -224,6 +226,23 @@ def escalations(findings: Sequence[Finding], last_step: int) -> list[tuple[int, 
             start = None
     if start is not None:
         spans.append((start[0], max(last_step, start[0]), f"{start[1]} (still escalated)"))
+    return spans
+
+
+def cool_downs(findings: Sequence[Finding], last_step: int) -> list[tuple[int, int, str]]:
+    """The recovery ladder's cool-downs as ``(first step, last step, why)``: from a
+    ``cool`` act to the ``restore_lr`` (or the next ``cool``) after it, or to
+    ``last_step``."""
+    spans: list[tuple[int, int, str]] = []
+    start: Finding | None = None
+    for f in findings:
+        if f.detector != RECOVERY or f.where not in ("cool", "restore_lr"):
+            continue
+        if start is not None:
+            spans.append((start.step, f.step, start.message))
+        start = f if f.where == "cool" else None
+    if start is not None:
+        spans.append((start.step, max(last_step, start.step), start.message))
     return spans
 
 
