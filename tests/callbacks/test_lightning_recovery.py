@@ -57,6 +57,8 @@ class Net(L.LightningModule):
             return torch.optim.AdamW(params, lr=self.lr / 20, weight_decay=0.01)
         if self.optimizer == "adamw-fused":
             return torch.optim.AdamW(params, lr=self.lr / 20, weight_decay=0.01, fused=True)
+        if self.optimizer == "sgd-fused":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9, fused=True)
         raise ValueError(self.optimizer)
 
 
@@ -305,3 +307,34 @@ def test_the_report_marks_the_skips_the_cool_downs_and_the_roll_back(tmp_path):
     assert list(traces["skipped step (2)"].x) == [25, 27]
     assert [x for x in traces["rolled back"].x if x is not None] == [27, 27]
     assert "learning rate cooled (recovery)" in traces
+
+
+class DecideOnDevice(L.Callback):
+    """Has the gate decide as on a GPU: the verdict a tensor, handed to the fused
+    optimizer's ``found_inf``, read back afterwards."""
+
+    def __init__(self, callback: LightningStethoscope) -> None:
+        self.callback = callback
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.callback._recovery.gate.force_device = True
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused"])
+def test_a_step_skipped_on_the_device_is_as_if_the_batch_was_never_seen(optimizer):
+    poisoned = batches(60, poison={41: "nan", 50: "spike"})
+    torch.manual_seed(0)
+    model = Net(optimizer)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    trainer = train(model, poisoned, [callback, DecideOnDevice(callback)])
+    assert trainer.global_step == 60 and not trainer.should_stop
+    torch.manual_seed(0)
+    twin = Net(optimizer)
+    twin_trainer = train(twin, [b for i, b in enumerate(poisoned) if i not in (41, 50)], [])
+    _same_state(model, twin, trainer, twin_trainer)
+    skips = [f for f in sink.findings if f.detector == RECOVERY]
+    assert [(f.step, f.where) for f in skips] == [(41, "skip"), (50, "skip")]
+    assert "the loss was nan" in skips[0].message
+    assert "past the" in skips[1].message
+    assert "found_inf" not in trainer.optimizers[0].__dict__  # nothing left on it

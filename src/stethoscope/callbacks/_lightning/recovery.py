@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.policy import Decision
 from stethoscope.recovery import Recoverer, Recovery
 
@@ -61,27 +62,34 @@ class StepGate:
 
     Args:
         recoverer: The ladder (its ``lr_scale``) and where skips are reported.
-        thresholds: Given the step's loss, the loss bar it passed (None: not past it)
-            and the gradient-norm bar now (None: none yet).
-        on_skip: Called with ``(why,)`` when a step is skipped.
+        spike: The ``loss_spike`` detector, whose bar a loss must not pass (or None).
+        explode: The ``exploding_gradients`` detector, likewise for the gradient norm.
+        on_skip: Called with ``(step, why)`` when a step was skipped.
         on_settle: Called with the step once its optimizer step was applied or skipped.
     """
 
     def __init__(
         self,
         recoverer: Recoverer,
-        thresholds: Callable[[float | None], tuple[float | None, float | None]],
-        on_skip: Callable[[str], None],
+        spike: Any,
+        explode: Any,
+        on_skip: Callable[[int, str], None],
         on_settle: Callable[[int], None],
     ) -> None:
         self.recoverer = recoverer
-        self.thresholds = thresholds
+        self.spike, self.explode = spike, explode
         self.on_skip = on_skip
         self.on_settle = on_settle
+        #: Decide on the device (a fused optimizer's ``found_inf``) even on the CPU, where
+        #: the host decides by default; for tests of the path a GPU takes.
+        self.force_device = False
+        self.verdicts = DeviceVerdicts()
+        self._codes: dict[int, torch.Tensor] = {}  # id(optimizer) -> verdict on the device
+        self._sent_step = -1
         self.step = 0  # the global step being taken
         self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite gradients
         self._installed: list[tuple[torch.optim.Optimizer, Any]] = []
-        self._losses: list[float] = []  # this step's losses (micro-batches), unnormalised
+        self._losses: list[torch.Tensor] = []  # this step's losses (micro-batches), unscaled
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
         self._skipped_step = -1
 
@@ -113,26 +121,45 @@ class StepGate:
         self.step = step
         self._losses.clear()
         self._verdicts.clear()
+        self._codes.clear()
 
     def saw_loss(self, loss: torch.Tensor, scale: float) -> None:
         """A micro-batch's loss as it goes into ``backward`` (``scale`` undoes Lightning's
         division by the accumulated batches)."""
-        self._losses.append(float(loss.detach().float()) * scale)
+        self._losses.append(loss.detach() * scale)
 
     def judge(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
         """Judge the step ``optimizer`` is about to take from its loss and ``grads``
         (before clipping): keep why it must be skipped, or None. Under DDP every rank
         takes the verdict of the worst of them (a NaN batch on one rank is skipped by
         all), so the replicas stay the same."""
+        if self._on_device(optimizer, grads):
+            code = self.verdicts.verdict(
+                self._losses,
+                grads,
+                self.spike.threshold() if self.spike is not None else None,
+                self.explode.threshold() if self.explode is not None else None,
+                scaler_skips_nonfinite=self.scaler_skips_nonfinite,
+            )
+            if _world_size() > 1:  # a collective on the device's stream: no host wait
+                torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
+            self._codes[id(optimizer)] = code
+            return
         verdict = self._why(grads)
         if _world_size() > 1:
             verdict = _agree(verdict, grads[0].device if grads else torch.device("cpu"))
         self._verdicts[id(optimizer)] = verdict[1] if verdict is not None else None
 
+    def _on_device(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
+        """Whether this step's verdict stays on the device (see ``skip_on_device``)."""
+        if not skips_on_device(optimizer):
+            return False
+        return self.force_device or bool(grads and grads[0].device.type != "cpu")
+
     def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
         """Why this step must not be applied, as ``(code, sentence)`` (the code indexes
         :data:`_REASONS`), or None."""
-        losses = self._losses
+        losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
         if bad:
             return 4, f"the loss is {bad[0]}"
@@ -142,7 +169,8 @@ class StepGate:
                 return None  # the GradScaler skips this step itself: not counted twice
             return 3, "a gradient is non-finite"
         worst = max(losses, default=None)
-        loss_bar, grad_bar = self.thresholds(worst)
+        loss_bar = self.spike.passed_by(worst) if self.spike and worst is not None else None
+        grad_bar = self.explode.threshold() if self.explode is not None else None
         if loss_bar is not None:
             return 1, f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
         if grad_bar is not None and norm > grad_bar:
@@ -156,15 +184,37 @@ class StepGate:
         if closure is None and args:
             closure, args = args[0], args[1:]
         result = closure() if closure is not None else None  # forward, backward, judge
+        code = self._codes.pop(id(opt), None)
+        if code is not None:  # decided on the device: the optimizer skips itself
+            self.verdicts.hand_to(opt, code)
+            try:
+                self._apply(opt, original, args, kwargs, result)
+            finally:
+                self.verdicts.taken_back(opt)
+            if self._sent_step != self.step:  # several optimizers: one verdict per step
+                self._sent_step = self.step
+                self.verdicts.send(self.step, code)
+            return result  # settled when the verdict lands (see ``landed``)
         why = self._verdicts.pop(id(opt), None)
         if why is not None:
-            if self._skipped_step != self.step:  # several optimizers: one skip per step
-                self._skipped_step = self.step
-                self.on_skip(why)
+            self._skip(self.step, why)
         else:
             self._apply(opt, original, args, kwargs, result)
         self.on_settle(self.step)
         return result
+
+    def landed(self, *, wait: bool = False) -> None:
+        """Report the device's verdicts that have reached the host: a skip, then the
+        step settled."""
+        for verdict in self.verdicts.landed(wait=wait):
+            if verdict.code:
+                self._skip(verdict.step, verdict.why)
+            self.on_settle(verdict.step)
+
+    def _skip(self, step: int, why: str) -> None:
+        if self._skipped_step != step:  # several optimizers: one skip per step
+            self._skipped_step = step
+            self.on_skip(step, why)
 
     def _apply(self, opt: Any, original: Any, args: tuple, kwargs: dict, result: Any) -> None:
         """The optimizer's own step, at the cooled learning rate while the ladder cools."""
@@ -340,9 +390,15 @@ class LightningRecovery:
         self.act = act
         self.monitor = recoverer.monitor
         self.snapshots = Snapshots(recoverer.ladder.settings)
-        self.gate = StepGate(recoverer, self._thresholds, self._skipped, self._settled)
+        by_name = {d.name: d for d in self.monitor.detectors}
+        self.gate = StepGate(
+            recoverer,
+            by_name.get("loss_spike"),
+            by_name.get("exploding_gradients"),
+            self._skipped,
+            self._settled,
+        )
         self.epoch = 0
-        self._bars = {d.name: d for d in self.monitor.detectors}
 
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
@@ -379,8 +435,9 @@ class LightningRecovery:
         self.gate.judge(optimizer, grads)
 
     def after_step(self, trainer: Any, module: torch.nn.Module, step: int) -> None:
-        """After the optimizer step ``step``: end a cool-down, roll back if the ladder
-        owes one, else snapshot when due."""
+        """After the optimizer step ``step``: hear of the skips decided on the device,
+        end a cool-down, roll back if the ladder owes one, else snapshot when due."""
+        self.gate.landed()
         for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
             self.monitor.ledger.record(f)
         if self.recoverer.rollback_due is not None:
@@ -393,18 +450,12 @@ class LightningRecovery:
             self.snapshots.take(step, trainer, module, self.monitor)
 
     def close(self) -> None:
+        self.gate.landed(wait=True)  # the last verdicts still on their way
         self.gate.uninstall()
         self.snapshots.close()
 
-    def _thresholds(self, loss: float | None) -> tuple[float | None, float | None]:
-        spike, explode = self._bars.get("loss_spike"), self._bars.get("exploding_gradients")
-        return (
-            spike.passed_by(loss) if spike is not None and loss is not None else None,
-            explode.threshold() if explode is not None else None,
-        )
-
-    def _skipped(self, why: str) -> None:
-        self.act(self.recoverer.skipped(self.gate.step, self.epoch, why))
+    def _skipped(self, step: int, why: str) -> None:
+        self.act(self.recoverer.skipped(step, self.epoch, why))
 
     def _settled(self, step: int) -> None:
         self.act(self.recoverer.settle(step))
