@@ -11,8 +11,9 @@ learning rate scaled for the optimizer step alone while the ladder cools it down
 user's scheduler never sees the scaling).
 
 Where it reads the verdict. On the CPU a tensor's value is host memory: the gate reads
-the loss and the gradient norm at once. (A GPU run needs the verdict on the device, a
-fused optimizer's ``found_inf``: not built yet.)
+the loss and the gradient norm at once. On an accelerator, with a fused optimizer, the
+verdict stays on the device and the optimizer skips itself (``skip_on_device``); with
+any other optimizer the gate reads it on the host, waiting for the device (it warns).
 """
 
 from __future__ import annotations
@@ -404,11 +405,12 @@ class LightningRecovery:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
         refuse_unrecoverable(trainer.optimizers)
         device = trainer.strategy.root_device
-        if device.type != "cpu":
+        unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]
+        if device.type != "cpu" and unfused:
             warnings.warn(
-                f"stethoscope: recover= reads each step's loss and gradient norm on the host, "
-                f"which on {device.type} waits for the device every step; the device-side "
-                "skip (a fused optimizer's found_inf) is not built yet",
+                f"stethoscope: recover= judges the steps of {', '.join(unfused)} on the host, "
+                f"which on {device.type} waits for the device every step; with fused=True "
+                "(Adam, AdamW, SGD) the step is skipped on the device, without waiting",
                 RuntimeWarning,
                 stacklevel=2,
             )
