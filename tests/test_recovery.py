@@ -72,7 +72,8 @@ def test_skips_during_a_cool_down_roll_back_then_cool_again_then_stop():
     found = ladder.rolled_back(6, 0, to_step=0, what="weights, optimizer")
     assert [f.where for f in found] == ["rollback", "cool"]
     assert "rolled back to the snapshot of step 0" in found[0].message.lower()
-    assert "steps 1…6 are skipped" in found[0].message and "roll back 1 of 1" in found[0].message
+    assert "the updates of steps 1…6 are discarded" in found[0].message
+    assert "roll back 1 of 1" in found[0].message
     assert ladder.cooling(7) and not ladder.was_skipped(3)  # the window starts afresh
     ladder.skipped(8, 0, "x")
     found, action = ladder.skipped(9, 0, "x")
@@ -80,7 +81,8 @@ def test_skips_during_a_cool_down_roll_back_then_cool_again_then_stop():
     stop = found[-1]
     assert stop.severity == "error" and stop.where == "stop"
     assert "gave up" in stop.message and "after 1 roll backs" in stop.message
-    assert "skip at 1" in stop.message and "rollback at 6" in stop.message  # the history
+    assert "skipped 7 steps (from step 1 to 9)" in stop.message  # the history, in short
+    assert "cool at 3; rollback at 6; cool at 6" in stop.message
     assert ladder.counts == {"skip": 7, "cool": 2, "rollback": 1, "stop": 1}
 
 
@@ -99,8 +101,8 @@ def test_snapshots_only_on_the_cadence_and_only_when_healthy():
     assert [s for s in range(1, 41) if ladder.snapshot_due(s)] == [10, 20, 30, 40]
     ladder.saw(23, 0, troubled=True)  # a warning at 23: not healthy until 33
     assert [s for s in range(24, 61) if ladder.snapshot_due(s)] == [40, 50, 60]
-    ladder.skipped(61, 0, "x")
-    assert not ladder.snapshot_due(70) and ladder.snapshot_due(80)
+    ladder.skipped(61, 0, "x")  # a skipped step leaves the weights healthy
+    assert ladder.snapshot_due(70)
 
 
 def test_the_ladder_survives_a_checkpoint():
@@ -153,3 +155,25 @@ def test_without_a_snapshot_the_roll_back_is_a_stop():
     assert recoverer.rollback_due
     decision = recoverer.no_snapshot(5, 0)
     assert decision.stop and "no healthy snapshot" in decision.reason.message
+
+
+def test_recovery_takes_keywords_and_paths_and_hints_at_the_class():
+    from pathlib import Path
+
+    with pytest.raises(TypeError):
+        Recovery(0.5)  # which argument would that be? keywords only
+    assert Recovery(snapshot_dir=Path("/tmp/snaps")).snapshot_dir == "/tmp/snaps"
+    with pytest.raises(ValueError, match=r"recover=Recovery is the class; use recover="):
+        parse_recover(Recovery)
+
+
+def test_an_epoch_the_ladder_saved_says_so_in_its_verdict():
+    monitor = Monitor(sinks=[])
+    recoverer = Recoverer(monitor, Recovery())
+    for step in range(3):
+        monitor.observe(_obs(step, 1.0))
+    recoverer.skipped(3, 0, "the loss is nan")
+    recoverer.settle(3)
+    recoverer.review(monitor.observe(_obs(3, float("nan"))))
+    verdict = monitor.end_epoch(0).verdict
+    assert verdict.startswith("1 error(s)") and verdict.endswith("recovered: skipped 1 step")

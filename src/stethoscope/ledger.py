@@ -231,14 +231,17 @@ class Ledger:
                 for sev, n in stats["by_severity"].items():
                     counts[Severity(sev)] += n
         if counts[Severity.ERROR] or counts[Severity.WARNING]:
+            judged = [s for n, s in self._epoch.items() if n not in _ACTS]
             worst = max(
-                (s for n, s in self._epoch.items() if n != SAMPLER),
-                key=lambda s: s["worst"].severity.rank,
+                judged or [self._epoch[RECOVERY]], key=lambda s: s["worst"].severity.rank
             )["worst"]
-            return (
+            verdict = (
                 f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
                 f"{steps} steps; worst: {worst.detector} at step {worst.step}"
             )
+            if RECOVERY in self._epoch:  # and training went on: say how
+                verdict += f"; recovered: {_recovery_row(self._epoch[RECOVERY]).verdict}"
+            return verdict
         return (
             f"Healthy: no warnings in {steps} steps "
             f"(loss checked every step, gradients on {len(self._grad_steps)} steps)"

@@ -17,6 +17,7 @@ Each rung escalates when the one below has not helped:
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -58,7 +59,7 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"Recovery: {name}={value!r} must be an integer >= {minimum}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recovery:
     """What ``recover=`` does: the rungs of the ladder and when each is climbed.
 
@@ -91,7 +92,7 @@ class Recovery:
     snapshot_every: int = 100
     keep_snapshots: int = 2
     snapshot_in: str = "auto"
-    snapshot_dir: str | None = None
+    snapshot_dir: str | os.PathLike[str] | None = None
     memory_limit_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
@@ -108,8 +109,10 @@ class Recovery:
                 f"Recovery: snapshot_in={self.snapshot_in!r} is not valid; use one of "
                 f"{', '.join(map(repr, _SNAPSHOT_PLACES))}"
             )
-        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
-            raise ValueError(f"Recovery: snapshot_dir={self.snapshot_dir!r} must be a str")
+        if self.snapshot_dir is not None:
+            if not isinstance(self.snapshot_dir, (str, os.PathLike)):
+                raise ValueError(f"Recovery: snapshot_dir={self.snapshot_dir!r} must be a path")
+            object.__setattr__(self, "snapshot_dir", os.fspath(self.snapshot_dir))
 
 
 def parse_recover(value: Any) -> Recovery | None:
@@ -125,6 +128,8 @@ def parse_recover(value: Any) -> Recovery | None:
         return Recovery()
     if isinstance(value, Recovery):
         return value
+    if value is Recovery:
+        raise ValueError("recover=Recovery is the class; use recover=Recovery() or True")
     raise ValueError(
         f"recover={value!r} is not valid; use False (off), True (the default ladder) or "
         "stethoscope.Recovery(...)"
@@ -173,8 +178,7 @@ class Ladder:
         """Step ``step`` was not applied because ``why``. Returns the findings and what
         to do next: None, ``"rollback"`` or ``"stop"``."""
         s, cfg = self.s, self.settings
-        s.counts["skip"] += 1
-        s.trouble = step
+        s.counts["skip"] += 1  # the weights stay healthy: no block on the next snapshot
         s.skips.append(step)
         while s.skips and s.skips[0] <= step - cfg.window:
             s.skips.popleft()
@@ -223,9 +227,9 @@ class Ladder:
                 step,
                 epoch,
                 "rollback",
-                f"rolled back to the snapshot of step {to_step} ({what}); the batches of "
-                f"steps {to_step + 1}…{step} are skipped (roll back {s.rollbacks} of "
-                f"{self.settings.max_rollbacks})",
+                f"rolled back to the snapshot of step {to_step} ({what}): the updates of "
+                f"steps {to_step + 1}…{step} are discarded and training goes on with the "
+                f"next batch (roll back {s.rollbacks} of {self.settings.max_rollbacks})",
                 "warning",
             )
         ]
@@ -314,14 +318,23 @@ class Ladder:
         return self._stop(step, epoch, f"{why}, and there is no healthy snapshot to roll back to")
 
     def _stop(self, step: int, epoch: int, why: str) -> Finding:
-        history = "; ".join(f"{r.act} at {r.step}" for r in self.s.history[-12:])
         return self._act(
             step,
             epoch,
             "stop",
-            f"the recovery ladder gave up: {why}. What it did: {history or 'nothing'}",
+            f"the recovery ladder gave up: {why}. What it did: {self._story()}",
             "error",
         )
+
+    def _story(self) -> str:
+        """The ladder's acts in short: the skips counted, every other act listed."""
+        acts = self.s.history
+        skips = [r.step for r in acts if r.act == "skip"]
+        parts = [f"skipped {len(skips)} step{'s' if len(skips) != 1 else ''}"] if skips else []
+        if skips:
+            parts[0] += f" (from step {skips[0]} to {skips[-1]})" if len(skips) > 1 else ""
+        parts += [f"{r.act} at {r.step}" for r in acts if r.act not in ("skip", "restore_lr")]
+        return "; ".join(parts) or "nothing"
 
     def _act(self, step: int, epoch: int, act: str, why: str, severity: str) -> Finding:
         s = self.s
@@ -366,9 +379,12 @@ class Recoverer:
         step, epoch = decision.spared[-1].step, decision.spared[-1].epoch
         # an error of a step not settled yet (a micro-batch before the optimizer step)
         # waits for the gate's verdict on that step
-        waiting = [f for f in decision.spared if f.step > self.settled]
-        self._pending += [f for f in waiting if f.severity >= Severity.ERROR]
-        found = self.ladder.saw(step, epoch, troubled=True)
+        self._pending += [f for f in decision.spared if f.step > self.settled]
+        # a warning on a step that was applied makes the run unhealthy for snapshots; on a
+        # skipped one it did no harm
+        settled = [f for f in decision.spared if f.step <= self.settled]
+        troubled = any(not self.ladder.was_skipped(f.step) for f in settled)
+        found = self.ladder.saw(step, epoch, troubled=troubled)
         out = self._answer([f for f in decision.spared if f.step <= self.settled], found)
         return out if out.stop or not decision.stop else decision
 
@@ -378,6 +394,8 @@ class Recoverer:
         self.settled = step
         ready = [f for f in self._pending if f.step <= step]
         self._pending = [f for f in self._pending if f.step > step]
+        if any(not self.ladder.was_skipped(f.step) for f in ready):
+            self.ladder.saw(step, ready[-1].epoch, troubled=True)
         return self._answer(ready, [])
 
     def _answer(self, spared: list[Finding], found: list[Finding]) -> Decision:
