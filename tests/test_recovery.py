@@ -177,3 +177,17 @@ def test_an_epoch_the_ladder_saved_says_so_in_its_verdict():
     recoverer.review(monitor.observe(_obs(3, float("nan"))))
     verdict = monitor.end_epoch(0).verdict
     assert verdict.startswith("1 error(s)") and verdict.endswith("recovered: skipped 1 step")
+
+
+def test_a_warning_that_the_weights_drifted_rolls_back_but_other_warnings_do_not():
+    from stethoscope.policy import Decision
+
+    monitor = Monitor(sinks=[])
+    recoverer = Recoverer(monitor, Recovery())
+    recoverer.settle(40)
+    spike = Finding(39, 0, "loss_spike", "warning", "one bad batch", where="loss")
+    recoverer.review(Decision(spared=(spike,)))
+    assert recoverer.rollback_due is None  # one bad batch: not damage
+    climbed = Finding(40, 0, "unstable_loss", "warning", "the loss climbed back", where="loss")
+    recoverer.review(Decision(spared=(climbed,)))
+    assert "unstable_loss (warning) at step 40" in recoverer.rollback_due

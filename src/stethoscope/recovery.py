@@ -27,6 +27,7 @@ from stethoscope.ledger import RECOVERY
 from stethoscope.policy import Decision
 
 __all__ = [
+    "DAMAGE",
     "RECOVERABLE",
     "RECOVERY",
     "Ladder",
@@ -51,6 +52,13 @@ RECOVERABLE = frozenset(
     }
 )
 
+#: Detectors whose warning already says the weights went wrong, not only a step: a
+#: loss that has climbed back up and stayed there for a stretch, updates as large as
+#: the weights for several samples. No skip can undo that; a roll back can. (A language
+#: model starts at ln V, so ``unstable_loss``'s error, twice the initial loss, may
+#: never come: its warning is the signal.)
+DAMAGE = frozenset({"unstable_loss", "large_updates"})
+
 _SNAPSHOT_PLACES = ("auto", "memory", "disk")
 
 
@@ -71,7 +79,7 @@ class Recovery:
         rollback_after: Skipped steps during a cool-down that roll back.
         max_rollbacks: Roll backs in a run; the next one needed stops training.
         snapshot_every: Steps between snapshots, taken only when the run was healthy
-            (no skip and no warning in those steps). One is taken when training starts.
+            (no warning on an applied step in those steps). One is taken at the start.
         keep_snapshots: Snapshots kept at most (the oldest go first).
         snapshot_in: ``"memory"`` (host memory), ``"disk"`` (``snapshot_dir``, or a
             temporary directory), or ``"auto"``: memory for state under
@@ -246,9 +254,11 @@ class Ladder:
 
     def snapshot_due(self, step: int) -> bool:
         """Whether to snapshot after ``step``: on the cadence, and healthy since the last
-        ``snapshot_every`` steps (no skip, no warning, not cooling)."""
+        ``snapshot_every`` steps (no warning on a step that was applied; skipped steps
+        and cool-downs leave the weights healthy, and a snapshot skipped for them would
+        leave only an old one to roll back to)."""
         every = self.settings.snapshot_every
-        return step % every == 0 and step - self.s.trouble >= every and not self.cooling(step)
+        return step % every == 0 and step - self.s.trouble >= every
 
     @property
     def counts(self) -> dict[str, int]:
@@ -399,10 +409,13 @@ class Recoverer:
         return self._answer(ready, [])
 
     def _answer(self, spared: list[Finding], found: list[Finding]) -> Decision:
-        """An error on a step that was applied (not skipped) asks for a roll back."""
+        """An error on a step that was applied (not skipped) asks for a roll back, and so
+        does a warning that the weights have already drifted (:data:`DAMAGE`)."""
         action, why = None, ""
         for f in spared:
-            if self.ladder.was_skipped(f.step) or f.severity < Severity.ERROR:
+            if self.ladder.was_skipped(f.step):
+                continue
+            if f.severity < Severity.ERROR and f.detector not in DAMAGE:
                 continue
             more, action = self.ladder.failed(f.step, f.epoch, f)
             found = found + more
