@@ -232,9 +232,8 @@ class Ledger:
                     counts[Severity(sev)] += n
         if counts[Severity.ERROR] or counts[Severity.WARNING]:
             judged = [s for n, s in self._epoch.items() if n not in _ACTS]
-            worst = max(
-                judged or [self._epoch[RECOVERY]], key=lambda s: s["worst"].severity.rank
-            )["worst"]
+            stats = max(judged or [self._epoch[RECOVERY]], key=lambda s: s["worst"].severity.rank)
+            worst = stats["worst"]
             verdict = (
                 f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
                 f"{steps} steps; worst: {worst.detector} at step {worst.step}"
