@@ -432,12 +432,32 @@ FILE_SINKS = [pytest.param(CSVSink, id="csv"), pytest.param(JSONLSink, id="jsonl
 
 
 @pytest.mark.parametrize("cls", FILE_SINKS)
-def test_missing_directory_fails_at_construction(cls: type, tmp_path: Path) -> None:
-    path = tmp_path / "no-such-dir" / "findings.out"
-    with pytest.raises(FileNotFoundError, match=re.escape(repr(str(path)))) as info:
-        cls(path)
-    assert "does not create directories" in str(info.value)
-    assert not path.parent.exists()
+def test_a_missing_directory_is_created_as_the_readme_quick_start_needs(
+    cls: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a fresh directory, as a new user's
+    sink = cls("runs/findings.out")
+    sink.close()
+    assert (tmp_path / "runs" / "findings.out").is_file()
+    deep = tmp_path / "a" / "b" / "c" / "findings.out"
+    cls(deep).close()
+    assert deep.is_file()
+
+
+@pytest.mark.parametrize("cls", FILE_SINKS)
+@pytest.mark.skipif(
+    sys.platform == "win32" or os.geteuid() == 0, reason="root and Windows ignore chmod"
+)
+def test_a_directory_that_cannot_be_created_fails_at_construction(
+    cls: type, tmp_path: Path
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        with pytest.raises(PermissionError, match="cannot be created"):
+            cls(locked / "sub" / "f.out")
+    finally:
+        locked.chmod(0o700)
 
 
 @pytest.mark.parametrize("cls", FILE_SINKS)
@@ -451,6 +471,8 @@ def test_parent_that_is_a_file_fails_at_construction(cls: type, tmp_path: Path) 
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(NotADirectoryError, match="a-file"):
         cls(tmp_path / "a-file" / "findings.out")
+    with pytest.raises(NotADirectoryError, match=r"a-file.* is a file, not a directory"):
+        cls(tmp_path / "a-file" / "deeper" / "findings.out")
 
 
 @pytest.mark.parametrize("cls", FILE_SINKS)

@@ -184,11 +184,19 @@ def _check_path(path: Path, *, sink: str, example: str) -> None:
         )
     parent = path.parent
     if not parent.exists():
-        raise FileNotFoundError(
-            f"{sink} cannot write {shown!r}: its directory {str(parent)!r} does not exist. "
-            f"The sink does not create directories (a mistyped path should fail, not "
-            f"scatter files); create it first, e.g. os.makedirs({str(parent)!r}, exist_ok=True)"
-        )
+        # as Lightning's loggers and MLflow's file store do: runs/ need not exist yet
+        blocker = next((a for a in parent.parents if a.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise NotADirectoryError(
+                f"{sink} cannot write {shown!r}: {str(blocker)!r} is a file, not a directory"
+            )
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise type(exc)(
+                f"{sink} cannot write {shown!r}: its directory {str(parent)!r} cannot be "
+                f"created ({exc.strerror or exc})"
+            ) from None
     if not parent.is_dir():
         raise NotADirectoryError(
             f"{sink} cannot write {shown!r}: {str(parent)!r} is a file, not a directory"

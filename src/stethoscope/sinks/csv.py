@@ -30,8 +30,8 @@ class CSVSink(_FileSink):
     summaries are not written.
 
     Args:
-        path: The file to write. Its directory must exist: the sink does not create
-            it, so a mistyped path fails here rather than scattering files.
+        path: The file to write. Its directory is created if missing (as Lightning's
+            loggers do); a path that cannot be created fails here, before training.
         min_severity: Drop findings below this: ``"info"``, ``"warning"`` or ``"error"``.
         append: Add rows to an existing file instead of emptying it first. The header
             is written only when the file is empty, and an existing header must
@@ -44,7 +44,8 @@ class CSVSink(_FileSink):
         ValueError: ``min_severity`` is not a severity, ``max_buffer`` is not an
             integer >= 0, or ``append=True`` and the file's header is not :data:`FIELDS`.
         TypeError: ``path`` is not a str or path, or ``append`` is not a bool.
-        FileNotFoundError: The directory of ``path`` does not exist.
+        OSError: The directory of ``path`` cannot be created (a file in the way:
+            ``NotADirectoryError``; no permission: ``PermissionError``).
         IsADirectoryError: ``path`` is a directory.
         PermissionError: ``path`` or its directory is not writable.
 

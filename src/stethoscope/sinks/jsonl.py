@@ -26,8 +26,8 @@ class JSONLSink(_FileSink):
     finding emitted before, and never a half line. Epoch summaries are not written.
 
     Args:
-        path: The file to write. Its directory must exist: the sink does not create
-            it, so a mistyped path fails here rather than scattering files.
+        path: The file to write. Its directory is created if missing (as Lightning's
+            loggers do); a path that cannot be created fails here, before training.
         min_severity: Drop findings below this: ``"info"``, ``"warning"`` or ``"error"``.
         append: Keep what the file holds and add to it (the default, so resumed runs
             extend one log); ``False`` empties it first.
@@ -39,7 +39,8 @@ class JSONLSink(_FileSink):
         ValueError: ``min_severity`` is not a severity, or ``max_buffer`` is not an
             integer >= 0.
         TypeError: ``path`` is not a str or path, or ``append`` is not a bool.
-        FileNotFoundError: The directory of ``path`` does not exist.
+        OSError: The directory of ``path`` cannot be created (a file in the way:
+            ``NotADirectoryError``; no permission: ``PermissionError``).
         IsADirectoryError: ``path`` is a directory.
         PermissionError: ``path`` or its directory is not writable.
 
