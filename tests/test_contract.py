@@ -414,3 +414,10 @@ def test_suspect_is_cleared_by_the_next_update(cls):
     d.suspect = "left over from the previous step"
     d.update(obs(100, 2.3, GRAD, np.full(4, 10.0), np.full(4, 7e-3)))
     assert d.suspect is None
+
+
+def test_dir_lists_the_callbacks_that_are_imported_lazily():
+    import stethoscope
+
+    names = dir(stethoscope)
+    assert {"LightningStethoscope", "KerasStethoscope", "Recovery", "Monitor"} <= set(names)

@@ -42,3 +42,8 @@ def __getattr__(name: str) -> Any:
 
         return KerasStethoscope
     raise AttributeError(f"module 'stethoscope' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy callbacks too, so that dir() and tab completion show them
+    return sorted(set(globals()) | set(__all__))
