@@ -159,15 +159,38 @@ class Spy(L.Callback):
             }
 
 
-def test_skips_during_a_cool_down_roll_back_to_the_last_healthy_snapshot():
+class SnapshotFiles(L.Callback):
+    """The snapshot files on disk at each batch end, and whether any is left at the end."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.most = directory, 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.most = max(self.most, len(list(self.directory.glob("snapshot-*.pt"))))
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_skips_during_a_cool_down_roll_back_to_the_last_healthy_snapshot(where, tmp_path):
     data = batches(60, poison={25: "nan", 27: "nan"})
-    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=10, cool_steps=10)
+    settings = Recovery(
+        cool_after=1,
+        rollback_after=1,
+        snapshot_every=10,
+        cool_steps=10,
+        snapshot_in=where,
+        snapshot_dir=tmp_path / "snaps",
+    )
     torch.manual_seed(0)
     model = Net("adamw")
     sink = CapturingSink()
     spy = Spy({27})
+    files = SnapshotFiles(tmp_path / "snaps")
     callback = LightningStethoscope(sinks=[sink], recover=settings)
-    trainer = train(model, data, [callback, spy])
+    trainer = train(model, data, [callback, spy, files])
+    if where == "disk":  # two kept at most, and none left behind once training is over
+        assert files.most == 2 and not list((tmp_path / "snaps").glob("*.pt"))
+    else:
+        assert files.most == 0
     assert trainer.global_step == 60 and not trainer.should_stop
     torch.manual_seed(0)
     twin = Net("adamw")
@@ -338,3 +361,42 @@ def test_a_step_skipped_on_the_device_is_as_if_the_batch_was_never_seen(optimize
     assert "the loss was nan" in skips[0].message
     assert "past the" in skips[1].message
     assert "found_inf" not in trainer.optimizers[0].__dict__  # nothing left on it
+
+
+def test_a_resumed_run_continues_the_ladder_from_its_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = batches(60, poison={10: "nan", 12: "nan", 14: "nan"})
+
+    def fit(max_steps: int, ckpt_path=None) -> LightningStethoscope:
+        callback = LightningStethoscope(sinks=[], recover=True)
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                callback,
+                ModelCheckpoint(dirpath=tmp_path / f"to{max_steps}", save_last=True),
+            ],
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        trainer.fit(Net("sgd"), loader, ckpt_path=ckpt_path)
+        return callback
+
+    torch.manual_seed(0)
+    first = fit(30)
+    assert first.recoverer.ladder.counts["skip"] == 3 and first.recoverer.ladder.cooling(29)
+    torch.manual_seed(0)
+    resumed = fit(60, ckpt_path=tmp_path / "to30" / "last.ckpt")
+    ladder = resumed.recoverer.ladder
+    # the history came back with the checkpoint; the epoch's loader starts over on resume,
+    # so the three NaN batches come again, after step 30, and are skipped again
+    skips = [r.step for r in ladder.history if r.act == "skip"]
+    assert skips[:3] == [10, 12, 14] and len(skips) == 6 and min(skips[3:]) >= 30
+    # still in the cool-down of step 14, those skips roll back, to the snapshot the
+    # resumed fit took when it started (snapshots are not kept in checkpoints)
+    [rollback] = [r for r in ladder.history if r.act == "rollback"]
+    assert rollback.step == 44 and "snapshot of step 30" in rollback.why
+    assert ladder.lr_scale(59) == 0.1
