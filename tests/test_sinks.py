@@ -995,3 +995,56 @@ def test_a_sink_that_skips_the_base_constructor_accepts_everything() -> None:
     sink = Mine()
     sink.emit(make_finding(severity="info"))
     assert len(sink.kept) == 1 and sink.min_severity is Severity.INFO
+
+
+# --- the summary at 80 and 120 columns -------------------------------------------------
+
+
+def _long_summary() -> EpochSummary:
+    return EpochSummary(
+        epoch=0,
+        steps=7,
+        rows=(
+            SummaryRow(
+                detector="exploding_gradients",
+                status="error",
+                count=2,
+                value=180.0,
+                threshold=12.7,
+                where="model.transformer.h.11.attn.c_attn.weight",
+                interval=1,
+                verdict="stopped training at step 6; lower the LR, add warm-up or clip gradients",
+            ),
+            SummaryRow(
+                detector="large_updates",
+                status="warning",
+                count=1,
+                value=9.82,
+                threshold=1.0,
+                where="net.4.weight",
+                interval=1,
+                verdict="lower the LR or add warm-up",
+            ),
+            SummaryRow(detector="16 others", status="ok", verdict="nothing found (every 1 steps)"),
+        ),
+        verdict="Stopped at step 6 by exploding_gradients (error) in net.4.weight.",
+    )
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_summary_never_splits_a_name_and_fits_the_width(width: int) -> None:
+    console = plain_console(width)
+    console.print(_long_summary())
+    out = console.file.getvalue()
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= width
+    for name in ("exploding_gradients", "large_updates", "net.4.weight", "16 others"):
+        assert name in out, name  # whole, on one line
+    assert "c_attn.weight" in out and "…" in out  # a long place keeps its end
+    first = next(i for i, line in enumerate(lines) if "stopped training" in line)
+    last = next(i for i in range(first, len(lines)) if lines[i].rstrip(" │").endswith("gradients"))
+    assert last - first + 1 <= 3  # the verdict on three lines at most (ten, before)
+    if width >= 100:
+        assert "┃ detector" in out or "| detector" in out  # the table
+    else:
+        assert "error   exploding_gradients  n=2  180 / 12.7" in out  # a row per line

@@ -6,12 +6,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 __all__ = ["EpochSummary", "SummaryRow"]
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
+#: Consoles at least this wide get the table; narrower ones, a list of rows.
+WIDE = 100
+_WHERE = 18  # characters of a place in the table: longer ones keep their end
 
 
 @dataclass(frozen=True)
@@ -73,13 +78,47 @@ class EpochSummary:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def __rich__(self) -> Table:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # a table of seven columns needs ~100 columns; narrower, it would cut names in
+        # half and wrap each verdict over ten lines: a list of rows instead
+        if options.max_width < WIDE:
+            yield self._narrow(options.max_width)
+        else:
+            yield self._table()
+
+    def _caption(self) -> str:
         caption = self.verdict
         if self.quiet and any(r.status != "ok" for r in self.rows):
             caption += "\nQuiet: " + ", ".join(self.quiet)
         if self.dropped:
             lost = ", ".join(f"{name} {n}" for name, n in self.dropped.items())
             caption += f"\nSinks dropped findings they could not write: {lost}."
+        return caption
+
+    def _narrow(self, width: int) -> Group:
+        """Each row as a line of its own (status, detector, count, worst, where; names
+        never split: a long place loses its start), its verdict indented below."""
+        lines: list[Any] = [Text(f"stethoscope · epoch {self.epoch} · {self.steps} steps", "bold")]
+        for row in self.rows:
+            head = Text(f"{row.status:<8}", _STATUS_STYLE.get(row.status, ""))
+            head.append(row.detector)
+            if row.count:
+                head.append(f"  n={row.count}")
+            worst = _value_vs_threshold(row.value, row.threshold)
+            if worst:
+                head.append(f"  {worst}")
+            if row.where:
+                room = width - len(head.plain) - 5
+                head.append(f"  at {_tail(row.where, max(room, 12))}")
+            head.no_wrap, head.overflow = True, "ellipsis"
+            lines.append(head)
+            if row.verdict:
+                lines.append(Padding(Text(row.verdict), (0, 0, 0, 8)))
+        lines.append(Text(self._caption()))
+        return Group(*lines)
+
+    def _table(self) -> Table:
+        caption = self._caption()
         table = Table(
             title=f"stethoscope · epoch {self.epoch} · {self.steps} steps",
             caption=Text(caption),
@@ -90,7 +129,7 @@ class EpochSummary:
         table.add_column("status", no_wrap=True)
         table.add_column("n", justify="right")
         table.add_column("worst / limit", justify="right")
-        table.add_column("where", overflow="fold", max_width=16)
+        table.add_column("where", no_wrap=True, max_width=_WHERE)
         table.add_column("every", justify="right", no_wrap=True)
         table.add_column("verdict", ratio=1)
         for row in self.rows:
@@ -100,11 +139,16 @@ class EpochSummary:
                 Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
                 str(row.count) if row.count else "·",
                 _value_vs_threshold(row.value, row.threshold),
-                Text(row.where or ""),
+                Text(_tail(row.where or "", _WHERE)),  # whole names, or their end
                 f"{row.interval}" if row.interval is not None else "",
                 Text(row.verdict),
             )
         return table
+
+
+def _tail(name: str, room: int) -> str:
+    """``name`` whole, or its end after an ellipsis: the end says which parameter."""
+    return name if len(name) <= room else "…" + name[len(name) - room + 1 :]
 
 
 def format_number(x: float | None) -> str:
