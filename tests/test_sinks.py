@@ -817,6 +817,32 @@ def test_console_prints_the_epoch_summary_table() -> None:
     assert "One warning this epoch." in text
 
 
+def _quiet_summary() -> EpochSummary:
+    return EpochSummary(
+        epoch=4,
+        steps=57,
+        rows=(
+            SummaryRow(detector="sampler", status="info", count=1, verdict="back at base"),
+            SummaryRow(detector="18 others", status="ok", verdict="nothing found"),
+        ),
+        verdict="Healthy: no warnings in 57 steps (loss checked every step, gradients on 4 steps)",
+    )
+
+
+def test_a_quiet_epoch_costs_one_line_unless_verbose() -> None:
+    console = plain_console(120)
+    ConsoleSink(console=console).epoch_end(_quiet_summary())
+    assert output(console).splitlines() == [
+        "stethoscope · epoch 4 · Healthy: no warnings in 57 steps (loss checked every step, "
+        "gradients on 4 steps)"
+    ]
+    console = plain_console()
+    ConsoleSink(console=console, verbose=True).epoch_end(_quiet_summary())
+    assert "18 others" in output(console) and "┃ detector" in output(console)  # the table
+    with pytest.raises(TypeError, match="verbose='yes' must be True or False"):
+        ConsoleSink(verbose="yes")  # type: ignore[arg-type]
+
+
 def test_console_summary_goes_to_the_printer_as_one_string() -> None:
     printed: list[str] = []
     sink = ConsoleSink(console=plain_console())

@@ -38,7 +38,10 @@ class ConsoleSink(Sink):
 
     Args:
         min_severity: Drop findings below this: ``"info"``, ``"warning"`` or ``"error"``.
-        show_summary: Print the summary table at the end of each epoch.
+        show_summary: Print each epoch's summary at its end.
+        verbose: The full summary table for every epoch. By default a quiet epoch (no
+            warning and no error) costs one line: what was checked, how often, that
+            nothing was found; the table comes when something happened.
         console: The rich console to print to and whose width and colour support
             to render for; ``None`` uses rich's global console (``rich.get_console()``).
 
@@ -60,16 +63,19 @@ class ConsoleSink(Sink):
         *,
         min_severity: Severity | str = "info",
         show_summary: bool = True,
+        verbose: bool = False,
         console: Console | None = None,
     ) -> None:
         super().__init__(min_severity=min_severity)
-        if not isinstance(show_summary, bool):
-            raise TypeError(f"ConsoleSink: show_summary={show_summary!r} must be True or False")
+        for name, value in (("show_summary", show_summary), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ConsoleSink: {name}={value!r} must be True or False")
         if console is not None and not isinstance(console, Console):
             raise TypeError(
                 f"ConsoleSink: console={console!r} must be a rich.console.Console or None"
             )
         self.show_summary = show_summary
+        self.verbose = verbose
         self._console = console
         self._printer: Callable[[str], None] | None = None
 
@@ -109,9 +115,14 @@ class ConsoleSink(Sink):
         self._print(_line(finding))
 
     def epoch_end(self, summary: EpochSummary) -> None:
-        """Print the epoch's summary table, if ``show_summary``."""
-        if self.show_summary:
+        """Print the epoch's summary, if ``show_summary``: one line for a quiet epoch
+        (unless ``verbose``), the table otherwise."""
+        if not self.show_summary:
+            return
+        if self.verbose or summary.status in ("warning", "error") or summary.dropped:
             self._print(summary)
+        else:
+            self._print(Text(f"stethoscope · epoch {summary.epoch} · {summary.verdict}"))
 
     def close(self) -> None:
         """Let go of the progress bar's printer. Safe to call more than once.
@@ -124,7 +135,7 @@ class ConsoleSink(Sink):
     def __repr__(self) -> str:
         return (
             f"ConsoleSink(min_severity={self.min_severity.value!r}, "
-            f"show_summary={self.show_summary!r})"
+            f"show_summary={self.show_summary!r}, verbose={self.verbose!r})"
         )
 
     def __getstate__(self) -> dict[str, Any]:
