@@ -400,3 +400,25 @@ def test_a_resumed_run_continues_the_ladder_from_its_checkpoint(tmp_path):
     [rollback] = [r for r in ladder.history if r.act == "rollback"]
     assert rollback.step == 44 and "snapshot of step 30" in rollback.why
     assert ladder.lr_scale(59) == 0.1
+
+
+def test_a_half_precision_gradient_with_a_large_norm_is_not_skipped_as_non_finite():
+    from stethoscope import Monitor
+    from stethoscope.callbacks._lightning.recovery import StepGate
+    from stethoscope.recovery import Recoverer
+
+    skipped: list[str] = []
+    gate = StepGate(
+        Recoverer(Monitor(sinks=[]), Recovery()),
+        None,
+        None,
+        lambda step, why: skipped.append(why),
+        lambda step: None,
+    )
+    weight = nn.Parameter(torch.zeros(100_000, dtype=torch.float16))
+    weight.grad = torch.full_like(weight, 300.0)  # norm ~9.5e4, past fp16's largest
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    gate.new_step(0)
+    gate.saw_loss(torch.tensor(1.0), 1.0)
+    gate.judge(optimizer, [weight.grad])
+    assert gate._verdicts[id(optimizer)] is None

@@ -37,6 +37,15 @@ def test_half_precision_norm_does_not_overflow_to_inf():
     assert torch.isfinite(norm) and norm == pytest.approx(300.0 * 100_000**0.5, rel=1e-3)
 
 
+def test_the_recovery_gate_judges_half_precision_gradients_by_the_same_norm():
+    from stethoscope.callbacks._lightning.parameters import total_norm
+
+    big = torch.full((100_000,), 300.0, dtype=torch.float16)
+    other = torch.ones(10, dtype=torch.float16)
+    norm = total_norm([big, other])
+    assert torch.isfinite(norm) and norm == pytest.approx((9e4 * 100_000 + 10) ** 0.5, rel=1e-3)
+
+
 def test_nan_and_inf_propagate_into_the_norm():
     norms = _stack_norms([torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])])
     assert torch.isnan(norms[0]) and torch.isinf(norms[1])

@@ -145,6 +145,13 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of ``tensors`` together, a float32 0-d tensor on their device,
+    accumulated as :func:`_stack_norms` does (an fp16 gradient whose norm passes 65504 is
+    large, not infinite)."""
+    return torch.linalg.vector_norm(_stack_norms(tensors))
+
+
 #: The integer type of each element size, to read a tensor's bit patterns as integers.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.policy import Decision
 from stethoscope.recovery import Recoverer, Recovery
@@ -164,7 +165,7 @@ class StepGate:
         bad = [v for v in losses if not math.isfinite(v)]
         if bad:
             return 4, f"the loss is {bad[0]}"
-        norm = _global_norm(grads)
+        norm = float(total_norm(grads)) if grads else 0.0  # on the CPU: no wait
         if not math.isfinite(norm):
             if self.scaler_skips_nonfinite:
                 return None  # the GradScaler skips this step itself: not counted twice
@@ -258,13 +259,6 @@ def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, 
     if code == mine:
         return verdict
     return code, f"on another rank, {_REASONS[code - 1]}"
-
-
-def _global_norm(grads: list[torch.Tensor]) -> float:
-    """The L2 norm of all of ``grads`` together (0 without any)."""
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
 
 @dataclass

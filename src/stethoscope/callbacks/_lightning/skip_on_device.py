@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning.parameters import total_norm
+
 __all__ = ["DeviceVerdicts", "Landed", "skips_on_device"]
 
 #: What each verdict code says (0: apply), for the finding's sentence.
@@ -71,11 +73,7 @@ class DeviceVerdicts:
         4 a non-finite loss, 3 a non-finite gradient (unless a GradScaler skips those), 2
         a gradient norm past ``grad_bar``, 1 a loss past ``loss_bar``, 0 apply."""
         device = grads[0].device if grads else losses[0].device
-        norm = (
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            if grads
-            else torch.zeros((), device=device)
-        )
+        norm = total_norm(grads) if grads else torch.zeros((), device=device)
         loss = torch.stack([v.float() for v in losses]).to(device) if losses else norm * 0
         worst = loss.max() if loss.ndim else loss
         inf = math.inf
