@@ -34,7 +34,15 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning.parameters import total_norm
-from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
+from stethoscope.callbacks._lightning.skip_on_device import (
+    GRADIENT_PAST_BAR,
+    LOSS_PAST_BAR,
+    NONFINITE_GRADIENT,
+    NONFINITE_LOSS,
+    REASONS,
+    DeviceVerdicts,
+    skips_on_device,
+)
 from stethoscope.policy import Decision
 from stethoscope.recovery import Recoverer, Recovery
 
@@ -159,24 +167,24 @@ class StepGate:
         return self.force_device or bool(grads and grads[0].device.type != "cpu")
 
     def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
-        """Why this step must not be applied, as ``(code, sentence)`` (the code indexes
-        :data:`_REASONS`), or None."""
+        """Why this step must not be applied, as ``(code, sentence)`` (the codes are
+        :data:`~skip_on_device.REASONS`), or None."""
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
         if bad:
-            return 4, f"the loss is {bad[0]}"
+            return NONFINITE_LOSS, f"the loss is {bad[0]}"
         norm = float(total_norm(grads)) if grads else 0.0  # on the CPU: no wait
         if not math.isfinite(norm):
             if self.scaler_skips_nonfinite:
                 return None  # the GradScaler skips this step itself: not counted twice
-            return 3, "a gradient is non-finite"
+            return NONFINITE_GRADIENT, REASONS[NONFINITE_GRADIENT]
         worst = max(losses, default=None)
         loss_bar = self.spike.passed_by(worst) if self.spike and worst is not None else None
         grad_bar = self.explode.threshold() if self.explode is not None else None
         if loss_bar is not None:
-            return 1, f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
+            return LOSS_PAST_BAR, f"the loss {worst:.4g} is past the loss_spike bar {loss_bar:.4g}"
         if grad_bar is not None and norm > grad_bar:
-            return 2, (
+            return GRADIENT_PAST_BAR, (
                 f"the gradient norm {norm:.3g} is past the exploding_gradients bar {grad_bar:.3g}"
             )
         return None
@@ -234,16 +242,6 @@ class StepGate:
                 group["lr"] = lr
 
 
-#: Why a step is skipped, by how bad: 1 + the index is the code the ranks agree on
-#: (the largest wins).
-_REASONS = (
-    "the loss is past the loss_spike bar",
-    "the gradient norm is past the exploding_gradients bar",
-    "a gradient is non-finite",
-    "the loss is non-finite",
-)
-
-
 def _world_size() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -258,7 +256,7 @@ def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, 
     code = int(worst.item())
     if code == mine:
         return verdict
-    return code, f"on another rank, {_REASONS[code - 1]}"
+    return code, f"on another rank, {REASONS[code]}"
 
 
 @dataclass

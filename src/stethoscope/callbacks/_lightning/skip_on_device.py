@@ -20,14 +20,34 @@ import torch
 
 from stethoscope.callbacks._lightning.parameters import total_norm
 
-__all__ = ["DeviceVerdicts", "Landed", "skips_on_device"]
+__all__ = [
+    "GRADIENT_PAST_BAR",
+    "LOSS_PAST_BAR",
+    "NONFINITE_GRADIENT",
+    "NONFINITE_LOSS",
+    "REASONS",
+    "DeviceVerdicts",
+    "Landed",
+    "skips_on_device",
+]
 
-#: What each verdict code says (0: apply), for the finding's sentence.
+#: Why a step is not applied, as the code a verdict carries (0: apply). The larger,
+#: the worse: ranks that disagree take the largest.
+LOSS_PAST_BAR, GRADIENT_PAST_BAR, NONFINITE_GRADIENT, NONFINITE_LOSS = 1, 2, 3, 4
+#: Each code in words.
+REASONS = {
+    LOSS_PAST_BAR: "the loss is past the loss_spike bar",
+    GRADIENT_PAST_BAR: "the gradient norm is past the exploding_gradients bar",
+    NONFINITE_GRADIENT: "a gradient is non-finite",
+    NONFINITE_LOSS: "the loss is non-finite",
+}
+#: Each code with the values that made it, for the finding of a skip decided here.
 _WHAT = {
-    1: "the loss {loss:.4g} was past the loss_spike bar {loss_bar:.4g}",
-    2: "the gradient norm {norm:.3g} was past the exploding_gradients bar {grad_bar:.3g}",
-    3: "a gradient was non-finite",
-    4: "the loss was {loss}",
+    LOSS_PAST_BAR: "the loss {loss:.4g} was past the loss_spike bar {loss_bar:.4g}",
+    GRADIENT_PAST_BAR: "the gradient norm {norm:.3g} was past the exploding_gradients bar "
+    "{grad_bar:.3g}",
+    NONFINITE_GRADIENT: "a gradient was non-finite",
+    NONFINITE_LOSS: "the loss was {loss}",
 }
 
 
@@ -69,20 +89,20 @@ class DeviceVerdicts:
         *,
         scaler_skips_nonfinite: bool,
     ) -> torch.Tensor:
-        """The step's code as a 0-d int64 tensor on the gradients' device, computed there:
-        4 a non-finite loss, 3 a non-finite gradient (unless a GradScaler skips those), 2
-        a gradient norm past ``grad_bar``, 1 a loss past ``loss_bar``, 0 apply."""
+        """The step's code (see :data:`REASONS`) as a 0-d int64 tensor on the gradients'
+        device, computed there; a GradScaler's non-finite gradients are left to it."""
         device = grads[0].device if grads else losses[0].device
         norm = total_norm(grads) if grads else torch.zeros((), device=device)
         loss = torch.stack([v.float() for v in losses]).to(device) if losses else norm * 0
         worst = loss.max() if loss.ndim else loss
-        inf = math.inf
+        loss_bar = math.inf if loss_bar is None else loss_bar
+        grad_bar = math.inf if grad_bar is None else grad_bar
         code = torch.zeros((), dtype=torch.int64, device=device)
-        code = torch.where(worst > (loss_bar if loss_bar is not None else inf), 1, code)
-        code = torch.where(norm > (grad_bar if grad_bar is not None else inf), 2, code)
+        code = torch.where(worst > loss_bar, LOSS_PAST_BAR, code)
+        code = torch.where(norm > grad_bar, GRADIENT_PAST_BAR, code)
         if not scaler_skips_nonfinite:
-            code = torch.where(torch.isfinite(norm), code, 3)
-        code = torch.where(torch.isfinite(loss).all(), code, 4)
+            code = torch.where(torch.isfinite(norm), code, NONFINITE_GRADIENT)
+        code = torch.where(torch.isfinite(loss).all(), code, NONFINITE_LOSS)
         self._last = (worst, norm, loss_bar, grad_bar)
         return code
 
