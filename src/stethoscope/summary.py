@@ -11,7 +11,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["EpochSummary", "SummaryRow"]
+__all__ = ["EpochSummary", "SummaryRow", "name_tail"]
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
 #: Consoles at least this wide get the table; narrower ones, a list of rows.
@@ -109,7 +109,7 @@ class EpochSummary:
                 head.append(f"  {worst}")
             if row.where:
                 room = width - len(head.plain) - 5
-                head.append(f"  at {_tail(row.where, max(room, 12))}")
+                head.append(f"  at {name_tail(row.where, max(room, 12))}")
             head.no_wrap, head.overflow = True, "ellipsis"
             lines.append(head)
             if row.verdict:
@@ -139,15 +139,16 @@ class EpochSummary:
                 Text(row.status, style=_STATUS_STYLE.get(row.status, "")),
                 str(row.count) if row.count else "·",
                 _value_vs_threshold(row.value, row.threshold),
-                Text(_tail(row.where or "", _WHERE)),  # whole names, or their end
+                Text(name_tail(row.where or "", _WHERE)),  # whole names, or their end
                 f"{row.interval}" if row.interval is not None else "",
                 Text(row.verdict),
             )
         return table
 
 
-def _tail(name: str, room: int) -> str:
-    """``name`` whole, or its end after an ellipsis: the end says which parameter."""
+def name_tail(name: str, room: int) -> str:
+    """``name`` whole, or its end after an ellipsis, in ``room`` characters: the end of a
+    parameter's name says which one it is."""
     return name if len(name) <= room else "…" + name[len(name) - room + 1 :]
 
 

@@ -44,6 +44,7 @@ from rich.text import Text
 
 from stethoscope.record.reader import RunRecord
 from stethoscope.record.store import RecordError, record_file
+from stethoscope.summary import name_tail
 
 __all__ = ["STALE_SECONDS", "sparkline", "watch"]
 
@@ -391,8 +392,7 @@ class _View:
         grid.add_column(width=10, no_wrap=True, justify="right")
         for i in keep:
             name, v = names[i], float(values[i])
-            if len(name) > name_width:
-                name = "…" + name[len(name) - name_width + 1 :]
+            name = name_tail(name, name_width)
             style = _grad_style(v)
             if not math.isfinite(v):
                 bar = Text("!", "bold red")
