@@ -186,8 +186,7 @@ class Ladder:
         """Step ``step`` was not applied because ``why``. Returns the findings and what
         to do next: None, ``"rollback"`` or ``"stop"``."""
         s, cfg = self.s, self.settings
-        s.counts["skip"] += 1  # the weights stay healthy: no block on the next snapshot
-        s.skips.append(step)
+        s.skips.append(step)  # the weights stay healthy: no block on the next snapshot
         while s.skips and s.skips[0] <= step - cfg.window:
             s.skips.popleft()
         kept = "the weights and the optimizer's state stay as they were"
@@ -349,7 +348,7 @@ class Ladder:
     def _act(self, step: int, epoch: int, act: str, why: str, severity: str) -> Finding:
         s = self.s
         if act in s.counts:
-            s.counts[act] += act != "skip"  # skips are counted in skipped()
+            s.counts[act] += 1
         s.history.append(Rung(step, act, why))
         message = why[0].upper() + why[1:] + "."
         return Finding(step, epoch, RECOVERY, severity, message, where=act)
