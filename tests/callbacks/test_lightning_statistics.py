@@ -3,6 +3,7 @@ the run's context that its sinks receive."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from _histograms import magnitude_histogram
 from _models import TinyMLP, fit
@@ -22,10 +23,12 @@ def test_distributions_are_the_histograms_of_the_steps_weights_and_gradients():
     assert obs.names == tuple(params)
     for name, weights, grads in zip(obs.names, obs.weight_hist, obs.grad_hist, strict=True):
         p = params[name]
-        # after the step the weights are those of the step; the gradients stay until the next
-        assert weights.tolist() == magnitude_histogram(p.detach().numpy()).tolist(), name
-        assert grads.tolist() == magnitude_histogram(p.grad.numpy()).tolist(), name
-        assert weights.sum() == p.numel()
+        # after the step the weights are those of the step; the gradients stay until the
+        # next. The bins are found on a float32 log, which may move an element lying within
+        # rounding of an edge across it
+        assert np.abs(weights - magnitude_histogram(p.detach().numpy())).sum() <= 2, name
+        assert np.abs(grads - magnitude_histogram(p.grad.numpy())).sum() <= 2, name
+        assert weights.sum() == grads.sum() == p.numel()
 
 
 def test_distributions_are_not_measured_unless_a_detector_needs_them():

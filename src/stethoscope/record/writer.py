@@ -84,7 +84,7 @@ class RunRecorder(Sink):
         self,
         directory: str | os.PathLike[str],
         *,
-        every: int = 256,
+        every: int = 512,
         flush_seconds: float = 1.0,
         max_layer_steps: int = 4096,
         max_distribution_steps: int = 512,
