@@ -18,17 +18,12 @@ any other optimizer the gate reads it on the host, waiting for the device (it wa
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import math
-import tempfile
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +40,7 @@ from stethoscope.callbacks._lightning.skip_on_device import (
 )
 from stethoscope.policy import Decision
 from stethoscope.recovery import Recoverer, Recovery
+from stethoscope.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["LightningRecovery", "Snapshots", "StepGate", "refuse_unrecoverable"]
 
@@ -259,15 +255,6 @@ def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, 
     return code, f"on another rank, {REASONS[code]}"
 
 
-@dataclass
-class Snapshot:
-    step: int
-    state: dict[str, Any] | None  # in memory, or None when on disk
-    path: Path | None
-    nbytes: int
-    seconds: float
-
-
 def _host_copy(obj: Any) -> Any:
     """``obj`` with every tensor copied to host memory (a state that training cannot
     change underneath)."""
@@ -290,7 +277,7 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-class Snapshots:
+class Snapshots(SnapshotStore):
     """The last healthy states of the run: the module's weights and buffers, every
     optimizer's and scheduler's state, and stethoscope's own (detectors and sampler).
 
@@ -299,9 +286,12 @@ class Snapshots:
     """
 
     def __init__(self, settings: Recovery) -> None:
-        self.settings = settings
-        self.kept: deque[Snapshot] = deque()
-        self._dir: Path | None = None
+        super().__init__(
+            settings,
+            save=torch.save,
+            load=lambda path: torch.load(path, weights_only=False),
+            suffix=".pt",
+        )
 
     def take(self, step: int, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot:
         began = time.perf_counter()
@@ -313,26 +303,14 @@ class Snapshots:
             ],
             "monitor": copy.deepcopy(monitor.state_dict()),
         }
-        nbytes = _nbytes(state)
-        path = None
-        if self._on_disk(nbytes):
-            path = self._directory() / f"snapshot-{step}.pt"
-            torch.save(state, path)
-            state = None
-        snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began)
-        self.kept.append(snap)
-        while len(self.kept) > self.settings.keep_snapshots:
-            old = self.kept.popleft()
-            if old.path is not None:
-                old.path.unlink(missing_ok=True)
-        return snap
+        return self.keep(step, state, _nbytes(state), began)
 
     def restore(self, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot | None:
         """Put the newest snapshot back; None when there is none."""
-        if not self.kept:
+        newest = self.newest()
+        if newest is None:
             return None
-        snap = self.kept[-1]
-        state = snap.state if snap.state is not None else torch.load(snap.path, weights_only=False)
+        snap, state = newest
         module.load_state_dict(state["module"])
         for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(saved)
@@ -340,29 +318,6 @@ class Snapshots:
             config.scheduler.load_state_dict(saved)
         monitor.load_state_dict(state["monitor"])
         return snap
-
-    def close(self) -> None:
-        for snap in self.kept:
-            if snap.path is not None:
-                snap.path.unlink(missing_ok=True)
-        self.kept.clear()
-        if self._dir is not None and self.settings.snapshot_dir is None:
-            with contextlib.suppress(OSError):  # not empty: something of the user's
-                self._dir.rmdir()
-
-    def _on_disk(self, nbytes: int) -> bool:
-        where = self.settings.snapshot_in
-        return where == "disk" or (where == "auto" and nbytes > self.settings.memory_limit_bytes)
-
-    def _directory(self) -> Path:
-        if self._dir is None:
-            chosen = self.settings.snapshot_dir
-            if chosen is not None:
-                self._dir = Path(chosen)
-                self._dir.mkdir(parents=True, exist_ok=True)
-            else:
-                self._dir = Path(tempfile.mkdtemp(prefix="stethoscope-snapshots-"))
-        return self._dir
 
 
 #: What a roll back puts back, for its finding.
