@@ -28,6 +28,11 @@ from stethoscope.policy import Decision
 
 __all__ = [
     "DAMAGE",
+    "GRADIENT_PAST_BAR",
+    "LOSS_PAST_BAR",
+    "NONFINITE_GRADIENT",
+    "NONFINITE_LOSS",
+    "REASONS",
     "RECOVERABLE",
     "RECOVERY",
     "Ladder",
@@ -35,6 +40,7 @@ __all__ = [
     "Recovery",
     "Rung",
     "parse_recover",
+    "skip_reason",
 ]
 
 #: Detectors whose errors the ladder answers (by a skip already made, or a roll back)
@@ -58,6 +64,31 @@ RECOVERABLE = frozenset(
 #: model starts at ln V, so ``unstable_loss``'s error, twice the initial loss, may
 #: never come: its warning is the signal.)
 DAMAGE = frozenset({"unstable_loss", "large_updates"})
+
+#: Why a step is not applied, as the code a verdict carries (0: apply). The larger,
+#: the worse: ranks that disagree take the largest.
+LOSS_PAST_BAR, GRADIENT_PAST_BAR, NONFINITE_GRADIENT, NONFINITE_LOSS = 1, 2, 3, 4
+#: Each code in words.
+REASONS = {
+    LOSS_PAST_BAR: "the loss is past the loss_spike bar",
+    GRADIENT_PAST_BAR: "the gradient norm is past the exploding_gradients bar",
+    NONFINITE_GRADIENT: "a gradient is non-finite",
+    NONFINITE_LOSS: "the loss is non-finite",
+}
+#: Each code with the values that made it.
+_WHAT = {
+    LOSS_PAST_BAR: "the loss {loss:.4g} was past the loss_spike bar {loss_bar:.4g}",
+    GRADIENT_PAST_BAR: "the gradient norm {norm:.3g} was past the exploding_gradients bar "
+    "{grad_bar:.3g}",
+    NONFINITE_GRADIENT: "a gradient was non-finite",
+    NONFINITE_LOSS: "the loss was {loss}",
+}
+
+
+def skip_reason(code: int, *, loss: float, norm: float, loss_bar: float, grad_bar: float) -> str:
+    """Why a step whose verdict was ``code`` was skipped, with the values that made it."""
+    return _WHAT[code].format(loss=loss, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
+
 
 _SNAPSHOT_PLACES = ("auto", "memory", "disk")
 

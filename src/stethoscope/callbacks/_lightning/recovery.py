@@ -29,17 +29,17 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning.parameters import total_norm
-from stethoscope.callbacks._lightning.skip_on_device import (
+from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
+from stethoscope.policy import Decision
+from stethoscope.recovery import (
     GRADIENT_PAST_BAR,
     LOSS_PAST_BAR,
     NONFINITE_GRADIENT,
     NONFINITE_LOSS,
     REASONS,
-    DeviceVerdicts,
-    skips_on_device,
+    Recoverer,
+    Recovery,
 )
-from stethoscope.policy import Decision
-from stethoscope.recovery import Recoverer, Recovery
 from stethoscope.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["LightningRecovery", "Snapshots", "StepGate", "refuse_unrecoverable"]
@@ -164,7 +164,7 @@ class StepGate:
 
     def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
         """Why this step must not be applied, as ``(code, sentence)`` (the codes are
-        :data:`~skip_on_device.REASONS`), or None."""
+        :data:`~stethoscope.recovery.REASONS`), or None."""
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
         if bad:

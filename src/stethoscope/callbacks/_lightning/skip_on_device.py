@@ -19,36 +19,19 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning.parameters import total_norm
+from stethoscope.recovery import (
+    GRADIENT_PAST_BAR,
+    LOSS_PAST_BAR,
+    NONFINITE_GRADIENT,
+    NONFINITE_LOSS,
+    skip_reason,
+)
 
 __all__ = [
-    "GRADIENT_PAST_BAR",
-    "LOSS_PAST_BAR",
-    "NONFINITE_GRADIENT",
-    "NONFINITE_LOSS",
-    "REASONS",
     "DeviceVerdicts",
     "Landed",
     "skips_on_device",
 ]
-
-#: Why a step is not applied, as the code a verdict carries (0: apply). The larger,
-#: the worse: ranks that disagree take the largest.
-LOSS_PAST_BAR, GRADIENT_PAST_BAR, NONFINITE_GRADIENT, NONFINITE_LOSS = 1, 2, 3, 4
-#: Each code in words.
-REASONS = {
-    LOSS_PAST_BAR: "the loss is past the loss_spike bar",
-    GRADIENT_PAST_BAR: "the gradient norm is past the exploding_gradients bar",
-    NONFINITE_GRADIENT: "a gradient is non-finite",
-    NONFINITE_LOSS: "the loss is non-finite",
-}
-#: Each code with the values that made it, for the finding of a skip decided here.
-_WHAT = {
-    LOSS_PAST_BAR: "the loss {loss:.4g} was past the loss_spike bar {loss_bar:.4g}",
-    GRADIENT_PAST_BAR: "the gradient norm {norm:.3g} was past the exploding_gradients bar "
-    "{grad_bar:.3g}",
-    NONFINITE_GRADIENT: "a gradient was non-finite",
-    NONFINITE_LOSS: "the loss was {loss}",
-}
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -146,7 +129,6 @@ class DeviceVerdicts:
             code = int(code)
             why = ""
             if code:
-                values = {"loss": loss, "norm": norm, "loss_bar": loss_bar, "grad_bar": grad_bar}
-                why = _WHAT[code].format(**values)
+                why = skip_reason(code, loss=loss, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
             out.append(Landed(first.step, code, why))
         return out
