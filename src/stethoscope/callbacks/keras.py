@@ -23,9 +23,12 @@ from stethoscope.callbacks._base import StethoscopeBase
 from stethoscope.callbacks._keras.describe import describe_run
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
+from stethoscope.callbacks._keras.recovery import KerasRecovery, refuse_unrecoverable
+from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.detectors import Detector
 from stethoscope.observation import Observation
 from stethoscope.policy import StopOn
+from stethoscope.recovery import Recovery
 from stethoscope.sinks import RunContext, Sink
 from stethoscope.statistics import EVERY_STEP
 
@@ -63,6 +66,12 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             gradient distributions, every finding, the configuration) for
             ``stethoscope report`` and ``stethoscope watch``; ``None`` (default): no
             record. See :class:`stethoscope.record.RunRecorder`.
+        recover: ``False`` (default), ``True`` or a :class:`stethoscope.Recovery`: skip a
+            step whose loss or gradients are non-finite or past the detectors' bars, cool
+            the learning rate after repeated skips, roll back to a healthy snapshot, and
+            only then stop. Each step judges itself inside the train step, so a bad one
+            is never applied. Refused at the start of ``fit`` where it cannot skip (see
+            ``docs/recovery.md``).
 
     The callback judges a step at the start of the next one (or at the epoch's end),
     never in ``on_train_batch_end``: overriding that hook makes Keras wait for every
@@ -99,6 +108,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         escalate: bool = True,
         hot_steps: int = 32,
         record: str | os.PathLike[str] | None = None,
+        recover: bool | Recovery = False,
     ) -> None:
         super().__init__()
         backend = keras.backend.backend()
@@ -117,8 +127,10 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             escalate=escalate,
             hot_steps=hot_steps,
             record=record,
+            recover=recover,
         )
         self._probe: GraphProbe | None = None
+        self._recovery: KerasRecovery | None = None
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
         self._next = 0  # the global step of the next train step
@@ -146,6 +158,10 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         strategy = distribution(model)
         if strategy is not None:
             _check_optimizer(model.optimizer, strategy)
+        recover = self.recoverer is not None
+        if recover:
+            regime = Regime.of(steps_per_execution=model.steps_per_execution, strategy=strategy)
+            refuse_unrecoverable(model, regime)
         key = GraphProbe.key(model, forward=forward, strategy=strategy)
         probe = self._probe
         if probe is None or self._key != key:  # else a fit in a row: its functions are traced
@@ -154,9 +170,15 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 steps_per_execution=model.steps_per_execution,
                 forward=forward,
                 strategy=strategy,
+                recover=recover,
             )
             self._key = key
-        step0 = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        # the steps taken: the optimizer's count, and with recover= the steps it skipped
+        step0 = (
+            probe.step_index()
+            if recover
+            else int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        )
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
         self._next = step0
@@ -164,6 +186,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         probe.start(step0)
         probe.install()
         self._probe = probe
+        if recover:
+            self._recovery = KerasRecovery(self.recoverer, self._act)
+            self._recovery.start(model, probe, step0)
         verbose = self.params.get("verbose", 1) if isinstance(self.params, dict) else 1
         printer = _after_progress_line if verbose in (1, "auto") else None
         self.monitor.start(
@@ -180,6 +205,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self._collect()
         self._detach()
+        if self._recovery is not None:
+            self._recovery.close()
+            self._recovery = None
         self.monitor.flush()
         message = self._stop_message()
         if message is not None:
@@ -248,7 +276,10 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 bad_rank = probe.bad_replica()
             if not direct:  # ready for the next one (off the healthy path)
                 probe.clear_nonfinite(ring)
+        recovery = self._recovery
         for step in range(first, first + count):
+            if recovery is not None:  # one step per execution (see refuse_unrecoverable)
+                recovery.settle(step, self._epoch, probe.verdict(), ring)
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
                 obs.loss = float(losses[step % k])
@@ -261,6 +292,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
                 self._look_at_nonfinite(obs, bad_rank)
+            if recovery is not None:
+                recovery.after_step(step, self._epoch)
 
     def _look_at_nonfinite(self, judged: Observation, replica: int) -> None:
         """Judge the gradient and weight norms recorded at a non-finite step that its own

@@ -29,7 +29,7 @@ from stethoscope.callbacks._keras.reductions import Layout, make_reductions, slo
 from stethoscope.callbacks._keras.regime import Mode, Regime
 from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
-from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, StepWrappers
+from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_KEY, StepWrappers
 from stethoscope.observation import Observation
 
 __all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe"]
@@ -54,10 +54,18 @@ class GraphProbe:
         steps_per_execution: Train steps per call of the train function.
         forward: Whether to wrap the leaf layers (activation, output and trace rows).
         strategy: The model's ``MirroredStrategy`` (see ``layers.distribution``), or None.
+        recover: Whether each step judges itself before its update (``recover=``): the
+            update runs in a ``cond`` on the verdict, against the bars the host writes.
     """
 
     def __init__(
-        self, model: Any, *, steps_per_execution: int, forward: bool, strategy: Any = None
+        self,
+        model: Any,
+        *,
+        steps_per_execution: int,
+        forward: bool,
+        strategy: Any = None,
+        recover: bool = False,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
         self.regime = regime = Regime.of(steps_per_execution=steps_per_execution, strategy=strategy)
@@ -77,6 +85,8 @@ class GraphProbe:
         slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
         for r in self.reductions:
             slots += slots_of(r, self.layout, regime)
+        if recover:
+            slots += _recovery_slots()
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
@@ -96,6 +106,7 @@ class GraphProbe:
             position=position,
             layers=self._layers,
             strategy=strategy,
+            recover=recover,
         )
         # the switches each statistic needs, and what a whole heavy function can measure
         self._groups_of: dict[str, frozenset[str]] = {}
@@ -111,6 +122,8 @@ class GraphProbe:
         self.last_ring = np.zeros(0, dtype=np.float32)  # the one the host read last
         self._returned_lr: Any = None
         self._returned_step: Any = None
+        self._verdict: Any = None  # recover=: the last execution's verdict, not yet read
+        self._bars = (math.inf, math.inf, 1.0)  # ... and what the host last wrote
         #: Samples per batch, once the inputs were measured (0: unknown).
         self.batch_samples = 0
 
@@ -220,6 +233,7 @@ class GraphProbe:
         if isinstance(logs, dict) and RING_KEY in logs:
             logs = dict(logs)
             self._ring = logs.pop(RING_KEY)
+            self._verdict = logs.pop(VERDICT_KEY, None)
             returned = logs.pop(PROBES_KEY, None)
             if returned:
                 self.variables.hand_back({n: v for n, v in returned.items() if n in self.variables})
@@ -250,6 +264,40 @@ class GraphProbe:
             ring = np.array(ring)  # a writable copy: the host clears the flag in it
         self.last_ring = ring
         return ring
+
+    # -- recover= --------------------------------------------------------------------------------
+    def verdict(self) -> int:
+        """The last execution's verdict (a code of :data:`~stethoscope.recovery.REASONS`;
+        0: its update was applied)."""
+        code, self._verdict = self._verdict, None
+        return int(np.asarray(code)) if code is not None else 0
+
+    @property
+    def bars(self) -> tuple[float, float, float]:
+        """What the steps judge themselves against: the loss bar, the gradient-norm bar
+        and the learning rate's factor (as last written)."""
+        return self._bars
+
+    def set_bars(self, loss_bar: float, grad_bar: float, lr_scale: float) -> None:
+        """Write the bars (``math.inf``: none) and the factor for the next steps; only a
+        change worth it is written (a bar moves a little every step; 1% of it is
+        nothing against a spike, and a write costs an op)."""
+        old = self._bars
+        new = (loss_bar, grad_bar, lr_scale)
+        if lr_scale == old[2] and _close(loss_bar, old[0]) and _close(grad_bar, old[1]):
+            return
+        self._bars = new
+        self.variables.write("recovery", np.array(new, dtype=np.float32))
+
+    def step_index(self) -> int:
+        """The host's count of the steps taken (the optimizer's, plus those skipped)."""
+        applied = int(self.variables.read_variable(self.optimizer.iterations))
+        return applied + int(self.variables.read("skipped"))
+
+    def continue_from(self, step: int) -> None:
+        """After a roll back put the optimizer's count back: count on from ``step``."""
+        applied = int(self.variables.read_variable(self.optimizer.iterations))
+        self.variables.write("skipped", np.int64(step - applied))
 
     def flagged(self, ring: np.ndarray) -> bool:
         """Whether the execution of ``ring`` took a step with a non-finite loss or gradient
@@ -384,6 +432,22 @@ def _layout(
         forward_layers=tuple((la.name, activation_kind(la), unit_layer(la)) for la in forward),
         snapshot=frozenset(snapshot),
     )
+
+
+def _recovery_slots() -> list[Slot]:
+    """recover=: host -> graph, the bars a step is judged against and the learning
+    rate's factor; and the steps skipped so far (see ``StepWrappers._step_index``)."""
+    return [
+        Slot("recovery", (3,), np.array([np.inf, np.inf, 1.0]), combine="first", returned=False),
+        Slot("skipped", (), 0, "int64", combine="first", returned=False),
+    ]
+
+
+def _close(a: float, b: float) -> bool:
+    """Whether two bars are within 1% (two infinities are; a bar and none are not)."""
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= 0.01 * max(abs(a), abs(b))
 
 
 def _plumbing(layout: Layout, regime: Regime, groups: int) -> list[Slot]:

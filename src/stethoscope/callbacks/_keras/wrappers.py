@@ -36,14 +36,24 @@ from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction,
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
+from stethoscope.recovery import (
+    GRADIENT_PAST_BAR,
+    LOSS_PAST_BAR,
+    NONFINITE_GRADIENT,
+    NONFINITE_LOSS,
+)
 
-__all__ = ["PROBES_KEY", "RING_KEY", "StepWrappers"]
+__all__ = ["PROBES_KEY", "RING_KEY", "VERDICT_KEY", "StepWrappers"]
 
 #: The key under which the train step hands the loss ring back, taken out of the logs
 #: before ``fit`` (or any other callback) sees them.
 RING_KEY = "_stethoscope_ring"
 #: The key under which a heavy train step hands back what it measured, taken out alike.
 PROBES_KEY = "_stethoscope_probes"
+
+#: The key under which a step with ``recover=`` hands back its verdict (see
+#: :meth:`StepWrappers._verdict`), taken out alike.
+VERDICT_KEY = "_stethoscope_verdict"
 
 #: A direct heavy step's forward row that a control-flow body wrote to the probe's
 #: variable (a tensor made there cannot leave it): read back after the loop.
@@ -62,6 +72,7 @@ class _Trace:
     rows: dict[int, Any] = field(default_factory=dict)  # ... and its forward rows
     written: set[str] = field(default_factory=set)  # slots a control-flow body wrote
     due: tuple | None = None  # (switches, forced), from apply to the all-reduce
+    verdict: Any = None  # recover=: the step's verdict, from apply to the logs
     outer: Any = None  # the graph of the train step being traced
 
 
@@ -79,6 +90,9 @@ class StepWrappers:
             backing variable under a strategy, which the all-reduce pairs gradients with).
         layers: The leaf layers whose output is read, one forward row each.
         strategy: The model's ``MirroredStrategy``, or None.
+        recover: Whether the step judges itself before the optimizer applies it (the
+            recovery ladder's skip and cool-down; the probe's ``recovery`` and
+            ``skipped`` variables).
     """
 
     def __init__(
@@ -93,8 +107,11 @@ class StepWrappers:
         position: dict[int, int],
         layers: list[Any],
         strategy: Any,
+        recover: bool = False,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
+        self.recover = recover
+        self._cooling = False  # the optimizer's update is being traced inside apply
         self.regime, self.layout, self.variables = regime, layout, variables
         self.position, self.layers, self.strategy = position, layers, strategy
         self.forward = next(r for r in reductions if isinstance(r, ForwardRows))
@@ -128,6 +145,9 @@ class StepWrappers:
         if self.regime.outputs:
             self._wrap(model, "train_step", self._train_step(model.train_step))
         self._wrap(opt, "apply", self._apply(opt.apply))
+        if self.recover:
+            current = opt._get_current_learning_rate
+            self._wrap(opt, "_get_current_learning_rate", self._learning_rate(current))
         if self.strategy is not None:
             reduce = opt._all_reduce_sum_gradients
             self._wrap(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
@@ -247,6 +267,8 @@ class StepWrappers:
             else:  # read after the step's own writes to it (automatic control dependencies)
                 ring = ops.convert_to_tensor(self.variables["losses"])
             out = {**logs, RING_KEY: ring}
+            if trace.verdict is not None:
+                out[VERDICT_KEY], trace.verdict = trace.verdict, None
             if self.switches.heavy:
                 out[PROBES_KEY] = self._handed_back(trace)
             return out
@@ -263,7 +285,7 @@ class StepWrappers:
             for name in written:
                 out[name] = kops.value(self.variables[name])
             if "sampled_at" not in out:  # a step that planned no reduction storing it
-                out["sampled_at"] = ops.cast(self.optimizer.iterations, "int64") - 1
+                out["sampled_at"] = self._step_index() - 1
             if self.layers and (rows or self.switches.planned & self.forward.statistics):
                 # NaN for a layer the step did not call, or whose row no planned probe reads
                 nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
@@ -321,7 +343,10 @@ class StepWrappers:
             elif heavy:
                 self._at_gradients(grads, tvars, scaled=True)
             before = self._before_update(tvars) if heavy else {}
-            original(grads, tvars)
+            if self.recover:
+                self._gated(original, grads, tvars, loss, trace)
+            else:
+                original(grads, tvars)
             if heavy:
                 self._at_update(tvars, before)
             if forced is not False:
@@ -331,6 +356,67 @@ class StepWrappers:
             return None
 
         return apply
+
+    # -- recover= ------------------------------------------------------------------------------
+    def _step_index(self) -> Any:
+        """The index of the step being taken, counted as the host counts them. The
+        optimizer's ``iterations`` counts the updates applied; a skipped step leaves it
+        as it was (Adam's bias correction and a schedule see only applied steps, as in a
+        run that never saw the batch), so the steps skipped are added back."""
+        applied = ops.cast(self.optimizer.iterations, "int64")
+        if not self.recover:
+            return applied
+        return applied + kops.value(self.variables["skipped"])
+
+    def _gated(self, original: Any, grads: list, tvars: list, loss: list, trace: _Trace) -> None:
+        """The optimizer's update, in a ``cond`` on the step's verdict: applied (at the
+        cooled learning rate while the ladder cools) or skipped, counted in ``skipped``.
+        The verdict goes back with the logs."""
+        code = trace.verdict = self._verdict(loss, trace.squares)
+
+        def applied() -> None:
+            self._cooling = True  # the update's reads of the learning rate are scaled
+            try:
+                original(grads, tvars)
+            finally:
+                self._cooling = False
+
+        def skipped() -> None:
+            self.variables["skipped"].assign_add(np.int64(1))
+
+        ops.cond(ops.equal(code, 0), applied, skipped)
+
+    def _verdict(self, loss: list, squares: dict[int, Any]) -> Any:
+        """Why this step must not be applied, as a code of
+        :data:`~stethoscope.recovery.REASONS` (0: apply), from its loss and its gradients'
+        sums of squares against the bars the host wrote to ``recovery``: the loss past
+        ``loss_spike``'s, the global norm past ``exploding_gradients``' (squared, so no
+        root is taken; a square past float32's range reads as non-finite, as the
+        detectors' norms do)."""
+        bars = kops.value(self.variables["recovery"])
+        total = ops.multiply(ops.sum(ops.stack(list(squares.values()))), 2.0) if squares else 0.0
+        code = ops.where(ops.greater(total, ops.square(bars[1])), GRADIENT_PAST_BAR, 0)
+        code = ops.where(ops.isfinite(total), code, NONFINITE_GRADIENT)
+        if loss:
+            value = loss[0]
+            code = ops.where(ops.greater(value, bars[0]), ops.maximum(code, LOSS_PAST_BAR), code)
+            code = ops.where(ops.isfinite(value), code, NONFINITE_LOSS)
+        return ops.cast(code, "int32")
+
+    def _learning_rate(self, original: Any) -> Any:
+        """The optimizer's learning rate, scaled by the ladder's cool-down factor (the
+        third number of ``recovery``) inside the update alone: whatever else reads it (a
+        callback such as ``ReduceLROnPlateau``, the host) sees the schedule's own."""
+
+        @functools.wraps(original)
+        def current():
+            lr = original()
+            if not self._cooling:
+                return lr
+            scale = kops.value(self.variables["recovery"])[2]
+            return ops.multiply(ops.cast(lr, "float32"), scale)
+
+        return current
 
     def _all_reduce(self, original: Any) -> Any:
         """Under a strategy: the gradient statistics of the sampled (or non-finite) step,
@@ -389,7 +475,7 @@ class StepWrappers:
             scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
             for r, on in own.items():
                 cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
-            self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64"))
+            self.put("sampled_at", self._step_index())
 
         cond(any_on, gradients)
 
@@ -417,6 +503,6 @@ class StepWrappers:
             }
             for r, on in own.items():
                 cond(on, lambda r=r: r.on_update(self, now, kept.get(r)))
-            self.put("sampled_at", ops.cast(self.optimizer.iterations, "int64") - 1)
+            self.put("sampled_at", self._step_index() - 1)
 
         cond(any_on, update)

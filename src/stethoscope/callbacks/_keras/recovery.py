@@ -1,0 +1,168 @@
+"""The recovery ladder in a Keras fit: where a step is skipped, the learning rate of a
+cool-down, and the snapshots a roll back goes to. What to do when is
+:mod:`stethoscope.recovery`'s.
+
+How a skip works. Inside the traced train step, the wrapper around the optimizer's
+``apply`` judges the step from its loss and its gradients' sums of squares (which the
+probe computes on every step anyway) against the bars the host last wrote to the
+probe's ``recovery`` variable, and runs the update in a ``cond`` on that verdict.
+A skipped step leaves the weights, the optimizer's slots and its ``iterations``
+exactly as they were, as Keras' own ``LossScaleOptimizer`` does with an overflowing
+step; the probe counts it in its ``skipped`` variable, so the host's step numbers go on.
+The verdict comes back with the step's logs, where the host reads the loss already: no
+wait of its own. The bars are written when they move by more than 1%, and the cool-down
+factor when it changes.
+
+Settings it cannot recover in (several steps per execution, a distribution strategy,
+the torch backend, a train step of the user's own) are refused at the start of ``fit``,
+before the first step, with a sentence that says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from stethoscope.callbacks._keras.probe import GraphProbe
+from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.policy import Decision
+from stethoscope.recovery import Recoverer, skip_reason
+from stethoscope.snapshots import SnapshotStore
+
+__all__ = ["KerasRecovery", "refuse_unrecoverable"]
+
+#: What a roll back puts back, for its finding.
+_RESTORED = "weights, optimizer state and step count, detectors and sampler"
+
+
+def refuse_unrecoverable(model: Any, regime: Regime) -> None:
+    """Raise when the ladder cannot skip a step of this model's fit.
+
+    Raises:
+        ValueError: A setting the skip does not reach yet, or a train step of the user's
+            own (whose update the ladder cannot see), named with what to do instead.
+    """
+    reason = None
+    if regime.eager:
+        reason = f"on the {keras.backend.backend()} backend (its train step runs eagerly)"
+    elif regime.replicas > 1 or not regime.outputs:
+        reason = "under a tf.distribute strategy"
+    elif regime.steps > 1:
+        reason = f"with steps_per_execution={regime.steps}"
+    if reason is not None:
+        raise ValueError(
+            f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "
+            "recover=False there (the detectors and stop_on work as usual)"
+        )
+    own = type(model).train_step
+    if not getattr(own, "__module__", "").startswith("keras."):
+        raise ValueError(
+            f"KerasStethoscope(recover=...) cannot skip the steps of {type(model).__name__}, "
+            "whose train_step is its own: the ladder judges and skips the update inside "
+            "Keras' train step. Use recover=False with a custom train_step"
+        )
+
+
+class KerasRecovery:
+    """The ladder in a Keras fit: the bars each step is judged against, the snapshots
+    and the ladder, driven from the callback's batch hooks.
+
+    Args:
+        recoverer: The monitor's ladder.
+        act: The callback's way of acting on a decision (stop or raise).
+    """
+
+    def __init__(self, recoverer: Recoverer, act: Callable[[Decision], None]) -> None:
+        self.recoverer = recoverer
+        self.act = act
+        self.monitor = recoverer.monitor
+        self.snapshots = SnapshotStore(recoverer.ladder.settings)
+        by_name = {d.name: d for d in self.monitor.detectors}
+        self.spike = by_name.get("loss_spike")
+        self.explode = by_name.get("exploding_gradients")
+        self.model: Any = None
+        self.probe: GraphProbe | None = None
+
+    def start(self, model: Any, probe: GraphProbe, step: int) -> None:
+        """Take the first snapshot (before step ``step``) and write the bars."""
+        self.model, self.probe = model, probe
+        self._take(step)
+        self._write_bars(step)
+
+    def settle(self, step: int, epoch: int, code: int, ring: np.ndarray) -> None:
+        """Step ``step`` ran with verdict ``code`` (its ``ring``: the loss, then each
+        gradient's half sum of squares): report a skip, then the step settled."""
+        if code:
+            loss_bar, grad_bar, _ = self.probe.bars
+            norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
+            why = skip_reason(
+                code, loss=float(ring[0]), norm=norm, loss_bar=loss_bar, grad_bar=grad_bar
+            )
+            self.act(self.recoverer.skipped(step, epoch, why))
+        self.act(self.recoverer.settle(step))
+
+    def after_step(self, step: int, epoch: int) -> None:
+        """After the detectors judged step ``step``: end a cool-down, roll back if the
+        ladder owes one, else snapshot when due; then the bars of the next step."""
+        ladder = self.recoverer.ladder
+        for f in ladder.saw(step, epoch, troubled=False):
+            self.monitor.ledger.record(f)
+        if self.recoverer.rollback_due is not None:
+            to_step = self._restore()
+            if to_step is None:
+                self.act(self.recoverer.no_snapshot(step, epoch))
+            else:
+                self.probe.continue_from(step + 1)
+                self.recoverer.rolled_back(step, epoch, to_step, _RESTORED)
+        elif ladder.snapshot_due(step):
+            self._take(step)
+        self._write_bars(step + 1)
+
+    def close(self) -> None:
+        self.snapshots.close()
+
+    # -- state ----------------------------------------------------------------------------
+    def _take(self, step: int) -> None:
+        began = time.perf_counter()
+        model = self.model
+        state = {
+            "model": [_host_copy(v) for v in model.variables],
+            "optimizer": [_host_copy(v) for v in model.optimizer.variables],
+            "monitor": copy.deepcopy(self.monitor.state_dict()),
+        }
+        nbytes = sum(a.nbytes for a in (*state["model"], *state["optimizer"]))
+        self.snapshots.keep(step, state, nbytes, began)
+
+    def _restore(self) -> int | None:
+        """Put the newest snapshot back; its step, or None when there is none."""
+        newest = self.snapshots.newest()
+        if newest is None:
+            return None
+        snap, state = newest
+        model = self.model
+        for v, saved in zip(model.variables, state["model"], strict=True):
+            v.assign(saved)
+        for v, saved in zip(model.optimizer.variables, state["optimizer"], strict=True):
+            v.assign(saved)
+        self.monitor.load_state_dict(state["monitor"])
+        return snap.step
+
+    def _write_bars(self, step: int) -> None:
+        loss_bar = self.spike.threshold() if self.spike is not None else None
+        grad_bar = self.explode.threshold() if self.explode is not None else None
+        self.probe.set_bars(
+            math.inf if loss_bar is None else loss_bar,
+            math.inf if grad_bar is None else grad_bar,
+            self.recoverer.ladder.lr_scale(step),
+        )
+
+
+def _host_copy(variable: Any) -> np.ndarray:
+    """A variable's value in host memory, which training cannot change underneath."""
+    return np.array(keras.ops.convert_to_numpy(variable), copy=True)
