@@ -1,0 +1,227 @@
+"""KerasStethoscope(recover=...) on real training: a skipped step leaves the weights and
+the optimizer (its slots and its step count) exactly as a fit that never saw the batch,
+a cool-down scales the learning rate inside the update alone, a roll back restores the
+last healthy snapshot, a fault that persists ends in a stop with the ladder's history,
+and what cannot be skipped is refused before the first step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from stethoscope import KerasStethoscope, Recovery  # noqa: E402
+from stethoscope.recovery import RECOVERY  # noqa: E402
+from stethoscope.testing import CapturingSink  # noqa: E402
+
+BATCH, FEATURES, CLASSES = 16, 12, 3
+
+
+def data(steps: int, *, poison: dict[int, str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``steps`` batches of a learnable task; ``poison`` maps a batch to ``"nan"`` (a NaN
+    input) or ``"spike"`` (inputs 100x too large and every label wrong)."""
+    rng = np.random.default_rng(0)
+    teacher = rng.normal(size=(FEATURES, CLASSES))
+    x = rng.normal(size=(steps * BATCH, FEATURES)).astype("float32")
+    y = (x @ teacher).argmax(1)
+    for step, kind in (poison or {}).items():
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        if kind == "nan":
+            x[step * BATCH, 0] = np.nan
+        elif kind == "spike":
+            x[rows] *= 100.0
+            y[rows] = (y[rows] + 1) % CLASSES
+    return x, y
+
+
+def without(x: np.ndarray, y: np.ndarray, steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The same data, never having seen the batches of ``steps``."""
+    keep = np.ones(len(x), dtype=bool)
+    for step in steps:
+        keep[step * BATCH : (step + 1) * BATCH] = False
+    return x[keep], y[keep]
+
+
+def model(optimizer: str = "sgd", lr: float = 0.05) -> Any:
+    keras.utils.set_random_seed(1)
+    m = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(32, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    opt = {
+        "sgd": lambda: keras.optimizers.SGD(lr, momentum=0.9),
+        "plain-sgd": lambda: keras.optimizers.SGD(lr),
+        "adamw": lambda: keras.optimizers.AdamW(lr / 20, weight_decay=0.01),
+    }[optimizer]()
+    m.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+
+
+def fit(m: Any, x: np.ndarray, y: np.ndarray, callbacks: list, **kw: Any) -> Any:
+    return m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks, **kw)
+
+
+def same_state(a: Any, b: Any) -> None:
+    for va, vb in zip(a.variables, b.variables, strict=True):
+        assert np.array_equal(va.numpy(), vb.numpy()), va.path
+    for va, vb in zip(a.optimizer.variables, b.optimizer.variables, strict=True):
+        assert np.array_equal(np.asarray(va.numpy()), np.asarray(vb.numpy())), va.path
+
+
+def acts(sink: CapturingSink) -> list[tuple[int, str]]:
+    return [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
+
+
+class Weights(keras.callbacks.Callback):
+    """The model's weights after each step, and at the start of each step (after the
+    callbacks before it in the list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after: dict[int, list[np.ndarray]] = {}
+        self.before: dict[int, list[np.ndarray]] = {}
+        self.lr: dict[int, float] = {}
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.before[batch] = [v.numpy().copy() for v in self.model.trainable_variables]
+        self.lr[batch] = float(np.asarray(self.model.optimizer.learning_rate))
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.after[batch] = [v.numpy().copy() for v in self.model.trainable_variables]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_nan_batch_is_skipped_exactly_as_if_never_seen(optimizer):
+    x, y = data(30, poison={5: "nan"})
+    sink = CapturingSink()
+    recovered = model(optimizer)
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=True)])
+    twin = model(optimizer)
+    fit(twin, *without(x, y, [5]), [])
+    same_state(recovered, twin)  # weights, slots, and iterations: 29 updates applied
+    assert int(recovered.optimizer.iterations.numpy()) == 29
+    assert acts(sink) == [(5, "skip")]
+    skip = next(f for f in sink.findings if f.detector == RECOVERY)
+    assert "the loss was nan" in skip.message
+    # nothing is hidden: the non-finite loss is reported on its step, and fit went on
+    assert 5 in {f.step for f in sink.by_detector("nonfinite_loss")}
+    assert all(np.isfinite(v.numpy()).all() for v in recovered.trainable_variables)
+
+
+def test_a_spike_past_the_bars_is_skipped_exactly_as_if_never_seen():
+    x, y = data(80, poison={60: "spike"})
+    sink = CapturingSink()
+    recovered = model("sgd")
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=True)])
+    twin = model("sgd")
+    fit(twin, *without(x, y, [60]), [])
+    same_state(recovered, twin)
+    assert acts(sink) == [(60, "skip")]
+    skip = next(f for f in sink.findings if f.detector == RECOVERY)
+    assert "was past the exploding_gradients bar" in skip.message
+    # the detectors report the spike on its step all the same
+    assert 60 in {f.step for f in sink.by_detector("loss_spike")}
+
+
+def test_a_healthy_run_takes_no_action_and_trains_bit_for_bit_as_without():
+    x, y = data(40)
+    sink = CapturingSink()
+    recovered = model("adamw")
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=True)])
+    plain = model("adamw")
+    fit(plain, x, y, [KerasStethoscope(sinks=[])])
+    same_state(recovered, plain)
+    assert acts(sink) == []
+
+
+def test_a_cool_down_scales_the_learning_rate_inside_the_update_alone():
+    x, y = data(24, poison={5: "nan", 7: "nan"})
+    settings = Recovery(cool_after=2, cool_steps=4)
+    sink, seen = CapturingSink(), Weights()
+    cooled = model("plain-sgd")
+    fit(cooled, x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    twin, twin_seen = model("plain-sgd"), Weights()
+    fit(twin, *without(x, y, [5, 7]), [twin_seen])
+    assert acts(sink)[:3] == [(5, "skip"), (7, "skip"), (7, "cool")]
+    # step 8 starts from the same weights as the twin's 7th step (both skipped 5 and 7),
+    # so its plain SGD update is the twin's times the factor
+    for before, after, t_before, t_after in zip(
+        seen.before[8], seen.after[8], twin_seen.before[6], twin_seen.after[6], strict=True
+    ):
+        np.testing.assert_array_equal(before, t_before)
+        # up to the float32 rounding of a weight near 0.3 (3e-8), on updates near 1e-5
+        np.testing.assert_allclose(after - before, 0.1 * (t_after - t_before), atol=1e-7)
+    # what reads the learning rate outside the update (a callback, the host) sees the
+    # schedule's own, so a ReduceLROnPlateau cannot bake the factor in
+    assert all(lr == pytest.approx(0.05) for lr in seen.lr.values())
+    # the cool-down ends after its 4 steps, and the learning rate is the user's again
+    assert (12, "restore_lr") in acts(sink)
+    for before, after, t_before, t_after in zip(
+        seen.before[14], seen.after[14], twin_seen.before[12], twin_seen.after[12], strict=True
+    ):
+        ratio = np.linalg.norm(after - before) / np.linalg.norm(t_after - t_before)
+        assert 0.5 < ratio < 2.0  # unscaled (the weights differ a little by now)
+
+
+def test_a_skip_during_the_cool_down_rolls_back_to_the_last_healthy_snapshot():
+    x, y = data(30, poison={10: "nan", 12: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4)
+    sink, seen = CapturingSink(), Weights()
+    m = model("sgd")
+    fit(m, x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    assert acts(sink)[:4] == [(10, "skip"), (10, "cool"), (12, "skip"), (12, "rollback")]
+    rollback = next(f for f in sink.findings if f.where == "rollback")
+    assert "snapshot of step 8" in rollback.message
+    # judged at the start of step 13: the weights it starts from are those after step 8
+    for now, snapshot in zip(seen.before[13], seen.after[8], strict=True):
+        np.testing.assert_array_equal(now, snapshot)
+    # the run goes on, numbering its steps on, cooled again after the roll back
+    assert (12, "cool") in acts(sink)
+    assert len(seen.after) == 30 and not m.stop_training
+
+
+def test_a_fault_that_persists_climbs_the_ladder_and_stops_with_its_history():
+    x, y = data(40, poison={s: "nan" for s in range(10, 40, 2)})
+    settings = Recovery(cool_after=1, rollback_after=1, max_rollbacks=1, snapshot_every=4)
+    sink, seen = CapturingSink(), Weights()
+    fit(model("sgd"), x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    steps = [a for a in acts(sink) if a[1] in ("rollback", "stop")]
+    assert steps == [(12, "rollback"), (14, "stop")]
+    stop = next(f for f in sink.findings if f.where == "stop")
+    assert stop.severity.value == "error"
+    assert "gave up" in stop.message and "skipped 3 steps" in stop.message
+    assert len(seen.after) < 40  # stopped early (after the next step, as a Keras stop)
+
+
+def test_recover_is_refused_before_the_first_step_where_it_cannot_skip():
+    x, y = data(4)
+    m = model()
+    m.compile(m.optimizer, m.loss, steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=2"):
+        fit(m, x, y, [KerasStethoscope(sinks=[], recover=True)])
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(1)
+    own = OwnStep([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    own.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="whose train_step is its own"):
+        fit(own, x, y, [KerasStethoscope(sinks=[], recover=True)])
+    assert int(own.optimizer.iterations.numpy()) == 0  # refused before any step
+
+
+def test_the_epoch_summary_counts_what_the_ladder_did():
+    x, y = data(20, poison={5: "nan"})
+    callback = KerasStethoscope(sinks=[], recover=True)
+    fit(model(), x, y, [callback])
+    assert callback.recoverer.ladder.counts == {"skip": 1, "cool": 0, "rollback": 0, "stop": 0}
+    [row] = [r for r in callback.summaries[-1].rows if r.detector == RECOVERY]
+    assert row.verdict == "skipped 1 step" and row.status == "info"
