@@ -186,6 +186,23 @@ def test_a_skip_during_the_cool_down_rolls_back_to_the_last_healthy_snapshot():
     assert len(seen.after) == 30 and not m.stop_training
 
 
+def test_with_several_steps_per_execution_a_roll_back_waits_for_the_execution_to_end():
+    x, y = data(30, poison={10: "nan", 12: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4)
+    sink, seen = CapturingSink(), Weights()
+    m = model("sgd")
+    m.compile(m.optimizer, m.loss, steps_per_execution=4)
+    fit(m, x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    # executions take steps 8-11 and 12-15: the snapshot after 8-11 (its step 8 was due),
+    # the roll back once 12-15 have all run
+    assert acts(sink)[:4] == [(10, "skip"), (10, "cool"), (12, "skip"), (15, "rollback")]
+    rollback = next(f for f in sink.findings if f.where == "rollback")
+    assert "snapshot of step 11" in rollback.message
+    for now, snapshot in zip(seen.before[16], seen.after[11], strict=True):
+        np.testing.assert_array_equal(now, snapshot)
+    assert not m.stop_training
+
+
 def test_a_fault_that_persists_climbs_the_ladder_and_stops_with_its_history():
     x, y = data(40, poison={s: "nan" for s in range(10, 40, 2)})
     settings = Recovery(cool_after=1, rollback_after=1, max_rollbacks=1, snapshot_every=4)
@@ -199,12 +216,27 @@ def test_a_fault_that_persists_climbs_the_ladder_and_stops_with_its_history():
     assert len(seen.after) < 40  # stopped early (after the next step, as a Keras stop)
 
 
+@pytest.mark.parametrize("steps_per_execution", [3, 4])
+def test_with_several_steps_per_execution_each_bad_step_is_skipped_as_if_never_seen(
+    steps_per_execution,
+):
+    # steps 5 and 18 fall at different places in executions of 3 and of 4 steps
+    x, y = data(30, poison={5: "nan", 18: "nan"})
+    sink = CapturingSink()
+    recovered = model("adamw")
+    recovered.compile(recovered.optimizer, recovered.loss, steps_per_execution=steps_per_execution)
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=True)])
+    twin = model("adamw")
+    twin.compile(twin.optimizer, twin.loss, steps_per_execution=steps_per_execution)
+    fit(twin, *without(x, y, [5, 18]), [])
+    same_state(recovered, twin)
+    assert acts(sink) == [(5, "skip"), (18, "skip")]
+    # every step's loss is judged on its own step number, the skipped ones counted in
+    assert 5 in {f.step for f in sink.by_detector("nonfinite_loss")}
+
+
 def test_recover_is_refused_before_the_first_step_where_it_cannot_skip():
     x, y = data(4)
-    m = model()
-    m.compile(m.optimizer, m.loss, steps_per_execution=2)
-    with pytest.raises(ValueError, match="steps_per_execution=2"):
-        fit(m, x, y, [KerasStethoscope(sinks=[], recover=True)])
 
     class OwnStep(keras.Sequential):
         def train_step(self, data):

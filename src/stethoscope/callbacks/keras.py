@@ -277,14 +277,15 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             if not direct:  # ready for the next one (off the healthy path)
                 probe.clear_nonfinite(ring)
         recovery = self._recovery
+        verdicts = probe.verdicts(ring) if recovery is not None else None
         for step in range(first, first + count):
-            if recovery is not None:  # one step per execution (see refuse_unrecoverable)
-                recovery.settle(step, self._epoch, probe.verdict(), ring)
             obs = Observation(step=step, epoch=self._epoch, rank=0)
             if losses is not None:
                 obs.loss = float(losses[step % k])
                 if replica_losses and not np.isfinite(obs.loss):
                     obs.rank = _first_nonfinite(replica_losses, step % k)
+            if recovery is not None:
+                recovery.settle(step, self._epoch, verdicts[step % k], obs.loss)
             if step == planned:
                 probe.decode(obs, plan, fresh=measured == step)
             self._act(self.monitor.observe(obs))
@@ -293,7 +294,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                     self.monitor.escalate(step, self._epoch, "a non-finite gradient")
                 self._look_at_nonfinite(obs, bad_rank)
             if recovery is not None:
-                recovery.after_step(step, self._epoch)
+                recovery.after_step(step, self._epoch, first=first if step == last else None)
 
     def _look_at_nonfinite(self, judged: Observation, replica: int) -> None:
         """Judge the gradient and weight norms recorded at a non-finite step that its own

@@ -77,6 +77,6 @@ class NonfiniteRecord:
             if (pos := self.position.get(id(v))) is not None
         }
         self.variables["bad_weight_norm"].assign(kops.norms(weights, self.layout.count))
-        self.variables["bad_at"].assign(ops.cast(self.optimizer.iterations, "int64") - 1)
+        self.variables["bad_at"].assign(kops.step_index(self.optimizer, self.variables) - 1)
         flag = ops.convert_to_tensor(1.0, "float32")
         kops.put(self.variables["losses"], self.regime.steps, flag)

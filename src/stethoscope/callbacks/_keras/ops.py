@@ -33,6 +33,7 @@ __all__ = [
     "norms",
     "put",
     "scalar",
+    "step_index",
     "unit_zero_rows",
     "value",
 ]
@@ -84,6 +85,18 @@ def value(v: Any) -> Any:
 
         return tf.convert_to_tensor(v.value)
     return ops.convert_to_tensor(v)
+
+
+def step_index(optimizer: Any, variables: Any) -> Any:
+    """The index of the step being taken (int64), counted as the host counts them. The
+    optimizer's ``iterations`` counts the updates applied; with ``recover=`` a skipped
+    step leaves it as it was (Adam's bias correction and a schedule see only applied
+    steps, as in a run that never saw the batch), and the probe's ``skipped`` variable
+    counts those steps back in."""
+    applied = ops.cast(optimizer.iterations, "int64")
+    if "skipped" not in variables.slots:
+        return applied
+    return applied + value(variables["skipped"])
 
 
 def put(var: Any, index: Any, row: Any) -> None:

@@ -86,7 +86,7 @@ class GraphProbe:
         for r in self.reductions:
             slots += slots_of(r, self.layout, regime)
         if recover:
-            slots += _recovery_slots()
+            slots += _recovery_slots(regime)
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
@@ -266,11 +266,17 @@ class GraphProbe:
         return ring
 
     # -- recover= --------------------------------------------------------------------------------
-    def verdict(self) -> int:
-        """The last execution's verdict (a code of :data:`~stethoscope.recovery.REASONS`;
-        0: its update was applied)."""
-        code, self._verdict = self._verdict, None
-        return int(np.asarray(code)) if code is not None else 0
+    def verdicts(self, ring: np.ndarray) -> np.ndarray:
+        """The last execution's verdicts, a row per ring slot: the code (of
+        :data:`~stethoscope.recovery.REASONS`; 0: the update was applied) and the global
+        gradient norm it was judged on (a direct step's from its ``ring``)."""
+        handed, self._verdict = self._verdict, None
+        if handed is None:
+            return np.zeros((self.regime.steps, 2))
+        if not self.regime.direct:
+            return np.asarray(handed, dtype=np.float64).reshape(self.regime.steps, 2)
+        norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
+        return np.array([[float(np.asarray(handed)), norm]])
 
     @property
     def bars(self) -> tuple[float, float, float]:
@@ -329,9 +335,12 @@ class GraphProbe:
         return self.variables.bad_replica()
 
     def steps_run(self) -> int:
-        """The optimizer's iteration count after the last execution."""
+        """The steps taken after the last execution (the optimizer's iteration count,
+        and with ``recover=`` the steps it skipped)."""
         if self._returned_step is not None:
             return int(np.asarray(self._returned_step))
+        if "skipped" in self.variables.slots:
+            return self.step_index()
         return int(self.variables.read_variable(self.optimizer.iterations))
 
     def sampled_at(self) -> int:
@@ -434,13 +443,18 @@ def _layout(
     )
 
 
-def _recovery_slots() -> list[Slot]:
+def _recovery_slots(regime: Regime) -> list[Slot]:
     """recover=: host -> graph, the bars a step is judged against and the learning
-    rate's factor; and the steps skipped so far (see ``StepWrappers._step_index``)."""
-    return [
+    rate's factor; the steps skipped so far (see ``ops.step_index``); and with several
+    steps per execution, each step's verdict and gradient norm (a direct step hands its
+    own back)."""
+    slots = [
         Slot("recovery", (3,), np.array([np.inf, np.inf, 1.0]), combine="first", returned=False),
         Slot("skipped", (), 0, "int64", combine="first", returned=False),
     ]
+    if not regime.direct:
+        slots.append(Slot("verdicts", (regime.steps, 2), 0.0, combine="first", returned=False))
+    return slots
 
 
 def _close(a: float, b: float) -> bool:

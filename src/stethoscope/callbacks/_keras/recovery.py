@@ -10,11 +10,14 @@ A skipped step leaves the weights, the optimizer's slots and its ``iterations``
 exactly as they were, as Keras' own ``LossScaleOptimizer`` does with an overflowing
 step; the probe counts it in its ``skipped`` variable, so the host's step numbers go on.
 The verdict comes back with the step's logs, where the host reads the loss already: no
-wait of its own. The bars are written when they move by more than 1%, and the cool-down
-factor when it changes.
+wait of its own (with ``steps_per_execution``, each step's verdict and gradient norm in
+a variable that the last step's logs hand back whole). The bars are written when they
+move by more than 1%, and the cool-down factor when it changes. With several steps per
+execution, the steps of one execution are all taken before the host judges any of them:
+a roll back comes at the end of the execution, and takes its later steps with it.
 
-Settings it cannot recover in (several steps per execution, a distribution strategy,
-the torch backend, a train step of the user's own) are refused at the start of ``fit``,
+Settings it cannot recover in (a distribution strategy, the torch backend, a train step
+of the user's own) are refused at the start of ``fit``,
 before the first step, with a sentence that says why.
 """
 
@@ -53,8 +56,6 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
         reason = f"on the {keras.backend.backend()} backend (its train step runs eagerly)"
     elif regime.replicas > 1 or not regime.outputs:
         reason = "under a tf.distribute strategy"
-    elif regime.steps > 1:
-        reason = f"with steps_per_execution={regime.steps}"
     if reason is not None:
         raise ValueError(
             f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "
@@ -95,24 +96,27 @@ class KerasRecovery:
         self._take(step)
         self._write_bars(step)
 
-    def settle(self, step: int, epoch: int, code: int, ring: np.ndarray) -> None:
-        """Step ``step`` ran with verdict ``code`` (its ``ring``: the loss, then each
-        gradient's half sum of squares): report a skip, then the step settled."""
+    def settle(self, step: int, epoch: int, verdict: np.ndarray, loss: float | None) -> None:
+        """Step ``step`` ran with ``verdict`` (its code and gradient norm) and ``loss``:
+        report a skip, then the step settled."""
+        code, norm = int(verdict[0]), float(verdict[1])
         if code:
             loss_bar, grad_bar, _ = self.probe.bars
-            norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
-            why = skip_reason(
-                code, loss=float(ring[0]), norm=norm, loss_bar=loss_bar, grad_bar=grad_bar
-            )
+            value = math.nan if loss is None else loss
+            why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
             self.act(self.recoverer.skipped(step, epoch, why))
         self.act(self.recoverer.settle(step))
 
-    def after_step(self, step: int, epoch: int) -> None:
-        """After the detectors judged step ``step``: end a cool-down, roll back if the
-        ladder owes one, else snapshot when due; then the bars of the next step."""
+    def after_step(self, step: int, epoch: int, *, first: int | None = None) -> None:
+        """After the detectors judged step ``step``: end a cool-down; at the last step of
+        an execution (whose first step was ``first``; the steps of one execution were all
+        taken before any is judged), roll back if the ladder owes one, else snapshot when
+        a step of the execution was due; then write the bars of the next execution."""
         ladder = self.recoverer.ladder
         for f in ladder.saw(step, epoch, troubled=False):
             self.monitor.ledger.record(f)
+        if first is None:
+            return
         if self.recoverer.rollback_due is not None:
             to_step = self._restore()
             if to_step is None:
@@ -120,7 +124,7 @@ class KerasRecovery:
             else:
                 self.probe.continue_from(step + 1)
                 self.recoverer.rolled_back(step, epoch, to_step, _RESTORED)
-        elif ladder.snapshot_due(step):
+        elif any(ladder.snapshot_due(s) for s in range(first, step + 1)):
             self._take(step)
         self._write_bars(step + 1)
 

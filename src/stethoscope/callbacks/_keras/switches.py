@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
+from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.reductions import KerasReduction
 from stethoscope.callbacks._keras.regime import Mode, Regime
 from stethoscope.callbacks._keras.variables import ProbeVariables
@@ -109,7 +110,7 @@ class Switches:
         thread = threading.get_ident()  # each replica compares its own copies
         wanted = self._wanted.get(thread)
         if graph is None or wanted is None or wanted[0] is not graph:
-            step = ops.cast(self.optimizer.iterations, "int64")
+            step = kops.step_index(self.optimizer, self.variables)
             due = ops.equal(step, self.variables["sample_at"])
             on = ops.logical_and(due, ops.greater(self.variables["flags"], 0))
             wanted = self._wanted[thread] = (graph, ops.unstack(on, len(self.groups)), {})

@@ -230,7 +230,7 @@ class StepWrappers:
             value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
             if not regime.direct:  # the direct ring's loss is an output, never differentiated
                 value = ops.stop_gradient(value)
-                slot = 0 if regime.steps == 1 else ops.mod(self.optimizer.iterations, regime.steps)
+                slot = 0 if regime.steps == 1 else ops.mod(self._step_index(), regime.steps)
                 kops.put(self.variables["losses"], slot, value)
             if not regime.eager:  # apply tests it with the gradients, and the ring carries it
                 self._trace().loss = value
@@ -258,7 +258,8 @@ class StepWrappers:
             trace.loss, trace.squares = None, {}
             if not isinstance(logs, dict):
                 return logs
-            if self.regime.direct:
+            regime_direct = self.regime.direct
+            if regime_direct:
                 if value is None:  # the step never called compute_loss
                     value = ops.convert_to_tensor(np.float32(np.nan))
                 zero = ops.convert_to_tensor(np.float32(0.0))
@@ -267,8 +268,9 @@ class StepWrappers:
             else:  # read after the step's own writes to it (automatic control dependencies)
                 ring = ops.convert_to_tensor(self.variables["losses"])
             out = {**logs, RING_KEY: ring}
-            if trace.verdict is not None:
-                out[VERDICT_KEY], trace.verdict = trace.verdict, None
+            if trace.verdict is not None:  # direct: this step's; else every step's, kept
+                verdict = trace.verdict if regime_direct else kops.value(self.variables["verdicts"])
+                out[VERDICT_KEY], trace.verdict = verdict, None
             if self.switches.heavy:
                 out[PROBES_KEY] = self._handed_back(trace)
             return out
@@ -303,7 +305,7 @@ class StepWrappers:
                 for name, slot in self.variables.slots.items()
                 if slot.returned
             }
-        out["iterations"] = ops.convert_to_tensor(self.optimizer.iterations)
+        out["iterations"] = self._step_index()  # the steps taken, skipped ones included
         # a constant, or the schedule's value at the step count (as the host would read it);
         # an optimizer that does not expose one number leaves it to the host to ask
         with contextlib.suppress(Exception):
@@ -359,20 +361,25 @@ class StepWrappers:
 
     # -- recover= ------------------------------------------------------------------------------
     def _step_index(self) -> Any:
-        """The index of the step being taken, counted as the host counts them. The
-        optimizer's ``iterations`` counts the updates applied; a skipped step leaves it
-        as it was (Adam's bias correction and a schedule see only applied steps, as in a
-        run that never saw the batch), so the steps skipped are added back."""
-        applied = ops.cast(self.optimizer.iterations, "int64")
-        if not self.recover:
-            return applied
-        return applied + kops.value(self.variables["skipped"])
+        return kops.step_index(self.optimizer, self.variables)
 
     def _gated(self, original: Any, grads: list, tvars: list, loss: list, trace: _Trace) -> None:
         """The optimizer's update, in a ``cond`` on the step's verdict: applied (at the
         cooled learning rate while the ladder cools) or skipped, counted in ``skipped``.
         The verdict goes back with the logs."""
-        code = trace.verdict = self._verdict(loss, trace.squares)
+        squares = trace.squares
+        if not self.regime.direct:  # the direct ring has them already
+            squares = {
+                self.position[id(v)]: kops.half_square(g)
+                for g, v in zip(grads, tvars, strict=True)
+                if g is not None and id(v) in self.position
+            }
+        code, norm = self._verdict(loss, squares)
+        trace.verdict = code
+        if not self.regime.direct:  # every step of the execution keeps its own
+            row = ops.stack([ops.cast(code, "float32"), norm])
+            slot = ops.mod(self._step_index(), self.regime.steps)
+            kops.put(self.variables["verdicts"], slot, row)
 
         def applied() -> None:
             self._cooling = True  # the update's reads of the learning rate are scaled
@@ -386,13 +393,13 @@ class StepWrappers:
 
         ops.cond(ops.equal(code, 0), applied, skipped)
 
-    def _verdict(self, loss: list, squares: dict[int, Any]) -> Any:
+    def _verdict(self, loss: list, squares: dict[int, Any]) -> tuple[Any, Any]:
         """Why this step must not be applied, as a code of
         :data:`~stethoscope.recovery.REASONS` (0: apply), from its loss and its gradients'
         sums of squares against the bars the host wrote to ``recovery``: the loss past
         ``loss_spike``'s, the global norm past ``exploding_gradients``' (squared, so no
         root is taken; a square past float32's range reads as non-finite, as the
-        detectors' norms do)."""
+        detectors' norms do). Returns the code and the global gradient norm."""
         bars = kops.value(self.variables["recovery"])
         total = ops.multiply(ops.sum(ops.stack(list(squares.values()))), 2.0) if squares else 0.0
         code = ops.where(ops.greater(total, ops.square(bars[1])), GRADIENT_PAST_BAR, 0)
@@ -401,7 +408,7 @@ class StepWrappers:
             value = loss[0]
             code = ops.where(ops.greater(value, bars[0]), ops.maximum(code, LOSS_PAST_BAR), code)
             code = ops.where(ops.isfinite(value), code, NONFINITE_LOSS)
-        return ops.cast(code, "int32")
+        return ops.cast(code, "int32"), ops.sqrt(ops.cast(total, "float32"))
 
     def _learning_rate(self, original: Any) -> Any:
         """The optimizer's learning rate, scaled by the ladder's cool-down factor (the
