@@ -261,6 +261,63 @@ def refusals() -> dict:
     return out
 
 
+def recover() -> dict:
+    """recover=True with a NaN in replica 0's shard at step 3 and in replica 1's at step
+    6 (8 steps of 32 samples, 16 per replica): both skipped by both replicas, the weights and
+    the optimizer's slots as a fit that never saw those batches, under the strategy and
+    on one device; a roll back restores the snapshot; several steps per execution are
+    refused."""
+    from stethoscope import Recovery
+    from stethoscope.recovery import RECOVERY
+
+    x, y = data()
+    x[3 * BATCH + 2, 0] = np.nan  # replica 0's half of step 3's batch
+    x[6 * BATCH + 20, 0] = np.nan  # replica 1's half of step 6's batch
+    keep = np.ones(len(x), dtype=bool)
+    keep[3 * BATCH : 4 * BATCH] = keep[6 * BATCH : 7 * BATCH] = False
+
+    def state(model) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for v in (*model.variables, *model.optimizer.variables)]
+
+    sink = CapturingSink()
+    recovered = mlp(STRATEGY, momentum=0.9)
+    fit(recovered, [KerasStethoscope(sinks=[sink], recover=True)], x, y)
+    twins = {}
+    for name, strategy in (("strategy", STRATEGY), ("one_device", None)):
+        twin = mlp(strategy, momentum=0.9)
+        fit(twin, [], x[keep], y[keep])
+        twins[name] = state(twin)
+    mine = state(recovered)
+    out: dict[str, Any] = {
+        "acts": [[f.step, f.where] for f in sink.findings if f.detector == RECOVERY],
+        "nonfinite": sorted(
+            {(f.step, f.detector, f.rank) for f in sink.findings if "nonfinite" in f.detector}
+        ),
+        "same_as_twin": all(
+            np.array_equal(a, b) for a, b in zip(mine, twins["strategy"], strict=True)
+        ),
+        "close_to_one_device": all(
+            np.allclose(a, b, atol=1e-5) for a, b in zip(mine, twins["one_device"], strict=True)
+        ),
+        "clean": clean(recovered),
+    }
+    sink = CapturingSink()
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=2)
+    x2, y2 = data()
+    x2[5 * BATCH, 0] = x2[6 * BATCH, 0] = np.nan
+    rolled = mlp(STRATEGY)
+    fit(rolled, [KerasStethoscope(sinks=[sink], recover=settings)], x2, y2)
+    out["rollback_acts"] = [[f.step, f.where] for f in sink.findings if f.detector == RECOVERY]
+    several = mlp(STRATEGY)
+    several.compile(several.optimizer, several.loss, steps_per_execution=2)
+    try:
+        fit(several, [KerasStethoscope(sinks=[], recover=True)], x, y)
+        out["several_steps"] = "accepted"
+    except ValueError as exc:
+        out["several_steps"] = str(exc)
+    return out
+
+
 SCENARIOS = {
     "healthy": healthy,
     "measured": measured,
@@ -268,6 +325,7 @@ SCENARIOS = {
     "nan_replica0": lambda: nan_on_replica(3, raise_too=False),
     "exploding_lr": exploding_lr,
     "refusals": refusals,
+    "recover": recover,
 }
 
 

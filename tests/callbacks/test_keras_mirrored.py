@@ -132,3 +132,19 @@ def test_other_strategies_are_refused_by_name_and_clipping_is_warned_about(runs)
     refused = runs["refusals"]
     assert refused["central"] is not None and "CentralStorageStrategy" in refused["central"]
     assert len(refused["clip_warnings"]) == 1 and "MirroredStrategy" in refused["clip_warnings"][0]
+
+
+def test_recover_skips_a_replicas_bad_batch_on_every_replica_as_if_never_seen(runs):
+    recover = runs["recover"]
+    assert recover["acts"] == [[3, "skip"], [6, "skip"]]
+    # nothing hidden: the non-finite step is reported (the ReLU fused into the layer turns
+    # the NaN input into a NaN gradient) and named with the replica that saw it (a repeat
+    # of the same error is counted in the summary, not reported again)
+    assert recover["nonfinite"] == [[3, "nonfinite_gradients", 0]]
+    # weights, slots and iterations, bit for bit as the strategy's own fit without those
+    # batches, and as one device's up to the order of the replicas' sums
+    assert recover["same_as_twin"] and recover["close_to_one_device"]
+    assert recover["clean"]
+    acts = recover["rollback_acts"]
+    assert acts[:4] == [[5, "skip"], [5, "cool"], [6, "skip"], [6, "rollback"]]
+    assert "steps_per_execution=2" in recover["several_steps"]

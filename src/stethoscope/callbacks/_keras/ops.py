@@ -33,6 +33,7 @@ __all__ = [
     "norms",
     "put",
     "scalar",
+    "squares_by_position",
     "step_index",
     "unit_zero_rows",
     "value",
@@ -162,6 +163,15 @@ def checked(grads: list, tvars: list, position: dict[int, int]) -> tuple[list, d
         with tf.control_dependencies([sq]):
             out[i] = tf.identity(g)
     return out, squares
+
+
+def squares_by_position(grads: list, tvars: list, position: dict[int, int]) -> dict[int, Any]:
+    """Each watched gradient's :func:`half_square`, by its variable's position."""
+    return {
+        position[id(v)]: half_square(g)
+        for g, v in zip(grads, tvars, strict=True)
+        if g is not None and id(v) in position
+    }
 
 
 def unit_zero_rows(grads: list[Any | None], units: list[int]) -> Any:

@@ -271,10 +271,11 @@ class GraphProbe:
         :data:`~stethoscope.recovery.REASONS`; 0: the update was applied) and the global
         gradient norm it was judged on (a direct step's from its ``ring``)."""
         handed, self._verdict = self._verdict, None
+        if not self.regime.direct:  # under a strategy nothing is handed back: read it
+            rows = handed if handed is not None else self.variables.read("verdicts")
+            return np.asarray(rows, dtype=np.float64).reshape(self.regime.steps, 2)
         if handed is None:
-            return np.zeros((self.regime.steps, 2))
-        if not self.regime.direct:
-            return np.asarray(handed, dtype=np.float64).reshape(self.regime.steps, 2)
+            return np.zeros((1, 2))
         norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
         return np.array([[float(np.asarray(handed)), norm]])
 

@@ -16,8 +16,8 @@ move by more than 1%, and the cool-down factor when it changes. With several ste
 execution, the steps of one execution are all taken before the host judges any of them:
 a roll back comes at the end of the execution, and takes its later steps with it.
 
-Settings it cannot recover in (a distribution strategy, the torch backend, a train step
-of the user's own) are refused at the start of ``fit``,
+Settings it cannot recover in (the torch backend, a strategy with several steps per
+execution, a train step of the user's own) are refused at the start of ``fit``,
 before the first step, with a sentence that says why.
 """
 
@@ -54,8 +54,10 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
     reason = None
     if regime.eager:
         reason = f"on the {keras.backend.backend()} backend (its train step runs eagerly)"
-    elif regime.replicas > 1 or not regime.outputs:
-        reason = "under a tf.distribute strategy"
+    elif regime.replicas > 1 and regime.steps > 1:
+        # the decision is taken across replicas (a merge_call), which TensorFlow cannot
+        # trace inside the loop that runs an execution's steps
+        reason = f"under a distribution strategy with steps_per_execution={regime.steps}"
     if reason is not None:
         raise ValueError(
             f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "

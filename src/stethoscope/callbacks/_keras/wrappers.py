@@ -112,6 +112,7 @@ class StepWrappers:
         self.model, self.optimizer = model, model.optimizer
         self.recover = recover
         self._cooling = False  # the optimizer's update is being traced inside apply
+        self._summed = False  # ... with gradients that recover= summed across replicas
         self.regime, self.layout, self.variables = regime, layout, variables
         self.position, self.layers, self.strategy = position, layers, strategy
         self.forward = next(r for r in reductions if isinstance(r, ForwardRows))
@@ -366,20 +367,17 @@ class StepWrappers:
     def _gated(self, original: Any, grads: list, tvars: list, loss: list, trace: _Trace) -> None:
         """The optimizer's update, in a ``cond`` on the step's verdict: applied (at the
         cooled learning rate while the ladder cools) or skipped, counted in ``skipped``.
-        The verdict goes back with the logs."""
+        The verdict goes back with the logs, or in ``verdicts``."""
+        if self.strategy is not None:
+            self._gated_across_replicas(original, grads, tvars, loss)
+            return
         squares = trace.squares
         if not self.regime.direct:  # the direct ring has them already
-            squares = {
-                self.position[id(v)]: kops.half_square(g)
-                for g, v in zip(grads, tvars, strict=True)
-                if g is not None and id(v) in self.position
-            }
+            squares = kops.squares_by_position(grads, tvars, self.position)
         code, norm = self._verdict(loss, squares)
         trace.verdict = code
-        if not self.regime.direct:  # every step of the execution keeps its own
-            row = ops.stack([ops.cast(code, "float32"), norm])
-            slot = ops.mod(self._step_index(), self.regime.steps)
-            kops.put(self.variables["verdicts"], slot, row)
+        if not self.regime.direct:
+            self._keep_verdict(code, norm)
 
         def applied() -> None:
             self._cooling = True  # the update's reads of the learning rate are scaled
@@ -392,6 +390,50 @@ class StepWrappers:
             self.variables["skipped"].assign_add(np.int64(1))
 
         ops.cond(ops.equal(code, 0), applied, skipped)
+
+    def _keep_verdict(self, code: Any, norm: Any) -> None:
+        """Several steps per execution, or replicas: every step keeps its own verdict."""
+        row = ops.stack([ops.cast(code, "float32"), norm])
+        slot = ops.mod(self._step_index(), self.regime.steps)
+        kops.put(self.variables["verdicts"], slot, row)
+
+    def _gated_across_replicas(self, original: Any, grads: list, tvars: list, loss: list) -> None:
+        """Under ``MirroredStrategy``. Every replica must take the same decision, from
+        what the optimizer applies: the gradients summed across replicas, and the global
+        loss. So the gradients are all-reduced here, through the optimizer's own
+        all-reduce (which measures the sampled step's statistics; inside the update it then
+        hands them on as they are), and the loss with them. The ``cond`` itself runs in
+        the cross-replica context (a ``merge_call``), as Keras' ``LossScaleOptimizer``
+        does: the strategy refuses a replica's ``cond`` whose branch calls ``merge_call``,
+        as the update does."""
+        import tensorflow as tf  # the only backend with a strategy
+
+        pairs = self.optimizer._all_reduce_sum_gradients(list(zip(grads, tvars, strict=True)))
+        summed = [g for g, _ in pairs]
+        context = tf.distribute.get_replica_context()
+        total = [context.all_reduce(tf.distribute.ReduceOp.SUM, loss[0])] if loss else []
+        squares = kops.squares_by_position(summed, tvars, self.position)
+        code, norm = self._verdict(total, squares)
+        self._keep_verdict(code, norm)
+
+        def across(distribution: Any, code: Any) -> None:
+            decided = distribution.experimental_local_results(code)[0]  # the same on each
+
+            def applied() -> None:
+                self._cooling = self._summed = True
+                try:
+                    distribution.extended.call_for_each_replica(original, args=(summed, tvars))
+                finally:
+                    self._cooling = self._summed = False
+
+            def skipped() -> None:
+                distribution.extended.call_for_each_replica(
+                    lambda: self.variables["skipped"].assign_add(np.int64(1))
+                )
+
+            ops.cond(ops.equal(decided, 0), applied, skipped)
+
+        context.merge_call(across, args=(code,))
 
     def _verdict(self, loss: list, squares: dict[int, Any]) -> tuple[Any, Any]:
         """Why this step must not be applied, as a code of
@@ -436,6 +478,8 @@ class StepWrappers:
 
         @functools.wraps(original)
         def all_reduce(grads_and_vars):
+            if self._summed:  # recover= summed them before its cond (see _gated_across_replicas)
+                return list(grads_and_vars)
             reduced = list(original(grads_and_vars))
             trace = self._trace()
             due, trace.due = trace.due, None
