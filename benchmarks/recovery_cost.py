@@ -22,6 +22,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -155,11 +156,99 @@ def snapshot_cost(width: int) -> dict[str, float]:
     return snaps
 
 
+def _keras_fit(recover: bool, steps: int, timers: _Timers | None = None) -> list[float]:
+    """One Keras fit of the benchmark MLP (a fresh model and callback); its step times
+    past the sampler's calibration, in ms."""
+    import keras
+    import numpy as np
+
+    from benchmarks.keras_overhead import MODELS as KERAS_MODELS
+    from benchmarks.keras_overhead import StepClock as KerasClock
+    from benchmarks.keras_overhead import synthetic
+    from stethoscope import KerasStethoscope
+
+    spec = KERAS_MODELS["mlp"]
+    keras.utils.set_random_seed(SEED)
+    model = spec.build()
+    model.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    x, y = synthetic(spec, 64, SEED)
+    reps = -(-steps // 64)
+    x, y = np.concatenate([x] * reps), np.concatenate([y] * reps)
+    clock = KerasClock()
+    callback = KerasStethoscope(sinks=[], stop_on=None, recover=recover)
+    model.fit(
+        x[: steps * spec.batch_size],
+        y[: steps * spec.batch_size],
+        batch_size=spec.batch_size,
+        shuffle=False,
+        verbose=0,
+        callbacks=[clock, callback],
+    )
+    t = clock.times
+    return [1e3 * (t[i + 1] - t[i]) for i in range(64, len(t) - 1)]
+
+
+def keras_ladder(steps: int, rounds: int) -> dict[str, Any]:
+    """Keras: the host's share of the ladder timed inside one fit, and paired fits (the
+    verdict and the cond around the update run inside the traced step)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    from stethoscope.callbacks._keras import recovery as keras_recovery
+
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+    timers = _Timers()
+    timers.wrap(keras_recovery.KerasRecovery, "settle", "settling each step's verdict")
+    timers.wrap(keras_recovery.KerasRecovery, "after_step", "after the step (bars, snapshots)")
+    try:
+        step_ms = _keras_fit(True, steps)
+    finally:
+        timers.restore()
+    ratios = []
+    for r in range(rounds):
+        medians = {}
+        for recover in [False, True] if r % 2 == 0 else [True, False]:
+            medians[recover] = statistics.median(_keras_fit(recover, steps))
+        ratios.append(medians[True] / medians[False])
+    per_step = {k: 1e6 * v / steps for k, v in timers.seconds.items()}
+    return {"median_step_ms": statistics.median(step_ms), "us_per_step": per_step, "ratios": ratios}
+
+
+def keras_lines(work: dict[str, Any], steps: int) -> list[str]:
+    lines = [
+        "",
+        f"Keras 3 (TensorFlow), the same MLP, Adam; median step {work['median_step_ms']:.2f} ms.",
+        "",
+        "| the ladder's host work (recover=True, healthy run) | µs per step |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.1f} |" for k, v in work["us_per_step"].items()]
+    total = sum(work["us_per_step"].values())
+    ratios = work["ratios"]
+    lines += [
+        f"| all of it | {total:.1f} ({total / 10 / work['median_step_ms']:.2f}% of a step) |",
+        "",
+        f"Paired Keras fits of {steps} steps, recover=True / default, median step time, per "
+        f"round: {', '.join(f'{r:.3f}x' for r in ratios)} (median "
+        f"{statistics.median(ratios):.3f}x).",
+    ]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recovery_cost", description=__doc__)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--framework", choices=("both", "lightning", "keras"), default="both")
     args = p.parse_args(argv)
+    if args.framework == "keras":
+        lines = keras_lines(keras_ladder(args.steps, args.rounds), args.steps)
+        m = machine()
+        lines += ["", f"{m['date']}; " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "date")]
+        print("\n".join(lines))
+        return 0
     torch.set_num_threads(THREADS)
     _quiet()
     pool = synthetic_batches(MODELS["mlp"], 64, SEED)
@@ -189,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {name} | {c['parameters_m']:.1f} M | {c['snapshot_ms']:.1f} ms | "
             f"{c['snapshot_mb']:.0f} MB | {c['rollback_ms']:.1f} ms |"
         )
+    if args.framework == "both":
+        lines += keras_lines(keras_ladder(args.steps, args.rounds), args.steps)
     m = machine()
     lines += ["", f"{m['date']}; " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "date")]
     print("\n".join(lines))

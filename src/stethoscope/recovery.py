@@ -385,6 +385,10 @@ class Ladder:
         return Finding(step, epoch, RECOVERY, severity, message, where=act)
 
 
+#: A decision that changes nothing (shared: a Decision is immutable).
+_CARRY_ON = Decision()
+
+
 class Recoverer:
     """A monitor's ladder, for the adapters: it reports the ladder's acts through the
     monitor's ledger (to every sink, the record and the epoch summary), turns the errors
@@ -432,6 +436,8 @@ class Recoverer:
         """The optimizer step of ``step`` was applied or skipped: answer the errors that
         waited for it."""
         self.settled = step
+        if not self._pending:  # every step of a healthy run: nothing waited
+            return _CARRY_ON
         ready = [f for f in self._pending if f.step <= step]
         self._pending = [f for f in self._pending if f.step > step]
         if any(not self.ladder.was_skipped(f.step) for f in ready):

@@ -40,6 +40,11 @@ from stethoscope.snapshots import SnapshotStore
 
 __all__ = ["KerasRecovery", "refuse_unrecoverable"]
 
+#: Steps between two looks at the bars on a healthy stretch: a bar moves a little every
+#: step, and computing it (a median and a spread over the loss window) and writing it to
+#: the probe's variable cost more than the step's own verdict. A skip, a roll back or a
+#: change of the cool-down factor writes them at once.
+BARS_EVERY = 8
 #: What a roll back puts back, for its finding.
 _RESTORED = "weights, optimizer state and step count, detectors and sampler"
 
@@ -91,6 +96,7 @@ class KerasRecovery:
         self.explode = by_name.get("exploding_gradients")
         self.model: Any = None
         self.probe: GraphProbe | None = None
+        self._bars_due = True  # write the bars after the next step, whatever the cadence
 
     def start(self, model: Any, probe: GraphProbe, step: int) -> None:
         """Take the first snapshot (before step ``step``) and write the bars."""
@@ -107,7 +113,10 @@ class KerasRecovery:
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
             self.act(self.recoverer.skipped(step, epoch, why))
-        self.act(self.recoverer.settle(step))
+            self._bars_due = True
+        decision = self.recoverer.settle(step)
+        if decision.stop or decision.spared:
+            self.act(decision)
 
     def after_step(self, step: int, epoch: int, *, first: int | None = None) -> None:
         """After the detectors judged step ``step``: end a cool-down; at the last step of
@@ -126,9 +135,12 @@ class KerasRecovery:
             else:
                 self.probe.continue_from(step + 1)
                 self.recoverer.rolled_back(step, epoch, to_step, _RESTORED)
-        elif any(ladder.snapshot_due(s) for s in range(first, step + 1)):
+            self._bars_due = True
+        elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)
-        self._write_bars(step + 1)
+        cadence = any(s % BARS_EVERY == 0 for s in range(first + 1, step + 2))
+        if self._bars_due or cadence or ladder.lr_scale(step + 1) != self.probe.bars[2]:
+            self._write_bars(step + 1)
 
     def close(self) -> None:
         self.snapshots.close()
@@ -138,12 +150,18 @@ class KerasRecovery:
         began = time.perf_counter()
         model = self.model
         state = {
-            "model": [_host_copy(v) for v in model.variables],
-            "optimizer": [_host_copy(v) for v in model.optimizer.variables],
+            "model": [_host_value(v) for v in model.variables],
+            "optimizer": [_host_value(v) for v in model.optimizer.variables],
             "monitor": copy.deepcopy(self.monitor.state_dict()),
         }
         nbytes = sum(a.nbytes for a in (*state["model"], *state["optimizer"]))
         self.snapshots.keep(step, state, nbytes, began)
+
+    def _fresh(self, step: int) -> bool:
+        """Whether the newest snapshot is that of ``step`` already (the one taken at the
+        start of the fit, when its first step is due)."""
+        kept = self.snapshots.kept
+        return bool(kept) and kept[-1].step == step
 
     def _restore(self) -> int | None:
         """Put the newest snapshot back; its step, or None when there is none."""
@@ -160,6 +178,7 @@ class KerasRecovery:
         return snap.step
 
     def _write_bars(self, step: int) -> None:
+        self._bars_due = False
         loss_bar = self.spike.threshold() if self.spike is not None else None
         grad_bar = self.explode.threshold() if self.explode is not None else None
         self.probe.set_bars(
@@ -169,6 +188,8 @@ class KerasRecovery:
         )
 
 
-def _host_copy(variable: Any) -> np.ndarray:
-    """A variable's value in host memory, which training cannot change underneath."""
-    return np.array(keras.ops.convert_to_numpy(variable), copy=True)
+def _host_value(variable: Any) -> np.ndarray:
+    """A variable's value in host memory, which training cannot change underneath: the
+    array of a read of the variable, a tensor of its own (TensorFlow copies a variable's
+    buffer before an update when a read still holds it)."""
+    return keras.ops.convert_to_numpy(variable)
