@@ -105,6 +105,24 @@ def test_snapshots_only_on_the_cadence_and_only_when_healthy():
     assert ladder.snapshot_due(70)
 
 
+def test_a_roll_back_soon_after_a_roll_back_passes_over_the_snapshot_it_went_to(tmp_path):
+    from stethoscope.snapshots import SnapshotStore
+
+    ladder = _ladder(snapshot_every=10)
+    assert not ladder.newest_suspect(50)  # no roll back yet
+    ladder.rolled_back(50, 0, to_step=40, what="x")
+    assert ladder.newest_suspect(55)  # the trouble came back within 10 steps of it
+    assert not ladder.newest_suspect(60)
+    store = SnapshotStore(Recovery(snapshot_in="disk", snapshot_dir=tmp_path, keep_snapshots=3))
+    for step in (20, 30, 40):
+        store.keep(step, {"step": step}, 8, 0.0)
+    store.discard_newest()
+    snap, state = store.newest()
+    assert snap.step == state["step"] == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot-20.pkl", "snapshot-30.pkl"]
+    store.close()
+
+
 def test_the_ladder_survives_a_checkpoint():
     ladder = _ladder()
     for step in (1, 2, 3):

@@ -196,6 +196,7 @@ class _State:
     )
     history: list[Rung] = field(default_factory=list)
     trouble: int = -(10**9)  # the last step with a skip or a warning
+    rolled_back_at: int = -(10**9)  # the step of the last roll back
 
 
 class Ladder:
@@ -257,6 +258,7 @@ class Ladder:
         restored). The ladder cools down again from here."""
         s = self.s
         s.rollbacks += 1
+        s.rolled_back_at = step
         s.skips.clear()
         s.skips_cooling = 0
         s.trouble = step
@@ -290,6 +292,15 @@ class Ladder:
         every = self.settings.snapshot_every
         return step % every == 0 and step - self.s.trouble >= every
 
+    def newest_suspect(self, step: int) -> bool:
+        """Whether a roll back needed at ``step`` should pass over the newest snapshot:
+        the last roll back went to it fewer than ``snapshot_every`` steps ago and the run
+        needs another. A snapshot is taken when no warning came for a while, but a step
+        that did harm without a warning (a learning-rate spike's first steps, applied
+        before any bar moved) is in it, and in the detectors' state it holds: restoring
+        it again would only bring the same trouble back, so the older one is used."""
+        return step - self.s.rolled_back_at < self.settings.snapshot_every
+
     @property
     def counts(self) -> dict[str, int]:
         """How many skips, cool-downs, roll backs and stops the run has had."""
@@ -311,6 +322,7 @@ class Ladder:
             "counts": dict(s.counts),
             "history": [asdict(r) for r in s.history],
             "trouble": s.trouble,
+            "rolled_back_at": s.rolled_back_at,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -323,6 +335,7 @@ class Ladder:
         s.counts.update(state.get("counts", {}))
         s.history = [Rung(**r) for r in state.get("history", ())]
         s.trouble = int(state.get("trouble", s.trouble))
+        s.rolled_back_at = int(state.get("rolled_back_at", s.rolled_back_at))
         self.s = s
 
     # -- the rungs ------------------------------------------------------------------------

@@ -86,6 +86,13 @@ class SnapshotStore:
         snap = self.kept[-1]
         return snap, snap.state if snap.state is not None else self._load(snap.path)
 
+    def discard_newest(self) -> None:
+        """Forget the newest snapshot (one a roll back found wanting)."""
+        if self.kept:
+            old = self.kept.pop()
+            if old.path is not None:
+                old.path.unlink(missing_ok=True)
+
     def close(self) -> None:
         for snap in self.kept:
             if snap.path is not None:

@@ -203,6 +203,21 @@ def test_with_several_steps_per_execution_a_roll_back_waits_for_the_execution_to
     assert not m.stop_training
 
 
+def test_trouble_soon_after_a_roll_back_goes_back_to_the_snapshot_before():
+    x, y = data(30, poison={10: "nan", 12: "nan", 14: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4, keep_snapshots=3)
+    sink, seen = CapturingSink(), Weights()
+    fit(model("sgd"), x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    rollbacks = [f for f in sink.findings if f.where == "rollback"]
+    # the snapshot of step 8 was restored at 12; the trouble at 14 passes over it
+    assert [(f.step, f.message.split("snapshot of ")[1][:7]) for f in rollbacks] == [
+        (12, "step 8 "),
+        (14, "step 4 "),
+    ]
+    for now, snapshot in zip(seen.before[15], seen.after[4], strict=True):
+        np.testing.assert_array_equal(now, snapshot)
+
+
 def test_a_fault_that_persists_climbs_the_ladder_and_stops_with_its_history():
     x, y = data(40, poison={s: "nan" for s in range(10, 40, 2)})
     settings = Recovery(cool_after=1, rollback_after=1, max_rollbacks=1, snapshot_every=4)

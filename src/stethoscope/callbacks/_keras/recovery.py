@@ -129,6 +129,8 @@ class KerasRecovery:
         if first is None:
             return
         if self.recoverer.rollback_due is not None:
+            if ladder.newest_suspect(step):
+                self.snapshots.discard_newest()
             to_step = self._restore()
             if to_step is None:
                 self.act(self.recoverer.no_snapshot(step, epoch))

@@ -390,6 +390,8 @@ class LightningRecovery:
         for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
             self.monitor.ledger.record(f)
         if self.recoverer.rollback_due is not None:
+            if self.recoverer.ladder.newest_suspect(step):
+                self.snapshots.discard_newest()
             snap = self.snapshots.restore(trainer, module, self.monitor)
             if snap is None:
                 self.act(self.recoverer.no_snapshot(step, self.epoch))
