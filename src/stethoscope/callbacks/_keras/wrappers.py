@@ -31,17 +31,12 @@ import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.gate import UpdateGate
 from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
-from stethoscope.recovery import (
-    GRADIENT_PAST_BAR,
-    LOSS_PAST_BAR,
-    NONFINITE_GRADIENT,
-    NONFINITE_LOSS,
-)
 
 __all__ = ["PROBES_KEY", "RING_KEY", "VERDICT_KEY", "StepWrappers"]
 
@@ -52,7 +47,7 @@ RING_KEY = "_stethoscope_ring"
 PROBES_KEY = "_stethoscope_probes"
 
 #: The key under which a step with ``recover=`` hands back its verdict (see
-#: :meth:`StepWrappers._verdict`), taken out alike.
+#: :class:`~stethoscope.callbacks._keras.gate.UpdateGate`), taken out alike.
 VERDICT_KEY = "_stethoscope_verdict"
 
 #: A direct heavy step's forward row that a control-flow body wrote to the probe's
@@ -110,9 +105,18 @@ class StepWrappers:
         recover: bool = False,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
-        self.recover = recover
-        self._cooling = False  # the optimizer's update is being traced inside apply
-        self._summed = False  # ... with gradients that recover= summed across replicas
+        #: recover=: the verdict and the cond around the optimizer's update.
+        self.gate = (
+            UpdateGate(
+                self.optimizer,
+                regime=regime,
+                variables=variables,
+                position=position,
+                strategy=strategy,
+            )
+            if recover
+            else None
+        )
         self.regime, self.layout, self.variables = regime, layout, variables
         self.position, self.layers, self.strategy = position, layers, strategy
         self.forward = next(r for r in reductions if isinstance(r, ForwardRows))
@@ -146,9 +150,9 @@ class StepWrappers:
         if self.regime.outputs:
             self._wrap(model, "train_step", self._train_step(model.train_step))
         self._wrap(opt, "apply", self._apply(opt.apply))
-        if self.recover:
+        if self.gate is not None:
             current = opt._get_current_learning_rate
-            self._wrap(opt, "_get_current_learning_rate", self._learning_rate(current))
+            self._wrap(opt, "_get_current_learning_rate", self.gate.learning_rate(current))
         if self.strategy is not None:
             reduce = opt._all_reduce_sum_gradients
             self._wrap(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
@@ -269,7 +273,7 @@ class StepWrappers:
             else:  # read after the step's own writes to it (automatic control dependencies)
                 ring = ops.convert_to_tensor(self.variables["losses"])
             out = {**logs, RING_KEY: ring}
-            if trace.verdict is not None:  # direct: this step's; else every step's, kept
+            if self.gate is not None:  # direct: this step's verdict; else every step's, kept
                 verdict = trace.verdict if regime_direct else kops.value(self.variables["verdicts"])
                 out[VERDICT_KEY], trace.verdict = verdict, None
             if self.switches.heavy:
@@ -346,8 +350,8 @@ class StepWrappers:
             elif heavy:
                 self._at_gradients(grads, tvars, scaled=True)
             before = self._before_update(tvars) if heavy else {}
-            if self.recover:
-                self._gated(original, grads, tvars, loss, trace)
+            if self.gate is not None:
+                trace.verdict = self.gate.update(original, grads, tvars, loss, trace.squares)
             else:
                 original(grads, tvars)
             if heavy:
@@ -360,112 +364,8 @@ class StepWrappers:
 
         return apply
 
-    # -- recover= ------------------------------------------------------------------------------
     def _step_index(self) -> Any:
         return kops.step_index(self.optimizer, self.variables)
-
-    def _gated(self, original: Any, grads: list, tvars: list, loss: list, trace: _Trace) -> None:
-        """The optimizer's update, in a ``cond`` on the step's verdict: applied (at the
-        cooled learning rate while the ladder cools) or skipped, counted in ``skipped``.
-        The verdict goes back with the logs, or in ``verdicts``."""
-        if self.strategy is not None:
-            self._gated_across_replicas(original, grads, tvars, loss)
-            return
-        squares = trace.squares
-        if not self.regime.direct:  # the direct ring has them already
-            squares = kops.squares_by_position(grads, tvars, self.position)
-        code, norm = self._verdict(loss, squares)
-        trace.verdict = code
-        if not self.regime.direct:
-            self._keep_verdict(code, norm)
-
-        def applied() -> None:
-            self._cooling = True  # the update's reads of the learning rate are scaled
-            try:
-                original(grads, tvars)
-            finally:
-                self._cooling = False
-
-        def skipped() -> None:
-            self.variables["skipped"].assign_add(np.int64(1))
-
-        ops.cond(ops.equal(code, 0), applied, skipped)
-
-    def _keep_verdict(self, code: Any, norm: Any) -> None:
-        """Several steps per execution, or replicas: every step keeps its own verdict."""
-        row = ops.stack([ops.cast(code, "float32"), norm])
-        slot = ops.mod(self._step_index(), self.regime.steps)
-        kops.put(self.variables["verdicts"], slot, row)
-
-    def _gated_across_replicas(self, original: Any, grads: list, tvars: list, loss: list) -> None:
-        """Under ``MirroredStrategy``. Every replica must take the same decision, from
-        what the optimizer applies: the gradients summed across replicas, and the global
-        loss. So the gradients are all-reduced here, through the optimizer's own
-        all-reduce (which measures the sampled step's statistics; inside the update it then
-        hands them on as they are), and the loss with them. The ``cond`` itself runs in
-        the cross-replica context (a ``merge_call``), as Keras' ``LossScaleOptimizer``
-        does: the strategy refuses a replica's ``cond`` whose branch calls ``merge_call``,
-        as the update does."""
-        import tensorflow as tf  # the only backend with a strategy
-
-        pairs = self.optimizer._all_reduce_sum_gradients(list(zip(grads, tvars, strict=True)))
-        summed = [g for g, _ in pairs]
-        context = tf.distribute.get_replica_context()
-        total = [context.all_reduce(tf.distribute.ReduceOp.SUM, loss[0])] if loss else []
-        squares = kops.squares_by_position(summed, tvars, self.position)
-        code, norm = self._verdict(total, squares)
-        self._keep_verdict(code, norm)
-
-        def across(distribution: Any, code: Any) -> None:
-            decided = distribution.experimental_local_results(code)[0]  # the same on each
-
-            def applied() -> None:
-                self._cooling = self._summed = True
-                try:
-                    distribution.extended.call_for_each_replica(original, args=(summed, tvars))
-                finally:
-                    self._cooling = self._summed = False
-
-            def skipped() -> None:
-                distribution.extended.call_for_each_replica(
-                    lambda: self.variables["skipped"].assign_add(np.int64(1))
-                )
-
-            ops.cond(ops.equal(decided, 0), applied, skipped)
-
-        context.merge_call(across, args=(code,))
-
-    def _verdict(self, loss: list, squares: dict[int, Any]) -> tuple[Any, Any]:
-        """Why this step must not be applied, as a code of
-        :data:`~stethoscope.recovery.REASONS` (0: apply), from its loss and its gradients'
-        sums of squares against the bars the host wrote to ``recovery``: the loss past
-        ``loss_spike``'s, the global norm past ``exploding_gradients``' (squared, so no
-        root is taken; a square past float32's range reads as non-finite, as the
-        detectors' norms do). Returns the code and the global gradient norm."""
-        bars = kops.value(self.variables["recovery"])
-        total = ops.multiply(ops.sum(ops.stack(list(squares.values()))), 2.0) if squares else 0.0
-        code = ops.where(ops.greater(total, ops.square(bars[1])), GRADIENT_PAST_BAR, 0)
-        code = ops.where(ops.isfinite(total), code, NONFINITE_GRADIENT)
-        if loss:
-            value = loss[0]
-            code = ops.where(ops.greater(value, bars[0]), ops.maximum(code, LOSS_PAST_BAR), code)
-            code = ops.where(ops.isfinite(value), code, NONFINITE_LOSS)
-        return ops.cast(code, "int32"), ops.sqrt(ops.cast(total, "float32"))
-
-    def _learning_rate(self, original: Any) -> Any:
-        """The optimizer's learning rate, scaled by the ladder's cool-down factor (the
-        third number of ``recovery``) inside the update alone: whatever else reads it (a
-        callback such as ``ReduceLROnPlateau``, the host) sees the schedule's own."""
-
-        @functools.wraps(original)
-        def current():
-            lr = original()
-            if not self._cooling:
-                return lr
-            scale = kops.value(self.variables["recovery"])[2]
-            return ops.multiply(ops.cast(lr, "float32"), scale)
-
-        return current
 
     def _all_reduce(self, original: Any) -> Any:
         """Under a strategy: the gradient statistics of the sampled (or non-finite) step,
@@ -478,7 +378,7 @@ class StepWrappers:
 
         @functools.wraps(original)
         def all_reduce(grads_and_vars):
-            if self._summed:  # recover= summed them before its cond (see _gated_across_replicas)
+            if self.gate is not None and self.gate.summed:  # summed before its cond already
                 return list(grads_and_vars)
             reduced = list(original(grads_and_vars))
             trace = self._trace()
