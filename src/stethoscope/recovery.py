@@ -212,6 +212,7 @@ class Ladder:
     def __init__(self, settings: Recovery) -> None:
         self.settings = settings
         self.s = _State()
+        self._unapplied: deque[int] = deque(maxlen=64)  # steps a GradScaler skipped
 
     # -- what happened --------------------------------------------------------------------
     def skipped(self, step: int, epoch: int, why: str) -> tuple[list[Finding], str | None]:
@@ -243,8 +244,14 @@ class Ladder:
         return found, self._need_rollback(step, epoch, why, found)
 
     def was_skipped(self, step: int) -> bool:
-        """Whether ``step`` is among the recent skipped steps."""
-        return step in self.s.skips
+        """Whether ``step`` was not applied: a recent skip, or a step something else
+        skipped (:meth:`not_applied`)."""
+        return step in self.s.skips or step in self._unapplied
+
+    def not_applied(self, step: int) -> None:
+        """Step ``step`` was not applied, by another's decision (a GradScaler's): no act of
+        the ladder, nothing counted, but its errors did the weights no harm."""
+        self._unapplied.append(step)
 
     def saw(self, step: int, epoch: int, troubled: bool) -> list[Finding]:
         """Step ``step`` was judged (``troubled``: a warning or an error the ladder

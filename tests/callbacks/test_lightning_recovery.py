@@ -422,3 +422,26 @@ def test_a_half_precision_gradient_with_a_large_norm_is_not_skipped_as_non_finit
     gate.saw_loss(torch.tensor(1.0), 1.0)
     gate.judge(optimizer, [weight.grad])
     assert gate._verdicts[id(optimizer)] is None
+
+
+def test_under_a_grad_scaler_its_own_skips_are_not_counted_twice_nor_rolled_back():
+    """AMP with float16 and a GradScaler (on the CPU, as Lightning's precision plugin
+    takes one): a NaN batch is the scaler's to skip, which the ladder neither counts nor
+    answers with a roll back; a spike is still the ladder's, judged on the unscaled loss."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    data = batches(60, poison={41: "nan", 50: "spike"})
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer = train(Net("sgd"), data, [callback], plugins=[plugin])
+    assert trainer.global_step == 60 and not trainer.should_stop
+    assert scaler.get_scale() == 2.0**7  # the scaler skipped step 41 (and halved its scale)
+    acts = [f for f in sink.findings if f.detector == RECOVERY]
+    assert [(f.step, f.where) for f in acts] == [(50, "skip")]
+    # the loss of the skip is the loss's own, not multiplied by the scale (x128 here)
+    loss = float(acts[0].message.split("the loss ")[1].split(" ")[0])
+    assert "past the loss_spike bar" in acts[0].message and 1 < loss < 100, acts[0].message
+    assert any(f.detector == "nonfinite_loss" and f.step == 41 for f in sink.findings)

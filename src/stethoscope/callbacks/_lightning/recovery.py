@@ -44,6 +44,11 @@ from stethoscope.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["LightningRecovery", "Snapshots", "StepGate", "refuse_unrecoverable"]
 
+#: A verdict of the host's own (never agreed across ranks as a reason: the ranks' worst
+#: code wins, and every rank's GradScaler finds the same all-reduced gradients): the
+#: step's loss or a gradient is not finite, and the GradScaler will skip it itself.
+_LEFT_TO_SCALER = -1
+
 #: Optimizers that call their closure more than once per step: the gate runs it once.
 _MANY_CLOSURE_CALLS = ("LBFGS",)
 
@@ -72,6 +77,8 @@ class StepGate:
         explode: The ``exploding_gradients`` detector, likewise for the gradient norm.
         on_skip: Called with ``(step, why)`` when a step was skipped.
         on_settle: Called with the step once its optimizer step was applied or skipped.
+        on_unapplied: Called with the step when a GradScaler will skip it itself (its
+            loss or a gradient is not finite): not the ladder's skip, not applied either.
     """
 
     def __init__(
@@ -81,8 +88,10 @@ class StepGate:
         explode: Any,
         on_skip: Callable[[int, str], None],
         on_settle: Callable[[int], None],
+        on_unapplied: Callable[[int], None] = lambda step: None,
     ) -> None:
         self.recoverer = recoverer
+        self.on_unapplied = on_unapplied
         self.spike, self.explode = spike, explode
         self.on_skip = on_skip
         self.on_settle = on_settle
@@ -93,7 +102,7 @@ class StepGate:
         self._codes: dict[int, torch.Tensor] = {}  # id(optimizer) -> verdict on the device
         self._sent_step = -1
         self.step = 0  # the global step being taken
-        self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite gradients
+        self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite losses and gradients
         self._installed: list[tuple[torch.optim.Optimizer, Any]] = []
         self._losses: list[torch.Tensor] = []  # this step's losses (micro-batches), unscaled
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
@@ -154,11 +163,15 @@ class StepGate:
         verdict = self._why(grads)
         if _world_size() > 1:
             verdict = _agree(verdict, grads[0].device if grads else torch.device("cpu"))
+        if verdict is not None and verdict[0] == _LEFT_TO_SCALER:
+            self.on_unapplied(self.step)
+            verdict = None
         self._verdicts[id(optimizer)] = verdict[1] if verdict is not None else None
 
     def _on_device(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-        """Whether this step's verdict stays on the device (see ``skip_on_device``)."""
-        if not skips_on_device(optimizer):
+        """Whether this step's verdict stays on the device (see ``skip_on_device``): not
+        with a GradScaler, which hands the optimizer its own ``found_inf``."""
+        if not skips_on_device(optimizer) or self.scaler_skips_nonfinite:
             return False
         return self.force_device or bool(grads and grads[0].device.type != "cpu")
 
@@ -167,12 +180,14 @@ class StepGate:
         :data:`~stethoscope.recovery.REASONS`), or None."""
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
+        norm = float(total_norm(grads)) if grads and not bad else 0.0  # on the CPU: no wait
+        if self.scaler_skips_nonfinite and (bad or not math.isfinite(norm)):
+            # a non-finite loss makes non-finite gradients: the GradScaler skips this step
+            # itself, and it is not counted twice
+            return _LEFT_TO_SCALER, ""
         if bad:
             return NONFINITE_LOSS, f"the loss is {bad[0]}"
-        norm = float(total_norm(grads)) if grads else 0.0  # on the CPU: no wait
         if not math.isfinite(norm):
-            if self.scaler_skips_nonfinite:
-                return None  # the GradScaler skips this step itself: not counted twice
             return NONFINITE_GRADIENT, REASONS[NONFINITE_GRADIENT]
         worst = max(losses, default=None)
         loss_bar = self.spike.passed_by(worst) if self.spike and worst is not None else None
@@ -247,10 +262,10 @@ def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, 
     """Every rank's verdict, the worst of them: this rank's own reason when it is the
     one that saw it, else what another rank saw."""
     mine = verdict[0] if verdict is not None else 0
-    worst = torch.tensor([mine], dtype=torch.int64, device=device)
+    worst = torch.tensor([max(mine, 0)], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     code = int(worst.item())
-    if code == mine:
+    if code <= 0 or code == mine:  # a step left to the GradScaler stays so on every rank
         return verdict
     return code, f"on another rank, {REASONS[code]}"
 
@@ -345,24 +360,28 @@ class LightningRecovery:
             by_name.get("exploding_gradients"),
             self._skipped,
             self._settled,
+            self._unapplied,
         )
         self.epoch = 0
+        self.scaler: Any = None  # the precision plugin's GradScaler (AMP with float16)
 
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
         refuse_unrecoverable(trainer.optimizers)
         device = trainer.strategy.root_device
+        self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]
-        if device.type != "cpu" and unfused:
+        if device.type != "cpu" and (unfused or self.scaler is not None):
+            which = ", ".join(unfused) if unfused else "the optimizers under a GradScaler"
             warnings.warn(
-                f"stethoscope: recover= judges the steps of {', '.join(unfused)} on the host, "
-                f"which on {device.type} waits for the device every step; with fused=True "
-                "(Adam, AdamW, SGD) the step is skipped on the device, without waiting",
+                f"stethoscope: recover= judges the steps of {which} on the host, which on "
+                f"{device.type} waits for the device every step; without a GradScaler, with "
+                "fused=True (Adam, AdamW, SGD), the step is skipped on the device, without "
+                "waiting",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        plugin = trainer.strategy.precision_plugin
-        self.gate.scaler_skips_nonfinite = getattr(plugin, "scaler", None) is not None
+        self.gate.scaler_skips_nonfinite = self.scaler is not None
         self.gate.install(trainer.optimizers)
         self.snapshots.take(trainer.global_step, trainer, module, self.monitor)
 
@@ -372,6 +391,9 @@ class LightningRecovery:
 
     def saw_loss(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
         automatic = getattr(module, "automatic_optimization", True)
+        scale = getattr(self.scaler, "_scale", None)  # the GradScaler's, a tensor: no wait
+        if scale is not None:  # the loss going into backward was multiplied by it
+            loss = loss.detach() / scale
         self.gate.saw_loss(loss, trainer.accumulate_grad_batches if automatic else 1)
 
     def judge(self, optimizer: torch.optim.Optimizer) -> None:
@@ -409,4 +431,10 @@ class LightningRecovery:
         self.act(self.recoverer.skipped(step, self.epoch, why))
 
     def _settled(self, step: int) -> None:
+        self.act(self.recoverer.settle(step))
+
+    def _unapplied(self, step: int) -> None:
+        """The GradScaler skips step ``step`` itself: not the ladder's skip, but the
+        errors of its non-finite loss or gradients are not those of an applied step."""
+        self.recoverer.ladder.not_applied(step)
         self.act(self.recoverer.settle(step))
