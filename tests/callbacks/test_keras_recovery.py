@@ -6,6 +6,11 @@ and what cannot be skipped is refused before the first step."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -272,3 +277,43 @@ def test_the_epoch_summary_counts_what_the_ladder_did():
     assert callback.recoverer.ladder.counts == {"skip": 1, "cool": 0, "rollback": 0, "stop": 0}
     [row] = [r for r in callback.summaries[-1].rows if r.detector == RECOVERY]
     assert row.verdict == "skipped 1 step" and row.status == "info"
+
+
+TORCH_SCRIPT = textwrap.dedent(
+    """
+    import keras, numpy as np
+    assert keras.backend.backend() == "torch"
+    from test_keras_recovery import (
+        CapturingSink, KerasStethoscope, Recovery, Weights, acts, data, fit, model,
+        same_state, without,
+    )
+    x, y = data(30, poison={5: "nan", 18: "nan"})
+    sink = CapturingSink()
+    recovered = model("adamw")
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=True)])
+    twin = model("adamw")
+    fit(twin, *without(x, y, [5, 18]), [])
+    same_state(recovered, twin)
+    assert acts(sink) == [(5, "skip"), (18, "skip")], acts(sink)
+    x, y = data(30, poison={10: "nan", 12: "nan"})
+    sink, seen = CapturingSink(), Weights()
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4)
+    fit(model("sgd"), x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    assert acts(sink)[:4] == [(10, "skip"), (10, "cool"), (12, "skip"), (12, "rollback")]
+    for now, snapshot in zip(seen.before[13], seen.after[8], strict=True):
+        np.testing.assert_array_equal(now, snapshot)
+    print("OK")
+    """
+)
+
+
+def test_on_the_torch_backend_the_same_ladder_runs_in_python():
+    pytest.importorskip("torch")
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
+    out = subprocess.run(
+        [sys.executable, "-c", TORCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout

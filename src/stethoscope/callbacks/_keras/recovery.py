@@ -16,9 +16,10 @@ move by more than 1%, and the cool-down factor when it changes. With several ste
 execution, the steps of one execution are all taken before the host judges any of them:
 a roll back comes at the end of the execution, and takes its later steps with it.
 
-Settings it cannot recover in (the torch backend, a strategy with several steps per
-execution, a train step of the user's own) are refused at the start of ``fit``,
-before the first step, with a sentence that says why.
+On the torch backend the train step runs eagerly: the same code decides in Python, which
+on a GPU waits for the device every step (it warns). Settings it cannot recover in (a
+strategy with several steps per execution, a train step of the user's own) are refused
+at the start of ``fit``, before the first step, with a sentence that says why.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +59,7 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
             own (whose update the ladder cannot see), named with what to do instead.
     """
     reason = None
-    if regime.eager:
-        reason = f"on the {keras.backend.backend()} backend (its train step runs eagerly)"
-    elif regime.replicas > 1 and regime.steps > 1:
+    if regime.replicas > 1 and regime.steps > 1:
         # the decision is taken across replicas (a merge_call), which TensorFlow cannot
         # trace inside the loop that runs an execution's steps
         reason = f"under a distribution strategy with steps_per_execution={regime.steps}"
@@ -101,6 +101,14 @@ class KerasRecovery:
     def start(self, model: Any, probe: GraphProbe, step: int) -> None:
         """Take the first snapshot (before step ``step``) and write the bars."""
         self.model, self.probe = model, probe
+        if probe.regime.eager and _on_accelerator(model):
+            warnings.warn(
+                f"stethoscope: recover= on the {keras.backend.backend()} backend decides each "
+                "step in Python (the train step runs eagerly), which waits for the device "
+                "every step; the TensorFlow backend decides inside the traced step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._take(step)
         self._write_bars(step)
 
@@ -188,6 +196,13 @@ class KerasRecovery:
             math.inf if grad_bar is None else grad_bar,
             self.recoverer.ladder.lr_scale(step),
         )
+
+
+def _on_accelerator(model: Any) -> bool:
+    """Whether the model's weights live on a device other than the CPU (torch backend)."""
+    weights = model.trainable_variables
+    device = getattr(getattr(weights[0], "value", None), "device", None) if weights else None
+    return device is not None and getattr(device, "type", "cpu") != "cpu"
 
 
 def _host_value(variable: Any) -> np.ndarray:
