@@ -199,6 +199,14 @@ def test_a_letter_keeps_a_nan_value_and_the_reason():
     assert back.findings[0].to_dict(json_safe=True) == finding(value=NAN).to_dict(json_safe=True)
 
 
+def test_a_letter_carries_a_rank_s_ask_for_a_roll_back():
+    ask = finding(step=30, message="updates as large as the weights")
+    body, _ = Letter(rollback=ask).encode(1024)
+    back = Letter.decode(body)
+    assert back.rollback is not None and back.rollback.step == 30 and back.reason is None
+    assert Letter.decode(Letter().encode(1024)[0]).rollback is None
+
+
 def test_a_full_letter_carries_what_fits_and_cuts_a_giant():
     many = [finding(step=i, message="M" * 200 + ".") for i in range(40)]
     body, sent = Letter(findings=many, reason=many[0]).encode(2048)

@@ -52,6 +52,7 @@ FLAGS: dict[str, str] = {
     "raise": "any",  # a finding matched raise_on: every rank raises on this step
     "escalate": "any",  # a rank saw something suspicious: every rank samples hot from here
     "backlog": "max",  # findings still waiting in a rank's outbox: meet again at an epoch end
+    "rollback": "any",  # recover=: an error on an applied step: every rank rolls back
 }
 
 #: The longest run of unsampled steps between two meetings. With the default detectors
@@ -102,11 +103,15 @@ class Held:
         decision: This rank's decision to stop (or raise), if any: the first, or a raise
             after a stop.
         why: Why this rank wants to sample faster, if it does.
+        spared: With ``recover=``, the warnings and errors the recovery ladder answers
+            instead of the policy (see ``Decision.spared``), until the ranks agree on
+            them.
     """
 
     findings: list[Finding] = field(default_factory=list)
     decision: Decision | None = None
     why: str | None = None
+    spared: list[Finding] = field(default_factory=list)
 
 
 @dataclass
@@ -117,11 +122,13 @@ class Letter:
         findings: Findings it raised since the last meeting (from its own data).
         reason: The finding behind its decision to stop or raise, if any.
         why: Why it wants to sample faster, if it does.
+        rollback: With ``recover=``, the finding for which it asks every rank to roll back.
     """
 
     findings: list[Finding] = field(default_factory=list)
     reason: Finding | None = None
     why: str | None = None
+    rollback: Finding | None = None
 
     def encode(self, capacity: int) -> tuple[bytes, int]:
         """The letter as at most ``capacity`` bytes of JSON, and how many findings fit.
@@ -130,11 +137,16 @@ class Letter:
         findings are added in order while they fit.
         """
         head: dict[str, Any] = {"reason": _as_dict(self.reason), "why": self.why}
+        if self.rollback is not None:  # rare: no room taken from the findings otherwise
+            head["rollback"] = _as_dict(self.rollback)
         text = json.dumps({**head, "findings": []})
         while len(text.encode()) > capacity:  # only a pathological message gets here
             reason = head["reason"]
             if reason and len(reason["message"]) > 80:
                 reason["message"] = reason["message"][: len(reason["message"]) // 2] + "..."
+            elif head.get("rollback") and len(head["rollback"]["message"]) > 80:
+                message = head["rollback"]["message"]
+                head["rollback"]["message"] = message[: len(message) // 2] + "..."
             elif head["why"] and len(head["why"]) > 80:
                 head["why"] = head["why"][: len(head["why"]) // 2] + "..."
             else:
@@ -160,11 +172,12 @@ class Letter:
         if not data:
             return cls()
         d = json.loads(data.decode())
-        reason = d.get("reason")
+        reason, rollback = d.get("reason"), d.get("rollback")
         return cls(
             findings=[Finding.from_dict(f) for f in d.get("findings", [])],
             reason=Finding.from_dict(reason) if reason else None,
             why=d.get("why"),
+            rollback=Finding.from_dict(rollback) if rollback else None,
         )
 
 
@@ -326,6 +339,9 @@ class RankMeeting:
             in, every rank's packet out, stacked ``(world_size, nbytes)`` in rank order.
             Every rank calls it at the same meetings (see :meth:`due`).
         mail_bytes: Bytes of each rank's letter.
+        recoverer: With ``recover=``, the rank's recovery ladder
+            (:class:`~stethoscope.recovery.Recoverer`): an error it answers on an
+            applied step, held by one rank, rolls every rank back alike.
 
     Example:
         >>> meeting = RankMeeting(monitor, gather)  # doctest: +SKIP
@@ -339,10 +355,12 @@ class RankMeeting:
         all_gather: Callable[[np.ndarray], np.ndarray],
         *,
         mail_bytes: int = MAIL_BYTES,
+        recoverer: Any = None,
     ) -> None:
         self.monitor = monitor
         self.all_gather = all_gather
         self.mail_bytes = mail_bytes
+        self.recoverer = recoverer
         # the detectors that read more than the every-step statistics decide where ranks meet
         self._sampled = frozenset(d.name for d in monitor.detectors if d.needs - EVERY_STEP - EVENT)
         self._packets: dict[tuple, Packet] = {}
@@ -395,8 +413,13 @@ class RankMeeting:
         shared = dict(shared or {})
         held = self.monitor.held
         want = held.decision
+        rollback = self.recoverer.rollback_asked(held.spared) if self.recoverer else None
+        held.spared.clear()
         letter = Letter(
-            findings=held.findings, reason=want.reason if want is not None else None, why=held.why
+            findings=held.findings,
+            reason=want.reason if want is not None else None,
+            why=held.why,
+            rollback=rollback,
         )
         body, sent = letter.encode(self.mail_bytes)
         values: dict[str, Any] = {
@@ -404,6 +427,7 @@ class RankMeeting:
             "raise": float(want is not None and want.raise_),
             "escalate": float(held.why is not None),
             "backlog": float(len(held.findings) - sent),
+            "rollback": float(rollback is not None),
         }
         entries = {name: Entry(1, op) for name, op in FLAGS.items()}
         for name, value in shared.items():
@@ -452,6 +476,10 @@ class RankMeeting:
                 reason = min(reasons, key=lambda f: (f.step, f.rank))
                 monitor.note_stop(reason)
                 return Decision(stop=True, raise_=flag == "raise", reason=reason)
+        asked = [gathered.letters[r].rollback for r in gathered.ranks("rollback")]
+        asked = [f for f in asked if f is not None]
+        if asked and self.recoverer is not None:  # the same ladder step on every rank
+            return self.recoverer.rollback_agreed(min(asked, key=lambda f: (f.step, f.rank)))
         return Decision()
 
     def _judge_shared(

@@ -232,6 +232,7 @@ class Monitor:
             held = self.held.decision
             if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
                 self.held.decision = decision
+            self.held.spared.extend(decision.spared)  # for the ranks to agree on
             return Decision()
         if decision.stop:
             self.note_stop(decision.reason)

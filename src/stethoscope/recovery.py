@@ -405,6 +405,10 @@ class Ladder:
         return Finding(step, epoch, RECOVERY, severity, message, where=act)
 
 
+def _why(finding: Finding) -> str:
+    return f"{finding.detector} ({finding.severity}) at step {finding.step}"
+
+
 #: A decision that changes nothing (shared: a Decision is immutable).
 _CARRY_ON = Decision()
 
@@ -465,19 +469,32 @@ class Recoverer:
         return self._answer(ready, [])
 
     def _answer(self, spared: list[Finding], found: list[Finding]) -> Decision:
-        """An error on a step that was applied (not skipped) asks for a roll back, and so
-        does a warning that the weights have already drifted (:data:`DAMAGE`)."""
-        action, why = None, ""
+        """Answer ``spared`` (see :meth:`rollback_asked`); ``found``: the ladder's own
+        findings so far."""
+        asking = self.rollback_asked(spared)
+        if asking is None:
+            return self._act(found, None, "")
+        more, action = self.ladder.failed(asking.step, asking.epoch, asking)
+        return self._act(found + more, action, _why(asking))
+
+    def rollback_asked(self, spared: list[Finding]) -> Finding | None:
+        """The first of ``spared`` that asks for a roll back: an error on a step that was
+        applied (not skipped), or a warning that the weights have already drifted
+        (:data:`DAMAGE`)."""
         for f in spared:
             if self.ladder.was_skipped(f.step):
                 continue
             if f.severity < Severity.ERROR and f.detector not in DAMAGE:
                 continue
-            more, action = self.ladder.failed(f.step, f.epoch, f)
-            found = found + more
-            why = f"{f.detector} ({f.severity}) at step {f.step}"
-            break
-        return self._act(found, action, why)
+            return f
+        return None
+
+    def rollback_agreed(self, finding: Finding) -> Decision:
+        """In a distributed run, the ranks agreed that ``finding`` (one rank's, held until
+        they met) asks for a roll back: every rank climbs the same rung, so every rank
+        rolls back (or stops) alike."""
+        found, action = self.ladder.failed(finding.step, finding.epoch, finding)
+        return self._act(found, action, _why(finding))
 
     def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> None:
         """The adapter restored the snapshot of ``to_step``."""

@@ -28,8 +28,10 @@ from _models import TinyMLP, dataset
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Subset
 
-from stethoscope import LightningStethoscope
-from stethoscope.findings import TrainingProblem
+from stethoscope import LightningStethoscope, Recovery
+from stethoscope.detectors import Detector, default_detectors
+from stethoscope.findings import Finding, TrainingProblem
+from stethoscope.observation import Observation
 from stethoscope.sinks import JSONLSink
 
 #: The rank every fault is injected on: rank zero must learn of it from rank one.
@@ -63,6 +65,29 @@ class RankFault(TinyMLP):
                 self.net[2].weight[0, 0] += 1e-3
 
 
+class RankOneDamage(Detector):
+    """Stands in for ``large_updates`` (a detector the recovery ladder answers with a roll
+    back): an error at step ``at``, from rank :data:`FAULTY`'s observation only, which only
+    that rank's monitor sees until the ranks meet."""
+
+    name = "large_updates"
+    needs = frozenset({"loss"})
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        if obs.step != self.at or obs.rank != FAULTY:
+            return []
+        return [self.finding(obs, "error", f"rank {obs.rank}'s updates went wrong", value=1.0)]
+
+
+def _damage_detectors() -> list[Detector]:
+    others = [d for d in default_detectors() if d.name != "large_updates"]
+    return [*others, RankOneDamage(at=30)]
+
+
 #: name: (model kwargs, callback kwargs, steps, DDP kwargs, validate)
 SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
     # BatchNorm buffers (re-broadcast by DDP each step), dropout, validation: all quiet
@@ -82,6 +107,15 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
     "buffers": ({"norm": True}, {}, 24, {"broadcast_buffers": False}, False),
     # the recovery ladder: rank 1's NaN at step 37 is skipped by both ranks, at once
     "recover": ({"rank_fault": "nan", "onset": 37}, {"recover": True}, 64, {}, False),
+    # an error on an applied step that rank 1 alone sees: held until the ranks meet, then
+    # every rank rolls back to the same snapshot
+    "recover_rollback": (
+        {},
+        {"recover": Recovery(snapshot_every=8), "detectors": "damage"},
+        64,
+        {},
+        False,
+    ),
 }
 
 
@@ -91,6 +125,8 @@ RECORDED = ("healthy", "nan")
 
 def run(out: Path, name: str) -> None:
     model_kw, cb_kw, steps, ddp_kw, validate = SCENARIOS[name]
+    if cb_kw.get("detectors") == "damage":  # made afresh: a detector keeps its state
+        cb_kw = {**cb_kw, "detectors": _damage_detectors()}
     if name in RECORDED:
         cb_kw = {**cb_kw, "record": out / f"{name}-record"}
     torch.manual_seed(0)  # the same initial weights on both ranks, as DDP expects
@@ -129,6 +165,11 @@ def run(out: Path, name: str) -> None:
         # the replicas' weights, to compare across ranks
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "skips": callback.recoverer.ladder.counts["skip"] if callback.recoverer else None,
+        "ladder": (
+            [[r.step, r.act, r.why] for r in callback.recoverer.ladder.history]
+            if callback.recoverer
+            else None
+        ),
     }
     (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -26,7 +26,16 @@ from stethoscope.record import RunRecord
 from stethoscope.testing import CapturingSink
 
 WORKER = Path(__file__).with_name("_ddp_worker.py")
-SCENARIOS = ("healthy", "nan", "nan_raise", "perturb", "sleep", "buffers", "recover")
+SCENARIOS = (
+    "healthy",
+    "nan",
+    "nan_raise",
+    "perturb",
+    "sleep",
+    "buffers",
+    "recover",
+    "recover_rollback",
+)
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
 TIMEOUT = 180
 
@@ -178,6 +187,21 @@ def test_a_nan_batch_on_one_rank_is_skipped_by_both_and_the_run_finishes(runs):
     [skip] = [f for f in found if f["detector"] == "recovery"]
     assert skip["step"] == 37 and "on another rank, the loss is non-finite" in skip["message"]
     assert any(f["detector"] == "nonfinite_loss" and f["rank"] == 1 for f in found)
+
+
+def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs):
+    first, second = ranks(runs, "recover_rollback")
+    for r in (first, second):
+        assert r["global_step"] == 64 and not r["should_stop"] and r["stopped_by"] is None
+    # the same rungs, at the same steps, on both ranks, and the replicas still the same
+    assert first["ladder"] == second["ladder"]
+    acts = [(step, act) for step, act, _ in first["ladder"]]
+    assert [step for step, act in acts if act == "rollback"] == [31]  # at the next meeting
+    assert first["checksum"] == second["checksum"]
+    found = findings(runs, "recover_rollback")
+    rollback = next(f for f in found if f["detector"] == "recovery" and f["where"] == "rollback")
+    assert "snapshot of step 24" in rollback["message"], rollback["message"]
+    assert any(f["detector"] == "large_updates" and f["rank"] == 1 for f in found)
 
 
 def test_a_single_process_never_meets(monkeypatch):

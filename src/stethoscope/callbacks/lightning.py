@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -182,7 +183,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self.monitor.begin(fresh=trainer.global_step == 0)
         self.monitor.distribute(rank=trainer.global_rank, world_size=trainer.world_size)
         if trainer.world_size > 1:
-            self._meeting = RankMeeting(self.monitor, lambda packet: _all_gather(trainer, packet))
+            self._meeting = RankMeeting(self.monitor, _gather(trainer), recoverer=self.recoverer)
             self._timing = RankTiming()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -445,6 +446,11 @@ class LightningStethoscope(StethoscopeBase, Callback):
         decision = look_if_nonfinite(judged, self._record.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
+
+
+def _gather(trainer: pl.Trainer) -> Callable[[np.ndarray], np.ndarray]:
+    """The meetings' collective on ``trainer``'s strategy."""
+    return functools.partial(_all_gather, trainer)
 
 
 def _all_gather(trainer: pl.Trainer, packet: np.ndarray) -> np.ndarray:
