@@ -80,11 +80,14 @@ class Ledger:
         else:
             self.call_sinks("emit", f)
 
-    def saw_step(self, step: int, *, grads: bool) -> None:
-        """Count ``step`` in the epoch (``grads``: its gradients were judged)."""
+    def saw_step(self, step: int, *, grads: bool, loss: bool = True) -> None:
+        """Count ``step`` in the epoch (``grads``: its gradients were judged; ``loss``: its
+        loss was)."""
         self._steps.add(step)
         if grads:
             self._grad_steps.add(step)
+        if loss:
+            self._loss_steps.add(step)
 
     def call_sinks(self, method: str, *args: Any) -> None:
         """Call ``method`` on every sink (on rank zero), each call isolated."""
@@ -116,6 +119,7 @@ class Ledger:
         self._epoch: dict[str, dict[str, Any]] = {}
         self._steps: set[int] = set()
         self._grad_steps: set[int] = set()
+        self._loss_steps: set[int] = set()
         self._escalations = escalations
 
     def escalations_from(self, escalations: int) -> None:
@@ -243,8 +247,18 @@ class Ledger:
             return verdict
         return (
             f"Healthy: no warnings in {steps} steps "
-            f"(loss checked every step, gradients on {len(self._grad_steps)} steps)"
+            f"({self._loss_checked()}, gradients on {len(self._grad_steps)} steps)"
         )
+
+    def _loss_checked(self) -> str:
+        """How often the epoch's loss was judged, in words (a custom train step that never
+        computes it through the framework gives the loss detectors nothing)."""
+        n = len(self._loss_steps)
+        if n == len(self._steps):
+            return "loss checked every step"
+        if n == 0:
+            return "no loss seen, so the loss was not checked"
+        return f"loss checked on {n} steps"
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

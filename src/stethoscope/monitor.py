@@ -207,7 +207,7 @@ class Monitor:
         elif loss is not None and math.isfinite(loss):
             self._train_sum += loss
             self._train_n += 1
-        self.ledger.saw_step(step, grads=obs.grad_norm is not None)
+        self.ledger.saw_step(step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
         if self.ledger.observers:
             self.ledger.observe(obs, self.planner.sampled_interval(step))
         if step > self.last_step:

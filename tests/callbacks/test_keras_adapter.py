@@ -541,9 +541,13 @@ def test_a_custom_train_step_without_compute_loss_warns_once():
     model = Custom()
     model.compile("sgd")
     spy = Spy({"grads"})
+    callback = watch(spy, intervals={"recorder": 2}, escalate=False)
     with pytest.warns(RuntimeWarning, match="compute_loss"):
-        fit(model, watch(spy, intervals={"recorder": 2}, escalate=False), x, y)
+        fit(model, callback, x, y)
     assert spy.seen and all(np.all(np.isfinite(o.grad_norm)) for o in spy.seen)
+    # and the epoch summary does not claim a loss it never saw
+    verdict = callback.summaries[-1].verdict
+    assert "no loss seen" in verdict and "loss checked every step" not in verdict, verdict
 
 
 def _defaults(*names: str) -> list[Detector]:
