@@ -416,7 +416,10 @@ class Monitor:
 
     def start(self, context: RunContext) -> None:
         """Hand every sink the run's context (its printer, the framework's log dir and
-        MLflow run): training is starting."""
+        MLflow run), and every detector the training's setup its advice depends on:
+        training is starting."""
+        for d in self.detectors:
+            d.setup = context.setup
         self.ledger.call_sinks("start", context)
 
     def begin(self, *, fresh: bool) -> None:

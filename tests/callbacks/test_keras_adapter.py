@@ -703,3 +703,25 @@ def test_a_nan_batch_names_the_bad_gradient_and_weight_on_its_step_whatever_was_
     for name in ("nonfinite_loss", "nonfinite_gradients", "nonfinite_weights"):
         found = sink.by_detector(name)
         assert found and found[0].step == 5, (name, [(f.step, f.where) for f in found])
+
+
+def test_the_detectors_advice_knows_the_optimizers_clipping_and_schedule():
+    """A Keras fit with clipnorm and a schedule: the exploding-gradients advice says the run
+    clips already (and does not tell it to), and looks at the schedule's warm-up."""
+    x, y = data()
+    model = mlp()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 100, 0.9)
+    model.compile(
+        keras.optimizers.SGD(schedule, clipnorm=1.0),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    callback = KerasStethoscope(sinks=[])
+    fit(model, callback, x, y)
+    explode = next(d for d in callback.monitor.detectors if d.name == "exploding_gradients")
+    setup = explode.setup
+    assert (setup.framework, setup.clipping, setup.scheduler) == ("keras", "clipnorm=1.0", True)
+    assert setup.precision is None
+    from stethoscope.advice import clipping_advice, warmup_advice
+
+    assert "clipped already (clipnorm=1.0)" in clipping_advice(setup)
+    assert warmup_advice(setup) == "check your schedule's warm-up"

@@ -178,6 +178,27 @@ def test_nonfinite_loss_traces_the_first_bad_module_when_training_goes_on(fault)
     assert traced.step == first.step + 1
     assert traced.where == "net.0"  # poisoned weights: the first layer's output is NaN
     assert "first module whose output is non-finite is net.0" in traced.message
+    # the advice leads with the batch and the weights, not the learning rate or clipping
+    assert "check the data pipeline" in traced.message and "nonfinite_weights" in traced.message
+    assert first.message.index("Check that batch first") < first.message.index("learning rate")
+    assert "clip" not in first.message
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_exploding_gradients_advice_knows_whether_the_run_clips(clip):
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    cb = LightningStethoscope(sinks=[sink], stop_on=None)
+    model = TinyMLP(fault="lr_jump", optimizer="sgd", lr=0.05, onset=300)
+    fit(model, steps=400, callback=cb, gradient_clip_val=clip)
+    found = sink.by_detector("exploding_gradients")
+    assert found, [(f.detector, f.step) for f in sink.findings]
+    message = found[0].message
+    if clip is None:
+        assert "clip gradients (e.g. Trainer(gradient_clip_val=1.0))" in message
+    else:  # told what it does already, and that the norm is measured before the clipping
+        assert "clipped already (gradient_clip_val=1.0)" in message
+        assert "clip gradients (e.g." not in message
 
 
 def test_a_one_off_nan_is_traced_as_one_off():

@@ -44,7 +44,7 @@ def test_nonfinite_loss_fires_at_every_nonfinite_step(losses, expected):
 def test_nonfinite_loss_message_says_what_and_how_to_fix(loss, word):
     (f,) = run(NonfiniteLoss(), [make_obs(17, loss=loss)])
     assert word in f.message
-    assert_actionable(f, "learning rate", "clip gradients")
+    assert_actionable(f, "batch", "learning rate")
 
 
 def test_nonfinite_loss_ignores_a_missing_loss():

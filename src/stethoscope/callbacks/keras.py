@@ -20,7 +20,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StethoscopeBase
-from stethoscope.callbacks._keras.describe import describe_run
+from stethoscope.callbacks._keras.describe import describe_run, training_setup
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.recovery import KerasRecovery, refuse_unrecoverable
@@ -199,6 +199,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 first_epoch=self._epoch if step0 else 0,
                 describe=lambda: self._describe(describe_run(model, self.params)),
                 record=self.record,
+                setup=training_setup(model),
             )
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
@@ -37,6 +38,9 @@ class Detector:
     base_interval: ClassVar[int] = 1
     #: A few words for the summary table: the usual fix.
     advice: ClassVar[str] = ""
+    #: What the training already does (clipping, precision, a schedule), so that the
+    #: findings' advice does not repeat it; set by the monitor when training starts.
+    setup: TrainingSetup = TrainingSetup()
 
     def __init__(self) -> None:
         unknown = set(self.needs | self.wants) - set(STATISTICS)

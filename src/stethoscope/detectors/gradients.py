@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from stethoscope.advice import clipping_advice, warmup_advice
 from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, push
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -135,8 +136,8 @@ class ExplodingGradients(Detector):
                         f"Gradient norm {total:.3g} is {10**over:.3g}x its recent median "
                         f"{10**center:.3g} at step {obs.step} (it jumps first in {where}, "
                         "in backward order): the learning rate is likely too high for this "
-                        "point of training; lower it, add warm-up, or clip gradients "
-                        "(e.g. gradient_clip_val=1.0).",
+                        f"point of training; lower it, {warmup_advice(self.setup)}, or "
+                        f"{clipping_advice(self.setup)}.",
                         value=total,
                         threshold=10 ** (center + margin),
                         where=where,

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from stethoscope.advice import float16_note
 from stethoscope.detectors.base import Detector
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -60,7 +61,8 @@ class NonfiniteLoss(Detector):
                 "error",
                 f"The training loss is {_describe(loss)} at step {obs.step}: the forward pass or "
                 "the loss produced it (log/sqrt/division at 0, a NaN in the batch, or weights "
-                "that overflowed); check that batch, lower the learning rate or clip gradients.",
+                "that overflowed); the next step's trace says where it began. Check that "
+                f"batch first, then the learning rate.{float16_note(self.setup)}",
                 value=loss,
                 where="loss",
             )
@@ -71,14 +73,24 @@ class NonfiniteLoss(Detector):
         bad = np.flatnonzero(np.asarray(obs.trace_finite) == 0)
         if len(bad):
             where = obs.trace_names[int(bad[0])]
-            before = f"after {bad[0]} finite module output(s)" if bad[0] else "first of all"
+            if bad[0] == 0:  # the very first module: what it was given is the likely cause
+                cause = (
+                    "the first module of all: what it was given (the batch: check the data "
+                    "pipeline) or its own weights (nonfinite_weights says whether they went "
+                    "bad) carry the non-finite value"
+                )
+            else:
+                cause = (
+                    f"after {bad[0]} finite module output(s): its input is finite, so its "
+                    "weights or its operation (overflow, log/sqrt/division at 0) produce it; "
+                    "inspect that module"
+                )
             return self.finding(
                 obs,
                 "error",
                 f"Traced at step {obs.step} (after the non-finite loss at step {origin}): the "
-                f"first module whose output is non-finite is {where} ({before}, in forward "
-                "order); if its input is finite, its weights or its operation (overflow, "
-                "log/sqrt/division at 0) produce it: inspect that module.",
+                f"first module whose output is non-finite is {where} (in forward order), "
+                f"{cause}.{float16_note(self.setup)}",
                 value=float(len(bad)),
                 where=where,
             )
@@ -131,8 +143,9 @@ class NonfiniteGradients(Detector):
                 f"The gradient of {obs.names[first]} is {_describe(value)} at step {obs.step}, "
                 f"the first non-finite one in backward order ({len(idx)} of {len(bad)} "
                 "parameters): the backward pass overflowed or hit an undefined op; look for "
-                "log/sqrt/division at 0 near that layer, lower the learning rate or clip "
-                "gradients.",
+                "log/sqrt/division at 0 near that layer, then lower the learning rate"
+                f"{'' if self.setup.clipping else ' or clip gradients'}."
+                f"{float16_note(self.setup)}",
                 value=value,
                 where=obs.names[first],
             )

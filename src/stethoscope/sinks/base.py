@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.findings import Severity
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class RunContext:
             the optimizer, the detectors' thresholds), for a sink that keeps it.
         record: The directory of the run's record (``record=`` on the callback), or
             ``None``; a sink may attach the record's report at the end.
+        setup: The settings of the user's training that advice depends on (clipping,
+            precision, a schedule); the monitor hands them to the detectors.
     """
 
     framework: str = ""
@@ -58,6 +61,7 @@ class RunContext:
     first_epoch: int = 0
     describe: Callable[[], dict[str, Any]] | None = None
     record: Path | None = None
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
 
 
 class Sink:

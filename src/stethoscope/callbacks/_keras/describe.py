@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["describe_run"]
+from stethoscope.advice import TrainingSetup
+
+__all__ = ["describe_run", "training_setup"]
 
 
 def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -53,3 +55,30 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_plain(v) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def training_setup(model: Any) -> TrainingSetup:
+    """What ``model``'s training already does that the findings' advice depends on: its
+    optimizer's clipping, the dtype policy and whether a schedule drives the learning
+    rate."""
+    import keras
+
+    optimizer = model.optimizer
+    clipping = next(
+        (
+            f"{name}={value}"
+            for name in ("global_clipnorm", "clipnorm", "clipvalue")
+            if (value := getattr(optimizer, name, None))
+        ),
+        None,
+    )
+    policy = getattr(getattr(model, "dtype_policy", None), "name", None) or str(
+        keras.config.dtype_policy().name
+    )
+    schedule = getattr(optimizer, "_learning_rate", None)  # the schedule itself, if any
+    return TrainingSetup(
+        framework="keras",
+        clipping=clipping,
+        precision=policy if str(policy).startswith("mixed") else None,
+        scheduler=isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule),
+    )

@@ -18,9 +18,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.sinks.base import RunContext
 
-__all__ = ["run_context"]
+__all__ = ["run_context", "training_setup"]
 
 
 def run_context(
@@ -38,6 +39,26 @@ def run_context(
         first_epoch=trainer.current_epoch,
         describe=describe,
         record=record,
+        setup=training_setup(trainer),
+    )
+
+
+def training_setup(trainer: Any) -> TrainingSetup:
+    """What ``trainer`` already does that the findings' advice depends on: its gradient
+    clipping, its precision and whether a scheduler drives the learning rate."""
+    clip = trainer.gradient_clip_val
+    clipping = None
+    if clip:
+        algorithm = trainer.gradient_clip_algorithm
+        clipping = f"gradient_clip_val={clip}"
+        if algorithm and str(algorithm) not in ("norm", "GradClipAlgorithmType.NORM"):
+            clipping += f", gradient_clip_algorithm={str(algorithm).split('.')[-1].lower()!r}"
+    precision = str(trainer.precision)
+    return TrainingSetup(
+        framework="lightning",
+        clipping=clipping,
+        precision=None if precision in ("32-true", "32", "64-true", "64") else precision,
+        scheduler=bool(trainer.lr_scheduler_configs),
     )
 
 

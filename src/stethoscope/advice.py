@@ -1,0 +1,71 @@
+"""What the user's training already does, so that a finding's advice does not repeat it.
+
+A run that clips its gradients should not be told to clip them; a run under float16
+mixed precision should hear that float16 overflows past 65504; a run with a schedule
+should look at its warm-up rather than add one. Each adapter reads these settings from
+the framework when training starts and hands them to the detectors, which word their
+advice with the helpers here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainingSetup", "clipping_advice", "float16_note", "warmup_advice"]
+
+#: Mixed-precision settings whose float16 overflows past 65504 (bfloat16 does not).
+_FLOAT16 = frozenset({"16-mixed", "16", "16-true", "mixed_float16", "float16"})
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """The settings of the user's training that a finding's advice depends on.
+
+    Args:
+        framework: ``"lightning"``, ``"keras"``, or ``""`` when unknown.
+        clipping: How the training clips gradients, in the user's own words (e.g.
+            ``"gradient_clip_val=1.0"``, ``"clipnorm=1.0"``), or None.
+        precision: The precision setting (``"16-mixed"``, ``"bf16-mixed"``,
+            ``"mixed_float16"``…), or None for full precision.
+        scheduler: Whether a learning-rate schedule drives the learning rate.
+    """
+
+    framework: str = ""
+    clipping: str | None = None
+    precision: str | None = None
+    scheduler: bool = False
+
+    @property
+    def float16(self) -> bool:
+        return self.precision in _FLOAT16
+
+
+def clipping_advice(setup: TrainingSetup) -> str:
+    """How to clip gradients in this framework, or, when the run clips already, that the
+    norm is judged before the clipping (so the clipping bounds the update, not the
+    cause)."""
+    if setup.clipping:
+        return (
+            f"gradients are clipped already ({setup.clipping}); the norm here is before the "
+            "clipping, so the cause is upstream of it"
+        )
+    example = {
+        "lightning": "Trainer(gradient_clip_val=1.0)",
+        "keras": "an optimizer with clipnorm=1.0",
+    }.get(setup.framework, "a global norm of 1.0")
+    return f"clip gradients (e.g. {example})"
+
+
+def warmup_advice(setup: TrainingSetup) -> str:
+    """Warm-up advice: add one, or check the schedule's."""
+    return "check your schedule's warm-up" if setup.scheduler else "add warm-up"
+
+
+def float16_note(setup: TrainingSetup) -> str:
+    """A clause for non-finite values under float16 mixed precision (empty otherwise)."""
+    if not setup.float16:
+        return ""
+    return (
+        f" Under {setup.precision} precision, float16 overflows past 65504: a bfloat16 "
+        "setting keeps float32's range."
+    )
