@@ -165,9 +165,19 @@ def test_overfitting_suspects_a_single_rise():
     assert d.suspect is None
 
 
-def test_overfitting_a_zero_best_counts_any_rise():
-    found = run(Overfitting(), val_obs([0.0, 1e-3, 1e-3], [0.5, 0.4, 0.3]))
+def test_overfitting_a_zero_best_counts_any_rise_past_the_floor():
+    # the task's scale is 0.5 (the first training loss): the floor is 0.005
+    found = run(Overfitting(), val_obs([0.0, 1e-2, 1e-2], [0.5, 0.4, 0.3]))
     assert [f.epoch for f in found] == [2]
+    assert run(Overfitting(), val_obs([0.0, 1e-3, 1e-3], [0.5, 0.4, 0.3])) == []
+
+
+def test_overfitting_quiet_on_a_negligible_rise_after_a_near_perfect_fit():
+    # from 1.4 to 0.001, then up by 0.0006 (60% of the best, 0.04% of the task): quiet
+    vals = [0.3, 0.01, 0.001, 0.0016, 0.0016, 0.0016]
+    assert run(Overfitting(), val_obs(vals, [1.4, 0.2, 0.05, 0.04, 0.03, 0.02])) == []
+    with pytest.raises(ValueError, match="floor"):
+        Overfitting(floor=0)
 
 
 def test_overfitting_quiet_on_a_small_rise_of_a_negative_loss():

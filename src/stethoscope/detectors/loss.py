@@ -348,6 +348,13 @@ class Overfitting(Detector):
     training loss since the previous validation is below the one at the best
     validation (training still improves: the model memorises).
 
+    Either rise must also pass ``floor`` of the scale of the task: the larger of the
+    first validation loss and the mean training loss before it (the first epoch's, which
+    still holds the loss the run started from). A model that went from 1.4 to 0.001 and
+    then wobbles up by 0.0006 (a real run of the project's new-user trial) rose 60%
+    against its own best, and by 0.04% of what it had to learn: not worth a warning,
+    whatever early stopping would make of it.
+
     Sources: SageMaker Debugger ``overfit`` compares validation with training
     loss ((val - train) / train > 0.1, patience 1), which fires on any healthy
     model with a generalisation gap; the rise of validation against its own best
@@ -358,6 +365,7 @@ class Overfitting(Detector):
         patience: Validations in a row above it that raise a warning.
         trend: Validations in a row, each above the one before, that make a climb.
         trend_rise: Relative rise over such a climb that raises a warning.
+        floor: The least rise that counts, as a fraction of the scale of the task.
     """
 
     name = "overfitting"
@@ -372,8 +380,11 @@ class Overfitting(Detector):
         patience: int = 2,
         trend: int = 6,
         trend_rise: float = 0.05,
+        floor: float = 0.01,
     ) -> None:
         check_positive(self.name, "min_rise", min_rise)
+        check_positive(self.name, "floor", floor)
+        self.floor = float(floor)
         check_positive(self.name, "patience", patience, integer=True)
         check_positive(self.name, "trend", trend, integer=True)
         check_positive(self.name, "trend_rise", trend_rise)
@@ -384,7 +395,8 @@ class Overfitting(Detector):
     def _initial_state(self) -> dict:
         # best: [val loss, train loss, epoch, validation index]; n: validations seen;
         # climb: the validation losses since the last one that did not rise (oldest first)
-        return {"best": None, "n": 0, "streak": 0, "fired": False, "climb": []}
+        # first: the scale of the task (see the class docstring)
+        return {"best": None, "n": 0, "streak": 0, "fired": False, "climb": [], "first": None}
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -392,6 +404,9 @@ class Overfitting(Detector):
         if not is_finite(val):
             return []
         st["n"] += 1
+        if st.get("first") is None:  # the first epoch's training loss still holds the start
+            st["first"] = max(abs(float(val)), abs(float(train)) if is_finite(train) else 0.0)
+        least = self.floor * st["first"]  # a rise below it is not worth a word
         climb = st["climb"]
         if climb and val <= climb[-1]:
             climb.clear()
@@ -401,9 +416,9 @@ class Overfitting(Detector):
             st["best"], st["streak"], st["fired"] = [val, train, obs.epoch, st["n"]], 0, False
             return []
         scale = abs(best[0])  # also right for a negative loss (NLL)
-        bar = best[0] + self.min_rise * scale
-        rose = val > bar if best[0] != 0 else val > 0
-        climbed = len(climb) > self.trend and val - climb[0] > self.trend_rise * scale
+        bar = best[0] + max(self.min_rise * scale, least)
+        rose = val > bar if bar != 0 else val > 0
+        climbed = len(climb) > self.trend and val - climb[0] > max(self.trend_rise * scale, least)
         train_falls = is_finite(train) and is_finite(best[1]) and train < best[1]
         if not ((rose or climbed) and train_falls):
             st["streak"] = 0
@@ -414,7 +429,7 @@ class Overfitting(Detector):
             return []
         how = ""
         if st["streak"] < self.patience:  # the climb, not the level, says it
-            bar = climb[0] + self.trend_rise * scale
+            bar = climb[0] + max(self.trend_rise * scale, least)
             how = f", rising on each of the last {self.trend} validations,"
         st["fired"] = True
         ago = obs.epoch - best[2]
