@@ -28,12 +28,15 @@ class TrainingSetup:
         precision: The precision setting (``"16-mixed"``, ``"bf16-mixed"``,
             ``"mixed_float16"``…), or None for full precision.
         scheduler: Whether a learning-rate schedule drives the learning rate.
+        adversarial: Whether the training step steps several optimizers by hand (a game
+            such as a GAN): the loss it returns is a player's, not meant to fall.
     """
 
     framework: str = ""
     clipping: str | None = None
     precision: str | None = None
     scheduler: bool = False
+    adversarial: bool = False
 
     @property
     def float16(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -420,6 +421,8 @@ class Monitor:
         training is starting."""
         for d in self.detectors:
             d.setup = context.setup
+        if context.setup.adversarial:
+            _sit_out_the_game(self)
         self.ledger.call_sinks("start", context)
 
     def begin(self, *, fresh: bool) -> None:
@@ -447,3 +450,21 @@ class Monitor:
         self.last_step = -1
         self.held = Held()
         self.ledger.new_epoch(escalations=self.sampler.escalations)
+
+
+def _sit_out_the_game(monitor: Monitor) -> None:
+    """A game (several optimizers stepped by hand, as in a GAN): the detectors that assume
+    the loss should fall take no part, and the user is told once."""
+    off = sorted(d.name for d in monitor.detectors if d.assumes_falling_loss)
+    if not off:
+        return
+    monitor.planner.set_idle(monitor.planner.idle | frozenset(off))
+    if monitor.rank == 0:
+        warnings.warn(
+            "stethoscope: the training step steps several optimizers by hand (a game such "
+            "as a GAN, whose players' losses are not meant to fall), so "
+            f"{' and '.join(off)} are off for this run; the other detectors (non-finite "
+            "values, spikes, gradients, updates) judge it as usual",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -38,6 +38,9 @@ class Detector:
     base_interval: ClassVar[int] = 1
     #: A few words for the summary table: the usual fix.
     advice: ClassVar[str] = ""
+    #: Whether the rule assumes the training loss should fall: off in a game (see
+    #: ``TrainingSetup.adversarial``), where a player's loss is not meant to.
+    assumes_falling_loss: ClassVar[bool] = False
     #: What the training already does (clipping, precision, a schedule), so that the
     #: findings' advice does not repeat it; set by the monitor when training starts.
     setup: TrainingSetup = TrainingSetup()

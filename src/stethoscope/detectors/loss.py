@@ -181,6 +181,7 @@ class LossNotDecreasing(Detector):
     name = "loss_not_decreasing"
     needs = frozenset({"loss"})
     base_interval = 1
+    assumes_falling_loss = True
     advice = "raise the LR; check what the optimizer updates"
 
     def __init__(self, *, window: int = 50, patience: int = 200, min_progress: float = 0.1):
@@ -269,6 +270,7 @@ class UnstableLoss(Detector):
     name = "unstable_loss"
     needs = frozenset({"loss"})
     base_interval = 1
+    assumes_falling_loss = True
     advice = "lower or decay the LR sooner"
 
     def __init__(self, *, window: int = 50, rise: float = 0.4, patience: int = 20) -> None:

@@ -54,11 +54,14 @@ def training_setup(trainer: Any) -> TrainingSetup:
         if algorithm and str(algorithm) not in ("norm", "GradClipAlgorithmType.NORM"):
             clipping += f", gradient_clip_algorithm={str(algorithm).split('.')[-1].lower()!r}"
     precision = str(trainer.precision)
+    module = trainer.lightning_module
+    manual = module is not None and not module.automatic_optimization
     return TrainingSetup(
         framework="lightning",
         clipping=clipping,
         precision=None if precision in ("32-true", "32", "64-true", "64") else precision,
         scheduler=bool(trainer.lr_scheduler_configs),
+        adversarial=manual and len(trainer.optimizers) > 1,
     )
 
 

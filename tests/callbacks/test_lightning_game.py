@@ -1,0 +1,92 @@
+"""A game trained by hand (a GAN: two optimizers, manual optimization): the detectors that
+assume the loss should fall sit it out, the others judge it as usual."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink
+
+
+class GAN(L.LightningModule):
+    """A small GAN on a mixture of four 2-D Gaussians; ``nan_at``: a NaN in the real
+    batch of that step (a fault the game does not excuse)."""
+
+    def __init__(self, nan_at: int = -1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        self.nan_at = nan_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        if batch_idx == self.nan_at:
+            x = x.clone()
+            x[0, 0] = math.nan
+        opt_g, opt_d = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        real, fake_label = torch.ones(len(x), 1), torch.zeros(len(x), 1)
+        fake = self.G(torch.randn(len(x), 8))
+        d_loss = bce(self.D(x), real) + bce(self.D(fake.detach()), fake_label)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = bce(self.D(fake), real)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        return g_loss  # the generator's loss: it rises as the discriminator learns
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.G.parameters(), 2e-4, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.D.parameters(), 2e-4, betas=(0.5, 0.999)),
+        ]
+
+
+def _train(model: GAN, sink: CapturingSink, epochs: int = 4) -> L.Trainer:
+    g = torch.Generator().manual_seed(0)
+    centers = torch.tensor([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.0], [0.0, -2.0]])
+    x = centers[torch.randint(0, 4, (4096,), generator=g)] + 0.2 * torch.randn(4096, 2, generator=g)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LightningStethoscope(sinks=[sink], stop_on=None)],
+    )
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_a_healthy_gan_is_not_told_its_loss_does_not_fall():
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    with pytest.warns(RuntimeWarning, match="several optimizers by hand"):
+        _train(GAN(), sink)
+    alarms = [(f.step, f.detector) for f in sink.findings if f.severity != "info"]
+    assert alarms == []  # loss_not_decreasing warned at steps 200 and 400 before
+
+
+def test_a_nan_in_a_gan_is_still_caught():
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    with pytest.warns(RuntimeWarning, match="several optimizers by hand"):
+        _train(GAN(nan_at=20), sink, epochs=1)
+    assert sink.by_detector("nonfinite_loss") or sink.by_detector("nonfinite_gradients")
