@@ -10,7 +10,7 @@ from stethoscope.detectors.base import Detector
 from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
-from stethoscope.summary import EpochSummary, SummaryRow
+from stethoscope.summary import EpochSummary, SummaryRow, epoch_extent
 
 __all__ = ["RECOVERY", "SAMPLER", "Ledger"]
 
@@ -187,6 +187,8 @@ class Ledger:
             quiet=tuple(quiet),
             stopped_by=stopped_by.to_dict(json_safe=True) if stopped_by else None,
             dropped=self._dropped(),
+            first_step=min(self._steps, default=None),
+            last_step=max(self._steps, default=None),
         )
 
     def _dropped(self) -> dict[str, int]:
@@ -224,7 +226,8 @@ class Ledger:
         )
 
     def _verdict(self, stopped_by: Finding | None) -> str:
-        steps = len(self._steps)
+        seen = self._steps
+        extent = epoch_extent(len(seen), min(seen, default=None), max(seen, default=None))
         if stopped_by is not None:
             f = stopped_by
             where = f" in {f.where}" if f.where else ""
@@ -240,13 +243,13 @@ class Ledger:
             worst = stats["worst"]
             verdict = (
                 f"{counts[Severity.ERROR]} error(s), {counts[Severity.WARNING]} warning(s) in "
-                f"{steps} steps; worst: {worst.detector} at step {worst.step}"
+                f"{extent}; worst: {worst.detector} at step {worst.step}"
             )
             if RECOVERY in self._epoch:  # and training went on: say how
                 verdict += f"; recovered: {_recovery_row(self._epoch[RECOVERY]).verdict}"
             return verdict
         return (
-            f"Healthy: no warnings in {steps} steps "
+            f"Healthy: no warnings in {extent} "
             f"({self._loss_checked()}, gradients on {len(self._grad_steps)} steps)"
         )
 

@@ -11,7 +11,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["EpochSummary", "SummaryRow", "name_tail"]
+__all__ = ["EpochSummary", "SummaryRow", "epoch_extent", "name_tail"]
 
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "error": "bold red"}
 #: Consoles at least this wide get the table; narrower ones, a list of rows.
@@ -44,6 +44,16 @@ class SummaryRow:
     verdict: str = ""
 
 
+def epoch_extent(count: int, first: int | None, last: int | None) -> str:
+    """How long an epoch of ``count`` judged steps, ``first`` to ``last``, was, in the
+    findings' unit: "N steps", or, where the step count moves by more than one a batch
+    (Lightning's manual optimization counts each optimizer's step), "N batches, steps
+    A–B", so that the findings' step numbers fall inside what the summary says."""
+    if first is None or last is None or last - first + 1 == count:
+        return f"{count} steps"
+    return f"{count} batches, steps {first}–{last}"
+
+
 @dataclass(frozen=True)
 class EpochSummary:
     """What the monitor saw during one training epoch.
@@ -59,6 +69,8 @@ class EpochSummary:
         dropped: Findings each sink had to give up on so far in the run (its
             destination kept failing and its buffer was full), by sink; only sinks
             that dropped something are listed.
+        first_step: The first step judged this epoch (None: none).
+        last_step: The last one.
     """
 
     epoch: int
@@ -68,6 +80,13 @@ class EpochSummary:
     stopped_by: dict[str, Any] | None = None
     quiet: tuple[str, ...] = ()
     dropped: dict[str, int] = field(default_factory=dict)
+    first_step: int | None = None
+    last_step: int | None = None
+
+    @property
+    def extent(self) -> str:
+        """How long the epoch was (see :func:`epoch_extent`)."""
+        return epoch_extent(self.steps, self.first_step, self.last_step)
 
     @property
     def status(self) -> str:
@@ -98,7 +117,7 @@ class EpochSummary:
     def _narrow(self, width: int) -> Group:
         """Each row as a line of its own (status, detector, count, worst, where; names
         never split: a long place loses its start), its verdict indented below."""
-        lines: list[Any] = [Text(f"stethoscope · epoch {self.epoch} · {self.steps} steps", "bold")]
+        lines: list[Any] = [Text(f"stethoscope · epoch {self.epoch} · {self.extent}", "bold")]
         for row in self.rows:
             head = Text(f"{row.status:<8}", _STATUS_STYLE.get(row.status, ""))
             head.append(row.detector)
@@ -120,7 +139,7 @@ class EpochSummary:
     def _table(self) -> Table:
         caption = self._caption()
         table = Table(
-            title=f"stethoscope · epoch {self.epoch} · {self.steps} steps",
+            title=f"stethoscope · epoch {self.epoch} · {self.extent}",
             caption=Text(caption),
             caption_justify="left",
             expand=False,

@@ -52,7 +52,7 @@ class GAN(L.LightningModule):
         ]
 
 
-def _train(model: GAN, sink: CapturingSink, epochs: int = 4) -> L.Trainer:
+def _train(model: GAN, sink: CapturingSink, epochs: int = 4) -> LightningStethoscope:
     g = torch.Generator().manual_seed(0)
     centers = torch.tensor([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.0], [0.0, -2.0]])
     x = centers[torch.randint(0, 4, (4096,), generator=g)] + 0.2 * torch.randn(4096, 2, generator=g)
@@ -62,6 +62,7 @@ def _train(model: GAN, sink: CapturingSink, epochs: int = 4) -> L.Trainer:
         shuffle=True,
         generator=torch.Generator().manual_seed(1),
     )
+    callback = LightningStethoscope(sinks=[sink], stop_on=None)
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
@@ -69,19 +70,23 @@ def _train(model: GAN, sink: CapturingSink, epochs: int = 4) -> L.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[LightningStethoscope(sinks=[sink], stop_on=None)],
+        callbacks=[callback],
     )
     trainer.fit(model, data)
-    return trainer
+    return callback
 
 
 def test_a_healthy_gan_is_not_told_its_loss_does_not_fall():
     torch.manual_seed(0)
     sink = CapturingSink()
     with pytest.warns(RuntimeWarning, match="several optimizers by hand"):
-        _train(GAN(), sink)
+        callback = _train(GAN(), sink)
     alarms = [(f.step, f.detector) for f in sink.findings if f.severity != "info"]
     assert alarms == []  # loss_not_decreasing warned at steps 200 and 400 before
+    # Lightning counts each optimizer's step: the summary says batches and names the steps
+    first = callback.summaries[0]
+    assert first.extent == "64 batches, steps 0–126"  # was "64 steps", findings to 126
+    assert first.verdict.startswith("Healthy: no warnings in 64 batches, steps 0–126")
 
 
 def test_a_nan_in_a_gan_is_still_caught():
