@@ -147,7 +147,8 @@ def snapshot_cost(width: int) -> dict[str, float]:
             snaps["snapshot_ms"] = 1e3 * (time.perf_counter() - began)
             snaps["snapshot_mb"] = snap.nbytes / 1e6
             began = time.perf_counter()
-            recovery.snapshots.restore(trainer, module, callback.monitor)
+            _, state = recovery.snapshots.newest()
+            recovery.snapshots.put_back(state, trainer, module, callback.monitor)
             snaps["rollback_ms"] = 1e3 * (time.perf_counter() - began)
 
     trainer.callbacks.append(Measure())
@@ -247,7 +248,7 @@ def keras_snapshot_cost(width: int) -> dict[str, float]:
     ladder._take(2)
     snapshot_ms = 1e3 * (time.perf_counter() - began)
     began = time.perf_counter()
-    ladder._restore()
+    ladder._put_back(ladder.snapshots.newest()[1])
     rollback_ms = 1e3 * (time.perf_counter() - began)
     snap = ladder.snapshots.kept[-1]
     ladder.close()

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stethoscope.findings import Finding, Severity
 from stethoscope.ledger import RECOVERY
 from stethoscope.policy import Decision
+
+if TYPE_CHECKING:
+    from stethoscope.snapshots import SnapshotStore
 
 __all__ = [
     "DAMAGE",
@@ -501,6 +505,28 @@ class Recoverer:
         self.rollback_due = None
         for f in self.ladder.rolled_back(step, epoch, to_step, what):
             self.monitor.ledger.record(f)
+
+    def roll_back(
+        self,
+        step: int,
+        epoch: int,
+        snapshots: SnapshotStore,
+        put_back: Callable[[dict[str, Any]], None],
+        what: str,
+    ) -> Decision:
+        """Pay the roll back owed at ``step``: ``put_back`` restores the newest snapshot's
+        state (``what`` says what that holds). The newest is passed over when the last roll
+        back went to it only lately (see :meth:`Ladder.newest_suspect`); with none left,
+        training stops."""
+        if self.ladder.newest_suspect(step):
+            snapshots.discard_newest()
+        newest = snapshots.newest()
+        if newest is None:
+            return self.no_snapshot(step, epoch)
+        snap, state = newest
+        put_back(state)
+        self.rolled_back(step, epoch, snap.step, what)
+        return _CARRY_ON
 
     def no_snapshot(self, step: int, epoch: int) -> Decision:
         """The roll back owed has nowhere to go: stop."""

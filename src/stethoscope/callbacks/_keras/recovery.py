@@ -137,14 +137,12 @@ class KerasRecovery:
         if first is None:
             return
         if self.recoverer.rollback_due is not None:
-            if ladder.newest_suspect(step):
-                self.snapshots.discard_newest()
-            to_step = self._restore()
-            if to_step is None:
-                self.act(self.recoverer.no_snapshot(step, epoch))
-            else:
-                self.probe.continue_from(step + 1)
-                self.recoverer.rolled_back(step, epoch, to_step, _RESTORED)
+
+            def put_back(state: dict[str, Any]) -> None:
+                self._put_back(state)
+                self.probe.continue_from(step + 1)  # the optimizer's count went back
+
+            self.act(self.recoverer.roll_back(step, epoch, self.snapshots, put_back, _RESTORED))
             self._bars_due = True
         elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)
@@ -173,19 +171,14 @@ class KerasRecovery:
         kept = self.snapshots.kept
         return bool(kept) and kept[-1].step == step
 
-    def _restore(self) -> int | None:
-        """Put the newest snapshot back; its step, or None when there is none."""
-        newest = self.snapshots.newest()
-        if newest is None:
-            return None
-        snap, state = newest
+    def _put_back(self, state: dict[str, Any]) -> None:
+        """Restore a snapshot's ``state``."""
         model = self.model
         for v, saved in zip(model.variables, state["model"], strict=True):
             v.assign(saved)
         for v, saved in zip(model.optimizer.variables, state["optimizer"], strict=True):
             v.assign(saved)
         self.monitor.load_state_dict(state["monitor"])
-        return snap.step
 
     def _write_bars(self, step: int) -> None:
         self._bars_due = False

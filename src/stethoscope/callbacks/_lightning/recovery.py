@@ -320,19 +320,17 @@ class Snapshots(SnapshotStore):
         }
         return self.keep(step, state, _nbytes(state), began)
 
-    def restore(self, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot | None:
-        """Put the newest snapshot back; None when there is none."""
-        newest = self.newest()
-        if newest is None:
-            return None
-        snap, state = newest
+    @staticmethod
+    def put_back(
+        state: dict[str, Any], trainer: Any, module: torch.nn.Module, monitor: Any
+    ) -> None:
+        """Restore a snapshot's ``state``."""
         module.load_state_dict(state["module"])
         for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         monitor.load_state_dict(state["monitor"])
-        return snap
 
 
 #: What a roll back puts back, for its finding.
@@ -412,13 +410,13 @@ class LightningRecovery:
         for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
             self.monitor.ledger.record(f)
         if self.recoverer.rollback_due is not None:
-            if self.recoverer.ladder.newest_suspect(step):
-                self.snapshots.discard_newest()
-            snap = self.snapshots.restore(trainer, module, self.monitor)
-            if snap is None:
-                self.act(self.recoverer.no_snapshot(step, self.epoch))
-            else:
-                self.recoverer.rolled_back(step, self.epoch, snap.step, _RESTORED)
+
+            def put_back(state: dict[str, Any]) -> None:
+                self.snapshots.put_back(state, trainer, module, self.monitor)
+
+            self.act(
+                self.recoverer.roll_back(step, self.epoch, self.snapshots, put_back, _RESTORED)
+            )
         elif self.recoverer.ladder.snapshot_due(step):
             self.snapshots.take(step, trainer, module, self.monitor)
 
