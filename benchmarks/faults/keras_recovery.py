@@ -48,7 +48,6 @@ import io
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -70,10 +69,18 @@ from benchmarks.faults.keras_suite import (
     make_optimizer,
     quiet,
 )
-from benchmarks.faults.recovery import CASES, DATA, ONSET, TRAIN, Case, Outcome, markdown
+from benchmarks.faults.recovery import (
+    DATA,
+    ONSET,
+    TRAIN,
+    Case,
+    Outcome,
+    markdown,
+    recovery_acts,
+    run_cases,
+)
 from benchmarks.faults.scenarios import ModelSpec
 from stethoscope import KerasStethoscope
-from stethoscope.recovery import RECOVERY
 from stethoscope.testing import CapturingSink
 
 #: The faults that live in a batch; the rest of ``Case.fault`` is the learning rate's.
@@ -154,15 +161,6 @@ def training_data(case: Case, arrays: Arrays, seed: int) -> tuple[tf.data.Datase
     return corrupt_batches(data, case, arrays.classes), per_epoch, epochs
 
 
-def recovery_acts(sink: CapturingSink) -> dict[str, int]:
-    """How often the ladder did each thing (skip, cool, restore_lr, rollback, stop)."""
-    acts: dict[str, int] = {}
-    for f in sink.findings:
-        if f.detector == RECOVERY:
-            acts[f.where] = acts.get(f.where, 0) + 1
-    return acts
-
-
 def train(case: Case, seed: int, *, faulty: bool, recover: bool | None) -> Outcome:
     """One fit: ``recover`` None means no stethoscope at all (the twin)."""
     the_case = case if faulty else replace(case, fault=None, train=TRAIN, data=DATA)
@@ -200,17 +198,6 @@ def train(case: Case, seed: int, *, faulty: bool, recover: bool | None) -> Outco
     return outcome
 
 
-def run_case(case: Case, seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """The three ways of ``case`` for each seed, as rows of ``recovery.markdown``."""
-    rows = []
-    for seed in seeds:
-        twin = train(case, seed, faulty=False, recover=None)
-        without = train(case, seed, faulty=True, recover=False)
-        with_ = train(case, seed, faulty=True, recover=True)
-        rows.append({"seed": seed, "twin": twin, "without": without, "with": with_})
-    return rows
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.faults.keras_recovery", description=__doc__
@@ -221,14 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(2)
     quiet()
     names = set(args.only.split(",")) if args.only else None
-    t0 = time.perf_counter()
-    results = {}
-    for case in CASES:
-        if names is None or case.name in names:
-            results[case.name] = run_case(case, range(args.seeds))
-            print(f"{case.name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    results, wall = run_cases(names, args.seeds, train)
     print(f"Keras recovery table ({environment()['versions']}).\n")
-    print(markdown(results, time.perf_counter() - t0))
+    print(markdown(results, wall))
     return 0
 
 

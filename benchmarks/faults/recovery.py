@@ -30,7 +30,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -181,22 +181,46 @@ def _train(case: Case, seed: int, *, faulty: bool, recover: bool | None) -> Outc
     if callbacks:
         cb = callbacks[0]
         outcome.stopped_by = cb.stopped_by.detector if cb.stopped_by else None
-        acts: dict[str, int] = {}
-        for f in sink.findings:
-            if f.detector == RECOVERY:
-                acts[f.where] = acts.get(f.where, 0) + 1
-        outcome.actions = acts
+        outcome.actions = recovery_acts(sink)
     return outcome
 
 
-def run_case(case: Case, seeds: Sequence[int]) -> list[dict[str, Any]]:
+def recovery_acts(sink: CapturingSink) -> dict[str, int]:
+    """How often the ladder did each thing (skip, cool, restore_lr, rollback, stop)."""
+    acts: dict[str, int] = {}
+    for f in sink.findings:
+        if f.detector == RECOVERY:
+            acts[f.where] = acts.get(f.where, 0) + 1
+    return acts
+
+
+#: One fit of a case and seed: ``(case, seed, faulty=, recover=)``; ``recover`` None: the
+#: twin, with no stethoscope at all.
+Train = Callable[..., Outcome]
+
+
+def run_case(case: Case, seeds: Sequence[int], train: Train = _train) -> list[dict[str, Any]]:
+    """The three ways of ``case`` for each seed, as rows of :func:`markdown`."""
     rows = []
     for seed in seeds:
-        twin = _train(case, seed, faulty=False, recover=None)
-        without = _train(case, seed, faulty=True, recover=False)
-        with_ = _train(case, seed, faulty=True, recover=True)
+        twin = train(case, seed, faulty=False, recover=None)
+        without = train(case, seed, faulty=True, recover=False)
+        with_ = train(case, seed, faulty=True, recover=True)
         rows.append({"seed": seed, "twin": twin, "without": without, "with": with_})
     return rows
+
+
+def run_cases(
+    names: set[str] | None, seeds: int, train: Train = _train
+) -> tuple[dict[str, list[dict[str, Any]]], float]:
+    """Every case (of ``names``, or all), its progress on stderr; the rows and the wall time."""
+    t0 = time.perf_counter()
+    results = {}
+    for case in CASES:
+        if names is None or case.name in names:
+            results[case.name] = run_case(case, range(seeds), train)
+            print(f"{case.name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return results, time.perf_counter() - t0
 
 
 def _way(o: Outcome, twin: Outcome, total: int) -> str:
@@ -254,13 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(2)
     quiet()
     names = set(args.only.split(",")) if args.only else None
-    t0 = time.perf_counter()
-    results = {}
-    for case in CASES:
-        if names is None or case.name in names:
-            results[case.name] = run_case(case, range(args.seeds))
-            print(f"{case.name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    print(markdown(results, time.perf_counter() - t0))
+    results, wall = run_cases(names, args.seeds)
+    print(markdown(results, wall))
     return 0
 
 
