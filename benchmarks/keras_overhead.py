@@ -79,7 +79,7 @@ DESCRIPTIONS = {
     STETHOSCOPE: "KerasStethoscope(sinks=[], stop_on=None): every detector, the adaptive "
     "sampler, past its calibration window",
     RECORDED: "the same, also keeping the run's record (record=DIR: every loss, the sampled "
-    "statistics, distributions every 256 steps, written to SQLite once a second); each fit "
+    "statistics, distributions every 512 steps, written to SQLite once a second); each fit "
     "reopens the record, a cost per fit, not per step",
     TERMINATE: "keras.callbacks.TerminateOnNaN(): reads the logged loss after every batch",
     NUMERICS: "tf.debugging.enable_check_numerics(): every op's output checked",

@@ -106,7 +106,7 @@ DESCRIPTIONS = {
     "default ConsoleSink prints nothing on a healthy run but the epoch summary, which falls "
     "outside the timed steps",
     RECORDED: "LightningStethoscope(sinks=[], record=DIR): the same defaults, also keeping the "
-    "run's record (every loss, the sampled statistics, distributions every 256 steps, written "
+    "run's record (every loss, the sampled statistics, distributions every 512 steps, written "
     "about once a second); a steady instance of its own, past calibration",
     ANOMALY: "autograd anomaly mode, switched on as Trainer(detect_anomaly=True) does",
     NAIVE: "callback: p.grad.norm().item() + math.isfinite for every parameter, every step",
