@@ -211,7 +211,7 @@ class Ledger:
         detector: Detector, stats: dict[str, Any], interval: int, stopped_by: Finding | None
     ) -> SummaryRow:
         worst: Finding = stats["worst"]
-        verdict = getattr(detector, "advice", "")
+        verdict = detector.current_advice()
         if stopped_by is not None and stopped_by.detector == detector.name:
             verdict = f"stopped training at step {stopped_by.step}; {verdict}"
         return SummaryRow(

@@ -725,3 +725,8 @@ def test_the_detectors_advice_knows_the_optimizers_clipping_and_schedule():
 
     assert "clipped already (clipnorm=1.0)" in clipping_advice(setup)
     assert warmup_advice(setup) == "check your schedule's warm-up"
+    # and the summary table's few words do not tell it to clip either
+    by_name = {d.name: d for d in callback.monitor.detectors}
+    assert explode.current_advice() == "lower the LR or add warm-up (gradients are clipped already)"
+    assert by_name["nonfinite_loss"].current_advice() == "check the batch; lower the LR"
+    assert by_name["loss_spike"].current_advice() == "inspect that batch"

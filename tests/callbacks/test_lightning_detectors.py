@@ -226,11 +226,15 @@ def test_exploding_gradients_advice_knows_whether_the_run_clips(clip):
     found = sink.by_detector("exploding_gradients")
     assert found, [(f.detector, f.step) for f in sink.findings]
     message = found[0].message
+    rows = [r for summary in cb.summaries for r in summary.rows]
+    row = next(r for r in rows if r.detector == "exploding_gradients")
     if clip is None:
         assert "clip gradients (e.g. Trainer(gradient_clip_val=1.0))" in message
+        assert row.verdict.endswith("add warm-up or clip gradients")
     else:  # told what it does already, and that the norm is measured before the clipping
         assert "clipped already (gradient_clip_val=1.0)" in message
         assert "clip gradients (e.g." not in message
+        assert row.verdict.endswith("(gradients are clipped already)")  # the summary too
 
 
 def test_a_one_off_nan_is_traced_as_one_off():

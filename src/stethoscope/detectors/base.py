@@ -65,6 +65,11 @@ class Detector:
         raise NotImplementedError
 
     # -- public API -----------------------------------------------------------
+    def current_advice(self) -> str:
+        """The few words of :attr:`advice` for this run's summary table: a detector whose
+        usual fix depends on the training (clipping, say) words it from :attr:`setup`."""
+        return self.advice
+
     def finished(self, step: int) -> bool:
         """Whether the detector has nothing left to judge from ``step`` on (then it is no
         longer run, and its probes no longer planned): a check made once at the start."""

@@ -49,6 +49,11 @@ class ExplodingGradients(Detector):
     base_interval = 16
     advice = "lower the LR, add warm-up or clip gradients"
 
+    def current_advice(self) -> str:
+        if self.setup.clipping:  # clipping bounds the update already: the cause is upstream
+            return "lower the LR or add warm-up (gradients are clipped already)"
+        return self.advice
+
     def __init__(
         self,
         *,

@@ -50,6 +50,9 @@ class LossSpike(Detector):
     base_interval = 1
     advice = "inspect that batch; clip if spikes repeat"
 
+    def current_advice(self) -> str:
+        return "inspect that batch" if self.setup.clipping else self.advice
+
     def __init__(
         self,
         *,

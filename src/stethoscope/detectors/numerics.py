@@ -38,6 +38,9 @@ class NonfiniteLoss(Detector):
     base_interval = 1
     advice = "check the batch; lower the LR or clip gradients"
 
+    def current_advice(self) -> str:
+        return "check the batch; lower the LR" if self.setup.clipping else self.advice
+
     def _initial_state(self) -> dict:
         return {"tracing": None}  # the step whose non-finite loss the next trace explains
 
