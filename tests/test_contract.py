@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import pickle
 import re
 
@@ -24,6 +25,7 @@ STABLE_NAMES = (
     "vanishing_gradients",
     "loss_spike",
     "loss_not_decreasing",
+    "loss_at_chance",
     "unstable_loss",
     "overfitting",
     "dead_relu",
@@ -130,8 +132,11 @@ def obs(
     )
 
 
-def random_run(n: int = 300, seed: int = 0, *, bad_start: bool = False) -> list[Observation]:
-    """Healthy-looking random observations with every probe, a few NaNs among them.
+def random_run(
+    n: int = 300, seed: int = 0, *, bad_start: bool = False, level: float = 2.3
+) -> list[Observation]:
+    """Healthy-looking random observations with every probe, a few NaNs among them, the
+    loss around ``level``.
 
     ``bad_start``: the run also starts badly (huge first-layer weights, exploding
     activations, skewed labels, inputs x100), for the detectors that judge the start.
@@ -139,7 +144,7 @@ def random_run(n: int = 300, seed: int = 0, *, bad_start: bool = False) -> list[
     rng = np.random.default_rng(seed)
     out = []
     for t in range(n):
-        loss = 2.3 * rng.lognormal(0.0, 0.1)
+        loss = level * rng.lognormal(0.0, 0.1)
         grads = GRAD * rng.lognormal(0.0, 0.3, 4)
         if rng.random() < 0.02:
             loss = float("nan")
@@ -167,7 +172,7 @@ def random_run(n: int = 300, seed: int = 0, *, bad_start: bool = False) -> list[
     return out
 
 
-def fault_tail(start: int, n: int = 50, seed: int = 1) -> list[Observation]:
+def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> list[Observation]:
     """``n`` steps after a random run: a spike, NaNs, an explosion, starved gradients, a
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
     a zero gradient, and a validation loss that rises while training improves. Rank 3's
@@ -175,7 +180,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1) -> list[Observation]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        loss = 2.3 * rng.lognormal(0.0, 0.1) * (3.0 if i >= 8 else 1.0)
+        loss = level * rng.lognormal(0.0, 0.1) * (3.0 if i >= 8 else 1.0)
         grads = GRAD * rng.lognormal(0.0, 0.3, 4)
         weights = 5 * rng.lognormal(0, 0.01, 4)
         updates = rng.lognormal(-5, 0.3, 4)
@@ -220,9 +225,15 @@ def fault_tail(start: int, n: int = 50, seed: int = 1) -> list[Observation]:
 
 def fault_run() -> list[Observation]:
     """A run in which every detector has something to report."""
-    flat = random_run(300, seed=2, bad_start=True)  # flat loss: loss_not_decreasing at 200
-    tail = fault_tail(300, 100)  # the loss climbs 3x and stays: unstable_loss
+    # the loss is flat (loss_not_decreasing at 200) at the chance level of the skewed
+    # labels counted at the start (loss_at_chance at 304)
+    flat = random_run(300, seed=2, bad_start=True, level=SKEWED_CHANCE)
+    tail = fault_tail(300, 100, level=SKEWED_CHANCE)  # it climbs 3x and stays: unstable_loss
     return [*flat, *tail]
+
+
+#: The entropy (nats) of the skewed labels of a bad start: 31 of 32 are class 0.
+SKEWED_CHANCE = -(31 / 32 * math.log(31 / 32) + 1 / 32 * math.log(1 / 32))
 
 
 def feed(detector: Detector, observations) -> list[Finding]:

@@ -138,11 +138,14 @@ def test_finished_detectors_are_neither_run_nor_planned():
     m = Monitor(detectors=default_detectors(), escalate=False)
     imbalance = next(d for d in m.detectors if d.name == "class_imbalance")
     assert "labels" in m.plan(16)
+    chance = next(d for d in m.detectors if d.name == "loss_at_chance")
     imbalance.state["judged"] = True  # judged once, after its first 500 labels
     m._due_key = None
-    assert "labels" not in m.plan(32)
+    assert "labels" in m.plan(32)  # loss_at_chance is still counting them
+    chance.state["chance"] = 1.38  # counted: it keeps judging the loss, without labels
+    assert "labels" not in m.plan(48) and "loss" in m.plan(48)
     before = imbalance.state_dict()
-    m.observe(make_obs(32, probes=SAMPLED, labels=np.zeros(600, int)))
+    m.observe(make_obs(48, probes=SAMPLED, labels=np.zeros(600, int)))
     assert imbalance.state_dict() == before
 
 

@@ -65,8 +65,9 @@ class Planner:
         ]
         self._shortest_sampled = min(sampled, default=1)
         self._runnable: dict[frozenset[str], tuple[Detector, ...]] = {}
-        # of each of those, the detectors that can finish early (see Detector.finished)
-        self._finishing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
+        # of each of those, the detectors whose plan can change as they run: they finish
+        # early (see Detector.finished) or stop wanting a statistic (Detector.wanting)
+        self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
 
     def due(self, step: int) -> frozenset[str]:
@@ -86,8 +87,11 @@ class Planner:
         if hit is None:
             hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
             self._runnable[due] = hit
-            self._finishing[hit] = tuple(
-                d for d in hit if type(d).finished is not Detector.finished
+            self._changing[hit] = tuple(
+                d
+                for d in hit
+                if type(d).finished is not Detector.finished
+                or type(d).wanting is not Detector.wanting
             )
         return hit
 
@@ -95,14 +99,15 @@ class Planner:
         """The statistics to measure at ``step``: those the detectors due there need or
         want, with what those require, and any deeper statistic requested."""
         run = self.runnable(step)
-        # the answer depends on the schedule and on which detectors have finished
-        key = (run, tuple(d.finished(step) for d in self._finishing[run]))
+        # the answer depends on the schedule, on which detectors have finished and on
+        # what the others still want
+        key = (run, tuple((d.finished(step), d.wanting(step)) for d in self._changing[run]))
         planned = self._plans.get(key)
         if planned is None:
             wanted: set[str] = set()
             for d in run:
                 if not d.finished(step):
-                    wanted |= d.needs | d.wants
+                    wanted |= d.needs | d.wanting(step)
             planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
         if self.requested:
             planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)

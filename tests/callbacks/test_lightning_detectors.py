@@ -3,6 +3,8 @@ Lightning model with the fault injected, and healthy twins that must stay quiet.
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -192,6 +194,20 @@ def test_no_overfitting_warning_on_a_negligible_rise_after_a_near_perfect_fit():
     trainer.fit(TinyMLP(lr=1e-2), train, DataLoader(val_set, batch_size=256))
     assert trainer.callback_metrics["val_loss"] < 0.005  # the near-perfect fit it is
     assert sink.by_detector("overfitting") == []
+
+
+def test_a_classifier_that_falls_from_a_confident_start_to_chance_has_learned_nothing():
+    """Labels drawn at random, weights initialised 4x too large: the loss falls from its
+    confident start to ln K and stays. loss_not_decreasing counts the fall as progress;
+    loss_at_chance says the model learned nothing."""
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], stop_on=None)
+    data = loader(batch_size=32, n=8192, label_noise=1.0)
+    fit(TinyMLP(lr=1e-2, init_scale=4.0), steps=800, data=data, callback=callback)
+    (f,) = sink.by_detector("loss_at_chance")
+    assert f.threshold == pytest.approx(math.log(CLASSES), rel=0.02)
+    assert sink.by_detector("loss_not_decreasing") == []
 
 
 def test_no_overfitting_on_enough_clean_data():

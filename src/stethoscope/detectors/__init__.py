@@ -11,6 +11,7 @@ from typing import Any
 
 from stethoscope.detectors.activations import DeadRelu, SaturatedActivation
 from stethoscope.detectors.base import Detector
+from stethoscope.detectors.chance import LossAtChance
 from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput
 from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
@@ -33,6 +34,7 @@ __all__ = [
     "ExplodingGradients",
     "FrozenWeights",
     "LargeUpdates",
+    "LossAtChance",
     "LossNotDecreasing",
     "LossSpike",
     "NonfiniteGradients",
@@ -61,6 +63,7 @@ DETECTORS: dict[str, type[Detector]] = {
         VanishingGradients,
         LossSpike,
         LossNotDecreasing,
+        LossAtChance,
         UnstableLoss,
         Overfitting,
         DeadRelu,

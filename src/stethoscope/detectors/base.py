@@ -75,6 +75,12 @@ class Detector:
         longer run, and its probes no longer planned): a check made once at the start."""
         return False
 
+    def wanting(self, step: int) -> frozenset[str]:
+        """The statistics of :attr:`wants` still wanted at ``step`` (planned whenever the
+        detector is due): all of them, unless a detector that has read enough of one (the
+        labels, counted once at the start) stops asking for it."""
+        return self.wants
+
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""
         self.suspect = None

@@ -1,0 +1,169 @@
+"""A classifier whose loss sits at chance level: it has learned nothing from its inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from stethoscope.detectors._stats import is_finite, median, robust_sigma
+from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.findings import Finding
+from stethoscope.observation import Observation
+
+__all__ = ["LossAtChance"]
+
+
+class LossAtChance(Detector):
+    """The training loss sits at chance level: the cross-entropy of predicting each
+    class at its frequency among the labels (``ln K`` for ``K`` balanced classes).
+
+    A model at that loss uses nothing of its inputs: the labels carry no signal about
+    them (shuffled apart from the inputs, a broken pipeline) or the inputs never reach
+    the model. ``loss_not_decreasing`` measures progress from the initial loss, and a
+    classifier that starts above chance (a confident initialisation) and falls to it
+    has made "progress" that is no learning at all.
+
+    Rule: integer labels are counted at the start, on the sampled steps (as
+    ``class_imbalance`` reads them), until at least ``samples`` and ``20 x K`` were seen
+    (K: the largest label + 1); then they are no longer read. Their entropy ``H`` (in
+    nats, corrected for the sample's size) is chance. A run whose labels are not integer
+    classes, or that has not shown enough of them in its first ``MAX_READS`` label
+    batches (a language model's vocabulary), is left alone. A loss every ``stride`` steps
+    over the last ``patience`` steps is kept; once they span that long, their median
+    within ``tolerance`` of ``H``, or within two standard errors of either estimate (the
+    median's from the batch noise, the entropy's from the labels counted), is a
+    warning, once. A doubled learning rate starts the span again (a warm-up from 0 gets
+    its patience at a real learning rate).
+
+    Sources: Karpathy's "A Recipe for Training Neural Networks" (2019) makes checking
+    the loss at initialisation against -log(1/n_classes) one of the first steps: that is
+    where a softmax classifier starts, and a run that stays there has not left its
+    start. No tool we know of reports it: SageMaker Debugger's ``loss_not_decreasing``,
+    like ours, compares the loss with its own earlier values.
+
+    Args:
+        tolerance: How close to chance, as a fraction of it, the loss must sit.
+        patience: Steps whose losses' median is compared with chance.
+        samples: Labels to count before chance is known.
+    """
+
+    name = "loss_at_chance"
+    needs = frozenset({"loss"})
+    wants = frozenset({"labels"})
+    base_interval = 16
+    #: Steps between the losses kept: the span's median needs no more, and a hot sampler
+    #: (every step) adds none.
+    stride = 16
+    #: Label batches read at most while counting: a vocabulary of tens of thousands of
+    #: tokens is never counted 20 times over, and its labels are not read for ever.
+    MAX_READS = 64
+    assumes_falling_loss = True
+    advice = "check that labels match inputs; check the data pipeline"
+
+    def __init__(
+        self,
+        *,
+        tolerance: float = 0.02,
+        patience: int = 300,
+        samples: int = 500,
+    ) -> None:
+        check_fraction(self.name, "tolerance", tolerance)
+        check_positive(self.name, "patience", patience, integer=True)
+        check_positive(self.name, "samples", samples, integer=True)
+        self.tolerance, self.patience, self.samples = float(tolerance), patience, samples
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        # counts: the labels seen (reads: in how many batches); chance and its standard
+        # error once known; recent: [step, loss] every ``stride`` steps of the span
+        return {
+            "counts": [],
+            "reads": 0,
+            "chance": None,
+            "chance_se": 0.0,
+            "recent": [],
+            "clock_lr": None,
+            "fired": False,
+        }
+
+    def finished(self, step: int) -> bool:
+        st = self.state
+        return st["fired"] or (st["chance"] is None and st["reads"] >= self.MAX_READS)
+
+    def wanting(self, step: int) -> frozenset[str]:
+        return self.wants if self.state["chance"] is None else frozenset()
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if st["fired"]:
+            return []
+        if st["chance"] is None and obs.labels is not None:
+            self._count(obs.labels)
+        recent = st["recent"]
+        lr = obs.lr
+        if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+            st["clock_lr"] = float(lr)
+            recent.clear()  # a warm-up: the span starts again
+        if obs.step % self.stride or not is_finite(obs.loss):
+            return []
+        recent.append([obs.step, float(obs.loss)])
+        while len(recent) > 1 and recent[1][0] <= obs.step - self.patience:
+            recent.pop(0)  # the oldest kept is the last one at least ``patience`` back
+        chance = st["chance"]
+        if chance is None or obs.step - recent[0][0] < self.patience or len(recent) < 5:
+            return []
+        losses = [x for _, x in recent]
+        level = median(losses)
+        # the batch noise comes from successive differences, which a falling loss does
+        # not widen; the standard error of a median is sqrt(pi / 2n) sigma
+        spread = robust_sigma(np.diff(losses).tolist()) / math.sqrt(2)
+        noise = 2 * math.hypot(spread * (math.pi / (2 * len(losses))) ** 0.5, st["chance_se"])
+        if abs(level - chance) > max(self.tolerance * chance, noise):
+            return []
+        st["fired"] = True
+        k = len(st["counts"])
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"The training loss has sat at chance level for the {self.patience} steps to "
+                f"{obs.step}: median {level:.4g} against {chance:.4g}, the loss of "
+                f"predicting each of the {k} classes at its frequency (ln {k} = "
+                f"{math.log(k):.4g} if balanced): the model has learned nothing from its "
+                "inputs so far; check that the labels still match the inputs (shuffled "
+                "apart, a broken pipeline), that the inputs reach the model, then the "
+                "learning rate.",
+                value=level,
+                threshold=chance,
+                where="loss",
+            )
+        ]
+
+    def _count(self, labels: object) -> None:
+        """Add a batch's labels to the counts; once enough were, chance is known."""
+        labels = np.asarray(labels)
+        st = self.state
+        if labels.size == 0:
+            return
+        if not np.issubdtype(labels.dtype, np.integer):
+            st["reads"] = self.MAX_READS  # a regression's targets: no classes to count
+            return
+        st["reads"] += 1
+        labels = labels[labels >= 0]  # -100 and friends: ignored targets
+        counts = np.bincount(labels.astype(np.int64, copy=False).ravel())
+        old = st["counts"]
+        total = np.zeros(max(len(old), len(counts)), np.int64)
+        total[: len(old)] += np.asarray(old, np.int64)
+        total[: len(counts)] += counts
+        st["counts"] = total.tolist()
+        seen = float(total.sum())
+        if len(total) < 2 or seen < max(self.samples, 20 * len(total)):
+            return
+        p = total[total > 0] / seen
+        surprise = -np.log(p)
+        entropy = float((p * surprise).sum())
+        # the plug-in entropy of a sample falls short by about (K - 1) / 2N (Miller-Madow);
+        # its standard error is that of the mean surprise over N labels
+        st["chance"] = entropy + (len(p) - 1) / (2 * seen)
+        st["chance_se"] = float(np.sqrt(max((p * surprise**2).sum() - entropy**2, 0.0) / seen))
