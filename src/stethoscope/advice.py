@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainingSetup", "clipping_advice", "float16_note", "warmup_advice"]
+__all__ = [
+    "TrainingSetup",
+    "clipping_advice",
+    "float16_note",
+    "unoptimized_advice",
+    "warmup_advice",
+]
 
 #: Mixed-precision settings whose float16 overflows past 65504 (bfloat16 does not).
 _FLOAT16 = frozenset({"16-mixed", "16", "16-true", "mixed_float16", "float16"})
@@ -57,6 +63,20 @@ def clipping_advice(setup: TrainingSetup) -> str:
         "keras": "an optimizer with clipnorm=1.0",
     }.get(setup.framework, "a global norm of 1.0")
     return f"clip gradients (e.g. {example})"
+
+
+def unoptimized_advice(setup: TrainingSetup) -> str:
+    """What to do about trainable parameters that no optimizer updates, in the
+    framework's own words."""
+    if setup.framework == "keras":
+        return (
+            "hand them to optimizer.apply in the train step, or set the layer's "
+            "trainable = False if they are meant to be frozen"
+        )
+    return (
+        "add them to the optimizer (e.g. self.parameters() in configure_optimizers), or "
+        "set requires_grad=False if they are meant to be frozen"
+    )
 
 
 def warmup_advice(setup: TrainingSetup) -> str:

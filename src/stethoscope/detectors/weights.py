@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from stethoscope.advice import unoptimized_advice
 from stethoscope.detectors._stats import is_finite, median
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -274,9 +275,8 @@ class FrozenWeights(Detector):
                     obs,
                     "warning",
                     f"Parameters that require grad are in no optimizer ({len(missing)}: "
-                    f"{shown}), so they keep their initial values; add them to the optimizer "
-                    "(e.g. self.parameters() in configure_optimizers), or set "
-                    "requires_grad=False if they are meant to be frozen.",
+                    f"{shown}), so they keep their initial values; "
+                    f"{unoptimized_advice(self.setup)}.",
                     value=float(len(missing)),
                     where=missing[0],
                 )

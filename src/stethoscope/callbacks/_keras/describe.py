@@ -6,7 +6,7 @@ from typing import Any
 
 from stethoscope.advice import TrainingSetup
 
-__all__ = ["describe_run", "training_setup"]
+__all__ = ["describe_run", "has_own_train_step", "optimizers_of", "training_setup"]
 
 
 def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -57,10 +57,27 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def has_own_train_step(model: Any) -> bool:
+    """Whether ``model`` trains with a ``train_step`` of its own, not Keras'."""
+    return not getattr(type(model).train_step, "__module__", "").startswith("keras.")
+
+
+def optimizers_of(model: Any) -> list[Any]:
+    """``model.optimizer`` and every other optimizer the model holds as an attribute (a
+    GAN's second player's, set in its ``compile``), each once."""
+    import keras
+
+    found = [model.optimizer] if model.optimizer is not None else []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
+
+
 def training_setup(model: Any) -> TrainingSetup:
     """What ``model``'s training already does that the findings' advice depends on: its
-    optimizer's clipping, the dtype policy and whether a schedule drives the learning
-    rate."""
+    optimizer's clipping, the dtype policy, whether a schedule drives the learning rate,
+    and whether its own train step plays a game (a GAN: an optimizer per player)."""
     import keras
 
     optimizer = model.optimizer
@@ -81,4 +98,5 @@ def training_setup(model: Any) -> TrainingSetup:
         clipping=clipping,
         precision=policy if str(policy).startswith("mixed") else None,
         scheduler=isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule),
+        adversarial=has_own_train_step(model) and len(optimizers_of(model)) > 1,
     )

@@ -19,6 +19,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from stethoscope.callbacks._keras.describe import optimizers_of
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
     feeds_activation,
@@ -396,8 +397,21 @@ class GraphProbe:
         obs.unoptimized = (
             tuple(n for i, n in enumerate(layout.names) if i not in handed) if handed else ()
         )
+        if obs.unoptimized:  # rare: then ask whether another optimizer holds them (a GAN's)
+            held = self._held_elsewhere()
+            obs.unoptimized = tuple(n for n in obs.unoptimized if n not in held)
         obs.lr = self.learning_rate()
         return idx
+
+    def _held_elsewhere(self) -> set[str]:
+        """The watched variables that an optimizer of the model other than the watched one
+        updates (a GAN's discriminator, with an optimizer of its own), by name."""
+        others = [o for o in optimizers_of(self.model) if o is not self.optimizer]
+        ids = set()
+        for opt in others:
+            for o in (opt, getattr(opt, "inner_optimizer", None)):  # a loss-scale wrapper's
+                ids.update(id(v) for v in getattr(o, "_trainable_variables", None) or ())
+        return {self.layout.names[i] for i, v in enumerate(self._watched) if id(v) in ids}
 
     def learning_rate(self) -> float | None:
         """The optimizer's learning rate after the last execution (None if unknown)."""

@@ -34,6 +34,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.policy import Decision
@@ -68,8 +69,7 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
             f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "
             "recover=False there (the detectors and stop_on work as usual)"
         )
-    own = type(model).train_step
-    if not getattr(own, "__module__", "").startswith("keras."):
+    if has_own_train_step(model):
         raise ValueError(
             f"KerasStethoscope(recover=...) cannot skip the steps of {type(model).__name__}, "
             "whose train_step is its own: the ladder judges and skips the update inside "
