@@ -424,16 +424,16 @@ def test_a_validation_is_pooled_over_the_ranks_and_closes_each_training_window()
     world, seen = spies(2, {"val"})
     for r, m in enumerate(world.monitors):
         for t in range(4):
-            m.observe(loss_obs(t, 1.0 + r, r))
-    shared = []
-    for r, m in enumerate(world.monitors):
-        total, count = m.train_loss_since_validation()
-        shared.append({"val_loss": (2.0 + 2 * r, 1), "train_loss": (total, count)})
+            m.observe(loss_obs(t, 1.0 + r + 0.1 * (3 - t), r))  # each rank starts 0.3 higher
+    shared = [
+        {"val_loss": (2.0 + 2 * r, 1), **m.losses.shared()} for r, m in enumerate(world.monitors)
+    ]
     world.meet(3, shared)
     for spy, m in zip(seen, world.monitors, strict=True):
         (obs,) = spy.seen
-        assert (obs.val_loss, obs.train_loss) == (3.0, 1.5)
-        assert m.train_loss_since_validation() == (0.0, 0)
+        assert (obs.val_loss, obs.train_loss) == (3.0, pytest.approx(1.65))
+        assert obs.start_loss == pytest.approx(1.8)  # the ranks' first losses, 1.3 and 2.3
+        assert m.losses.shared()["train_loss"] == (0.0, 0.0)
 
 
 def test_a_validation_no_rank_had_is_not_judged():

@@ -100,6 +100,26 @@ def test_healthy_control_is_judged_as_a_control(suite):
     assert v.healthy and not v.detected and v.latency is None
 
 
+@pytest.mark.parametrize("name", ["healthy_gan", "healthy_near_perfect_fit"])
+def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
+    """A GAN trained by hand (its generator's loss is not meant to fall), and a fit that
+    learns its task in one epoch and then wobbles by thousandths: no false alarm."""
+    (sc,) = select([name])
+    (run,) = run_all([sc], [0], ("adaptive",))
+    assert run.error is None and run.steps == sc.train.max_steps
+    assert judge(sc, run, "adaptive").false_alarms == ()
+
+
+def test_a_confident_classifier_that_fell_to_chance_is_caught():
+    """Random labels and a 4x initialisation: the loss falls from its confident start to
+    ln 4, which loss_not_decreasing counts as progress; loss_at_chance names it."""
+    (sc,) = select(["random_labels_confident"])
+    (run,) = run_all([sc], [0], ("adaptive",))
+    v = judge(sc, run, "adaptive")
+    assert v.detected and v.misdiagnoses == () and v.early == ()
+    assert v.first_alarm.startswith("loss_at_chance")
+
+
 def test_report_has_every_table(suite):
     scenarios, runs = suite
     tables, numbers = build_tables(scenarios, runs, SETTINGS, available={"nonfinite_loss"})

@@ -133,7 +133,7 @@ class Monitor:
         self._closed = False
         #: Which detectors run at each step, and what they need measured.
         self.planner = Planner(self.detectors, self.sampler)
-        self._train_sum, self._train_n = 0.0, 0  # training losses since the last validation
+        self.losses = TrainingLosses()
         self._sink_wants = _sink_wants(self.ledger.sinks)
         #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
         self.sinks_want: frozenset[str] = self._sink_wants[0]
@@ -202,12 +202,7 @@ class Monitor:
                 if d.request:
                     self.planner.requested |= d.request
         self.planner.fulfilled(has)
-        loss = obs.loss
-        if obs.val_loss is not None:
-            self._train_sum, self._train_n = 0.0, 0  # a validation closes the window
-        elif loss is not None and math.isfinite(loss):
-            self._train_sum += loss
-            self._train_n += 1
+        self.losses.saw(obs)
         self.ledger.saw_step(step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
         if self.ledger.observers:
             self.ledger.observe(obs, self.planner.sampled_interval(step))
@@ -252,14 +247,10 @@ class Monitor:
             epoch=epoch,
             rank=self.rank,
             val_loss=val_loss,
-            train_loss=self._train_sum / self._train_n if self._train_n else None,
+            train_loss=self.losses.mean(),
+            start_loss=self.losses.start,
         )
         return self.observe(obs)
-
-    def train_loss_since_validation(self) -> tuple[float, int]:
-        """The sum and the number of finite training losses seen since the last validation
-        (what a rank pools with the others' at a validation)."""
-        return self._train_sum, self._train_n
 
     def escalate(self, step: int, epoch: int, reason: str) -> None:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,
@@ -444,12 +435,49 @@ class Monitor:
             d.reset()
         self.sampler.load_state_dict({})
         self.planner.forget()
-        self._train_sum, self._train_n = 0.0, 0
+        self.losses = TrainingLosses()
         self.ledger.last_sent.clear()
         self.stopped_by = None
         self.last_step = -1
         self.held = Held()
         self.ledger.new_epoch(escalations=self.sampler.escalations)
+
+
+class TrainingLosses:
+    """The finite training losses a validation is judged against: their sum and count
+    since the last validation, and the run's first one (where the task started)."""
+
+    def __init__(self) -> None:
+        self.sum, self.n = 0.0, 0
+        self.start: float | None = None
+
+    def saw(self, obs: Observation) -> None:
+        """Count a step's loss; a validation closes the window."""
+        loss = obs.loss
+        if obs.val_loss is not None:
+            self.sum, self.n = 0.0, 0
+        elif loss is not None and math.isfinite(loss):
+            self.sum += loss
+            self.n += 1
+            if self.start is None:
+                self.start = loss
+
+    def mean(self) -> float | None:
+        """The mean since the last validation (None: no loss seen since)."""
+        return self.sum / self.n if self.n else None
+
+    def shared(self) -> dict[str, tuple[float, float]]:
+        """What a rank pools with the others' at a validation: each a (sum, count) pair."""
+        start = self.start
+        return {
+            "train_loss": (self.sum, float(self.n)),
+            "start_loss": (start if start is not None else 0.0, float(start is not None)),
+        }
+
+
+def _listed(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
 
 
 def _sit_out_the_game(monitor: Monitor) -> None:
@@ -463,7 +491,7 @@ def _sit_out_the_game(monitor: Monitor) -> None:
         warnings.warn(
             "stethoscope: the training step steps several optimizers by hand (a game such "
             "as a GAN, whose players' losses are not meant to fall), so "
-            f"{' and '.join(off)} are off for this run; the other detectors (non-finite "
+            f"{_listed(off)} are off for this run; the other detectors (non-finite "
             "values, spikes, gradients, updates) judge it as usual",
             RuntimeWarning,
             stacklevel=4,

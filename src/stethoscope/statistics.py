@@ -331,6 +331,11 @@ STATISTICS: dict[str, Statistic] = {
                     "float | None",
                     "Mean training loss since the previous validation.",
                 ),
+                Field(
+                    "start_loss",
+                    "float | None",
+                    "The run's first finite training loss: where the task started.",
+                ),
             ),
             cadence=Cadence.EVENT,
             across_ranks=AcrossRanks.POOLED,

@@ -74,6 +74,7 @@ FAULTS = [
     pytest.param("features_x100", id="unnormalized-input"),
     pytest.param("init_std_1", id="poor-init"),
     pytest.param("overfitting", id="overfitting", marks=pytest.mark.slow),
+    pytest.param("random_labels_confident", id="loss-at-chance-after-a-confident-start"),
 ]
 
 
@@ -118,6 +119,8 @@ HEALTHY = [
     pytest.param("healthy_tanh", 200, id="tanh-default-init"),
     pytest.param("healthy_frozen_layer", 200, id="trainable-false-layer"),
     pytest.param("healthy_digits_validated", 200, id="digits-validated-each-epoch"),
+    pytest.param("healthy_near_perfect_fit", 1536, id="near-perfect-fit-wobbling"),
+    pytest.param("healthy_gan", 1200, id="gan-own-train-step-two-optimizers"),
 ]
 
 

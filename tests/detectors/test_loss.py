@@ -279,6 +279,23 @@ def test_loss_spike_on_a_noisy_negative_loss():
     assert steps(run(LossSpike(), loss_obs(x))) == [(800, "warning")]
 
 
+def test_loss_spike_scales_its_floor_to_where_the_run_started():
+    """A run that learns its task in its first steps: near 1.4 for 8 steps, then down to
+    0.002 by step 30. The median of its first 32 losses (0.09) is far below the start;
+    that of its first 8 is the start, and a hard batch at 0.06 (4% of it) at step 60 is
+    no spike (it was one with the first 32). A batch back at 70% of the start still is."""
+    rng = np.random.default_rng(0)
+    x = np.r_[
+        np.linspace(1.4, 1.1, 8),
+        np.geomspace(1.0, 0.002, 22),
+        0.002 * rng.lognormal(0.0, 0.3, 300),
+    ]
+    x[60] = 0.06
+    assert run(LossSpike(), loss_obs(x)) == []
+    x[120] = 1.0
+    assert steps(run(LossSpike(), loss_obs(x))) == [(120, "warning")]
+
+
 def test_loss_spike_does_not_count_nonfinite_losses_towards_warmup():
     losses = [NAN, float("inf")] * 10 + [1.0] * 31 + [10.0]
     assert run(LossSpike(), loss_obs(losses)) == []  # only 31 finite losses before the spike

@@ -180,6 +180,20 @@ def test_overfitting_quiet_on_a_negligible_rise_after_a_near_perfect_fit():
         Overfitting(floor=0)
 
 
+def test_the_task_scale_includes_where_the_run_started():
+    """A run that learns its task within its first epoch: the first validation is 0.0007
+    and the first epoch's mean training loss 0.25, but the run started at 1.4. A rise to
+    0.01 is 0.7% of that start: quiet. Without the start (a detector fed no start_loss)
+    the scale is 0.25 and the same rise warns."""
+    vals = [0.0007, 0.0058, 0.01, 0.0101, 0.0101]
+    trains = [0.25, 0.001, 5e-4, 2e-4, 1e-4]
+    obs = val_obs(vals, trains)
+    assert len(run(Overfitting(), obs)) == 1
+    for o in obs:
+        o.start_loss = 1.4
+    assert run(Overfitting(), obs) == []
+
+
 def test_overfitting_quiet_on_a_small_rise_of_a_negative_loss():
     # best -2.0; -1.99 is 0.5% of |best| above it, far below the 10% a positive loss needs
     assert run(Overfitting(), val_obs([-1.5, -2.0, -1.99, -1.99, -1.99], falling(5))) == []

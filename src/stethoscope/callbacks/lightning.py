@@ -345,10 +345,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         step = max(trainer.global_step - 1, 0)
         if self._meeting is not None:
             # every rank validates here: meet, and judge the validation of all ranks
-            train_sum, train_n = self.monitor.train_loss_since_validation()
             shared = {
                 "val_loss": (val if val is not None else 0.0, float(val is not None)),
-                "train_loss": (train_sum, float(train_n)),
+                **self.monitor.losses.shared(),
             }
             self._meet(trainer, step, shared)
             return

@@ -21,7 +21,9 @@ class LossSpike(Detector):
       steps (decaying by ``1 - 1/memory`` per step); while the envelope has seen
       ``n < memory`` jumps, ``tail * sqrt(memory / n)`` times it, since the largest
       of a few jumps underestimates the run's tail,
-    * at least ``min_jump`` of the run's initial loss,
+    * at least ``min_jump`` of the run's initial loss (the median of its first
+      ``START`` losses: where it started, the scale of the task; a run that learns in
+      its first steps has a median of its first 32 far below that),
 
     and the loss is at least ``ratio`` times that median. A spike is a warning;
     the sampler already escalates when the jump passes half the z-score and half
@@ -41,13 +43,15 @@ class LossSpike(Detector):
         min_jump: Minimum jump as a fraction of the initial loss.
         tail: Minimum jump as a multiple of the envelope of healthy jumps.
         memory: Steps over which the envelope decays by a factor e.
-        warmup: Steps before judging (the first of them set the initial loss).
+        warmup: Steps before judging.
         window: Steps in the rolling baseline.
     """
 
     name = "loss_spike"
     needs = frozenset({"loss"})
     base_interval = 1
+    #: The first losses whose median is the initial loss.
+    START = 8
     advice = "inspect that batch; clip if spikes repeat"
 
     def current_advice(self) -> str:
@@ -155,7 +159,7 @@ class LossSpike(Detector):
                 st["envelope"] = max(decayed, jump)
                 st["seen"] += 1
         self._sorted.push(win, float(loss), self.window)
-        if st["initial"] is None and len(win) == self.warmup:
+        if st["initial"] is None and len(win) == min(self.START, self.warmup):
             st["initial"] = self._sorted.median(win)
         return findings
 
@@ -353,12 +357,12 @@ class Overfitting(Detector):
     training loss since the previous validation is below the one at the best
     validation (training still improves: the model memorises).
 
-    Either rise must also pass ``floor`` of the scale of the task: the larger of the
-    first validation loss and the mean training loss before it (the first epoch's, which
-    still holds the loss the run started from). A model that went from 1.4 to 0.001 and
-    then wobbles up by 0.0006 (a real run of the project's new-user trial) rose 60%
-    against its own best, and by 0.04% of what it had to learn: not worth a warning,
-    whatever early stopping would make of it.
+    Either rise must also pass ``floor`` of the scale of the task: the largest of the
+    run's first training loss (where it started: ln K for a classifier at chance), the
+    first validation loss and the mean training loss before it. A model that went from
+    1.4 to 0.001 and then wobbles up by 0.0006 (a real run of the project's new-user
+    trial) rose 60% against its own best, and by 0.04% of what it had to learn: not
+    worth a warning, whatever early stopping would make of it.
 
     Sources: SageMaker Debugger ``overfit`` compares validation with training
     loss ((val - train) / train > 0.1, patience 1), which fires on any healthy
@@ -409,8 +413,10 @@ class Overfitting(Detector):
         if not is_finite(val):
             return []
         st["n"] += 1
-        if st.get("first") is None:  # the first epoch's training loss still holds the start
-            st["first"] = max(abs(float(val)), abs(float(train)) if is_finite(train) else 0.0)
+        if st.get("first") is None:
+            st["first"] = max(
+                abs(float(x)) for x in (val, train, obs.start_loss, 0.0) if is_finite(x)
+            )
         least = self.floor * st["first"]  # a rise below it is not worth a word
         climb = st["climb"]
         if climb and val <= climb[-1]:
