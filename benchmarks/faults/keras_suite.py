@@ -327,6 +327,62 @@ def build_model(
     return model, layers
 
 
+#: The generator's noise features (``ModelSpec.arch == "gan"``).
+GAN_NOISE = 8
+
+
+class _GanModel(keras.Model):
+    """A GAN on a scenario's inputs (``ModelSpec.arch == "gan"``) with its own train step,
+    as Keras' GAN examples write it: the discriminator's optimizer is its own, the
+    generator's is ``model.optimizer``, and the logs' ``loss`` is the generator's."""
+
+    def __init__(self, features: int, width: int, seed: int) -> None:
+        super().__init__()
+        dense = keras.layers.Dense
+        self.generator = keras.Sequential(
+            [keras.Input((GAN_NOISE,)), dense(width, activation="relu"), dense(features)]
+        )
+        self.discriminator = keras.Sequential(
+            [keras.Input((features,)), dense(width), keras.layers.LeakyReLU(0.2), dense(1)]
+        )
+        self.noise = keras.random.SeedGenerator(seed)
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.g_loss = keras.metrics.Mean(name="loss")
+        self.d_loss = keras.metrics.Mean(name="d_loss")
+
+    def compile(self, *, lr: float) -> None:  # type: ignore[override]
+        super().compile(optimizer=keras.optimizers.Adam(lr, beta_1=0.5))
+        self.d_optimizer = keras.optimizers.Adam(lr, beta_1=0.5)
+
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        return [self.g_loss, self.d_loss]
+
+    def call(self, x: Any) -> Any:
+        return self.discriminator(x)
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, _ = data
+        n = ops.shape(x)[0]
+        real, fake = ops.ones((n, 1)), ops.zeros((n, 1))
+        noise = keras.random.normal((n, GAN_NOISE), seed=self.noise)
+        d_vars = self.discriminator.trainable_variables
+        with tf.GradientTape() as tape:
+            made = self.generator(noise, training=True)
+            d_loss = self.bce(real, self.discriminator(x, training=True)) + self.bce(
+                fake, self.discriminator(made, training=True)
+            )
+        self.d_optimizer.apply(tape.gradient(d_loss, d_vars), d_vars)
+        g_vars = self.generator.trainable_variables
+        with tf.GradientTape() as tape:
+            made = self.generator(noise, training=True)
+            g_loss = self.bce(real, self.discriminator(made, training=True))
+        self.optimizer.apply(tape.gradient(g_loss, g_vars), g_vars)
+        self.g_loss.update_state(g_loss)
+        self.d_loss.update_state(d_loss)
+        return {"loss": self.g_loss.result(), "d_loss": self.d_loss.result()}
+
+
 def _weight(layer: keras.layers.Layer) -> keras.Variable:
     """A layer's first weight tensor: a kernel (the input kernel of a GRU)."""
     return layer.weights[0]
@@ -664,16 +720,23 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
     x, x_val = _channels_last(arrays.x), _channels_last(arrays.x_val)
     x = arrays.x if x is None else x
     x_val = arrays.x_val if x_val is None else x_val
-    model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
-    model.compile(
-        optimizer=make_optimizer(t, f, onset, layers),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    # Built here, the optimizer's variables exist before the train step is traced, so it is
-    # traced once instead of twice (a first trace that creates variables is traced again):
-    # the same numbers, a second less per fit.
-    applied = getattr(model, "applied", lambda: model.trainable_variables)
-    model.optimizer.build(applied())
+    if sc.model.arch == "gan":
+        if f is not None or t.validate:
+            raise ValueError(f"{sc.name}: a GAN takes no fault and no validation")
+        model, layers = _GanModel(int(np.prod(x.shape[1:])), sc.model.width, seed), []
+        model.compile(lr=t.lr)
+        model(x[:1])  # built, for the callbacks' first look at its weights
+    else:
+        model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
+        model.compile(
+            optimizer=make_optimizer(t, f, onset, layers),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        # Built here, the optimizer's variables exist before the train step is traced, so
+        # it is traced once instead of twice (a first trace that creates variables is
+        # traced again): the same numbers, a second less per fit.
+        applied = getattr(model, "applied", lambda: model.trainable_variables)
+        model.optimizer.build(applied())
     per_epoch = -(-len(x) // t.batch_size)
     epochs = -(-t.max_steps // per_epoch)
     if t.max_epochs is not None:

@@ -322,6 +322,51 @@ class SuiteModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class GanModule(L.LightningModule):
+    """A GAN on a scenario's inputs (``ModelSpec.arch == "gan"``), trained by hand: two
+    optimizers, the discriminator first at every batch. No fault is injected into it."""
+
+    def __init__(self, scenario: Scenario, arrays: Arrays) -> None:
+        super().__init__()
+        if scenario.fault is not None or scenario.train.validate:
+            raise ValueError(f"{scenario.name}: a GAN takes no fault and no validation")
+        self.sc = scenario
+        self.automatic_optimization = False
+        features, width = int(np.prod(arrays.input_shape)), scenario.model.width
+        self.G = nn.Sequential(nn.Linear(GAN_NOISE, width), nn.ReLU(), nn.Linear(width, features))
+        self.D = nn.Sequential(
+            nn.Flatten(), nn.Linear(features, width), nn.LeakyReLU(0.2), nn.Linear(width, 1)
+        )
+        self.val_losses: list[list[float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        real, fake_label = torch.ones(len(x), 1), torch.zeros(len(x), 1)
+        fake = self.G(torch.randn(len(x), GAN_NOISE))
+        d_loss = bce(self.D(x), real) + bce(self.D(fake.detach()), fake_label)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = bce(self.D(fake), real)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.log("train_loss", g_loss, batch_size=len(x))  # EarlyStopping monitors it
+        return g_loss
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        lr = self.sc.train.lr
+        return [
+            torch.optim.Adam(self.G.parameters(), lr, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.D.parameters(), lr, betas=(0.5, 0.999)),
+        ]
+
+
+#: The generator's noise features (``ModelSpec.arch == "gan"``).
+GAN_NOISE = 8
+
 _BATCH_FAULTS = ("nan_input", "scale_inputs", "corrupt_labels")
 
 
@@ -492,7 +537,7 @@ def run_scenario(
     """Train ``sc`` once with ``seed``; every watcher observes the same fit."""
     torch.manual_seed(seed)
     arrays = make_data(sc.data, seed)
-    model = SuiteModule(sc, arrays)
+    model = GanModule(sc, arrays) if sc.model.arch == "gan" else SuiteModule(sc, arrays)
     t = sc.train
     train = make_loader(arrays.x, arrays.y, t.batch_size, seed, shuffle=True)
     val = None

@@ -51,6 +51,8 @@ def model_label(sc: Scenario) -> str:
         return f"MLP {m.depth}x{m.width} {m.activation}{extra}"
     if m.arch == "cnn":
         return "CNN" + (" BN+dropout" if m.batchnorm or m.dropout else "")
+    if m.arch == "gan":
+        return f"GAN {m.width}"
     return f"GRU {m.width}"
 
 

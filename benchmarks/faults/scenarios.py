@@ -144,8 +144,17 @@ class ModelSpec:
 
     Args:
         arch: ``"mlp"``, ``"cnn"`` (two 3x3 convolutions on 1x8x8 images, a 2x2
-            max-pool, a linear classifier) or ``"gru"`` (one GRU layer, a linear
-            classifier on its last output).
+            max-pool, a linear classifier), ``"gru"`` (one GRU layer, a linear
+            classifier on its last output) or ``"gan"``: a game, not a classifier. A
+            generator (8 noise features, one hidden ReLU layer of ``width``, the
+            data's features) and a discriminator (one hidden LeakyReLU(0.2) layer of
+            ``width``, one logit) learn the training inputs (the labels are unused),
+            each with its own Adam (``TrainSpec.lr``, betas 0.5 and 0.999) and binary
+            cross-entropy, the discriminator first at every batch. Lightning trains it
+            by hand (``automatic_optimization=False``: its step counts both
+            optimizers' steps, two a batch); Keras with the model's own
+            ``train_step`` (its step counts batches). The loss the callbacks see is
+            the generator's, which is not meant to fall.
         depth: Hidden layers of the MLP.
         width: Units per hidden layer (MLP), hidden size (GRU); the CNN has 16 and
             32 channels.
@@ -482,8 +491,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         data=DataSpec(n_train=4096, random_labels=True),
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
         onset=0,
-        expect=("loss_not_decreasing",),
+        # no progress from the start, and at chance level: either names it
+        expect=("loss_not_decreasing", "loss_at_chance"),
         window=300,
+    ),
+    Scenario(
+        "random_labels_confident",
+        "silent",
+        "labels drawn at random, hidden weights initialised 4x too large: the loss falls "
+        "from a confident start to chance (ln 4) and stays (Adam 1e-2)",
+        data=DataSpec(n_train=4096, random_labels=True),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=800),
+        fault=_fault("init_scale", factor=4.0),
+        onset=0,
+        # the fall from the start is progress to loss_not_decreasing: only the level
+        # names it. A 4x start is a poor initialisation too, and its first large steps
+        # large updates
+        expect=("loss_at_chance",),
+        window=600,
+        collateral=("poor_initialization", "large_updates", "loss_not_decreasing"),
     ),
     Scenario(
         "dead_units",
@@ -699,6 +725,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         "a tanh MLP with the default initialisation (Adam 1e-3)",
         model=ModelSpec(activation="tanh"),
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=400),
+    ),
+    Scenario(
+        "healthy_near_perfect_fit",
+        "healthy",
+        "well-separated classes fitted to a validation loss of a few thousandths, which "
+        "then wobbles up by a fraction of that for 20 epochs (Adam 1e-2)",
+        data=DataSpec(source="separable", n_train=512, n_val=256),
+        train=TrainSpec(optimizer="adam", lr=1e-2, batch_size=16, max_steps=1536, validate=True),
+    ),
+    Scenario(
+        "healthy_gan",
+        "healthy",
+        "a GAN learning the Gaussian inputs, two Adams 2e-4: the generator's loss is not "
+        "meant to fall",
+        model=ModelSpec(arch="gan", width=32),
+        data=DataSpec(n_train=4096),
+        train=TrainSpec(optimizer="adam", lr=2e-4, batch_size=64, max_steps=1200),
     ),
     Scenario(
         "healthy_digits_validated",
