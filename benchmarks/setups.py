@@ -166,26 +166,35 @@ _RUN_HOOKS = ("setup", "on_train_start", "on_train_epoch_end", "on_train_end", "
 
 class BatchGate(Callback):
     """Hands each batch's hooks to the stethoscope during its segments; the run-level
-    hooks always."""
+    hooks always. It also clocks the time spent inside the stethoscope's batch hooks,
+    batch by batch (``host_us``): on an unsampled batch, that is all it costs."""
 
     def __init__(self, owners: Sequence[str], steady: LightningStethoscope) -> None:
         self.owners, self.steady = owners, steady
         self.batch = -1
         self.active = False
         self.sampled: list[bool] = []
+        self.host_us: list[float] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.batch += 1
         self.active = self.batch < len(self.owners) and self.owners[self.batch] == STETHOSCOPE
+        self.host_us.append(0.0)
         if self.active:
+            t0 = time.perf_counter()
             self.steady.on_train_batch_start(trainer, *args)
+            self.host_us[-1] += 1e6 * (time.perf_counter() - t0)
         self.sampled.append(self.active and self.steady._record.sampled)
 
 
 def _forward(name: str, *, always: bool) -> Callable[..., None]:
     def hook(self: BatchGate, *args: Any, **kwargs: Any) -> None:
-        if always or self.active:
+        if always:
             getattr(self.steady, name)(*args, **kwargs)
+        elif self.active:
+            t0 = time.perf_counter()
+            getattr(self.steady, name)(*args, **kwargs)
+            self.host_us[-1] += 1e6 * (time.perf_counter() - t0)
 
     hook.__name__ = name
     return hook
@@ -252,6 +261,7 @@ def run_setup(setup: Setup, rounds: int, warmup: bool, log: Callable[[str], None
         "global_steps": trainer.global_step,
         "batches": total,
         **_ratios(segments, ms, gate.sampled),
+        "unsampled_host_us": _host_us(segments, gate),
         "findings": {
             row.detector: row.count
             for summary in [*steady.summaries, steady.monitor.summary(-1)]
@@ -292,21 +302,34 @@ def _ratios(segments: Sequence[Segment], ms: Sequence[float], sampled: Sequence[
     }
 
 
+def _host_us(segments: Sequence[Segment], gate: BatchGate) -> dict[str, float]:
+    """The time inside the stethoscope's hooks on its unsampled batches, in microseconds."""
+    us = [
+        gate.host_us[b]
+        for seg in segments
+        if seg.variant == STETHOSCOPE and seg.round >= 1
+        for b in range(seg.start, seg.start + seg.length)
+        if not gate.sampled[b]
+    ]
+    return {**_quartiles(us), "mean": statistics.fmean(us), "n": len(us)}
+
+
 def markdown(results: Sequence[dict], env: dict[str, Any], wall_s: float) -> str:
     lines = [
         "| set-up | plain ms/batch | stethoscope / plain: median [IQR] | 95% CI | "
-        "unsampled batches / plain median | noise floor: median [IQR] | findings |",
-        "|---|---:|---|---|---:|---|---|",
+        "unsampled batches / plain median | host µs in the hooks, unsampled batch: median "
+        "[IQR] | noise floor: median [IQR] | findings |",
+        "|---|---:|---|---|---:|---|---|---|",
     ]
     for r in results:
-        q, n = r["ratio"], r["noise"]
+        q, n, h = r["ratio"], r["noise"], r["unsampled_host_us"]
         noise = f"{n['median']:.3f}x [{n['q1']:.3f}–{n['q3']:.3f}]" if n else "—"
         found = ", ".join(f"{k} {v}" for k, v in sorted(r["findings"].items())) or "none"
         lines.append(
             f"| {r['setup']}: {r['title']} | {r['plain_ms_per_batch']:.2f} | "
             f"{q['median']:.3f}x [{q['q1']:.3f}–{q['q3']:.3f}] | "
             f"{q['ci95'][0]:.3f}–{q['ci95'][1]:.3f} | {r['unsampled_batch_ratio']:.3f}x | "
-            f"{noise} | {found} |"
+            f"{h['median']:.0f} [{h['q1']:.0f}–{h['q3']:.0f}] | {noise} | {found} |"
         )
     lines += [
         "",

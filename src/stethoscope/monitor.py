@@ -19,6 +19,7 @@ from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import GATHERED, PLANNED, REPLICATED
 from stethoscope.summary import EpochSummary
+from stethoscope.waiting import WaitingLosses
 
 __all__ = ["SAMPLER", "Monitor"]
 
@@ -134,6 +135,8 @@ class Monitor:
         #: Which detectors run at each step, and what they need measured.
         self.planner = Planner(self.detectors, self.sampler)
         self.losses = TrainingLosses()
+        #: Quiet steps waiting to be judged (see :mod:`stethoscope.waiting`).
+        self.waiting = WaitingLosses()
         self._sink_wants = _sink_wants(self.ledger.sinks)
         #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
         self.sinks_want: frozenset[str] = self._sink_wants[0]
@@ -166,9 +169,25 @@ class Monitor:
             forced: The adapter measured this step off the schedule because something
                 was wrong (a non-finite loss or gradient): judge it likewise.
         """
+        # a distributed run meets on every rank's verdicts, a recovery ladder acts on each
+        # step's: there every step is judged at once
+        waits = self.world_size == 1 and not self.spared
+        if waits and not forced and self.waiting.keep(obs, self.planner):
+            return _NOTHING  # a quiet step: judged with the next one that cannot wait
+        earlier = self.catch_up()
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
-        return self._judge(obs, hold=self.world_size > 1, forced=forced)
+        decision = self._judge(obs, hold=self.world_size > 1, forced=forced)
+        self.waiting.rebar(self.planner.quiet_detectors(obs.step + 1) if waits else None)
+        return _first_to_act(earlier, decision)
+
+    def catch_up(self) -> Decision:
+        """Judge the quiet steps still waiting (see :mod:`stethoscope.waiting`), in order:
+        before anything else is judged, summed up or saved."""
+        decision = _NOTHING
+        for obs in self.waiting.take():
+            decision = _first_to_act(decision, self._judge(obs, hold=False))
+        return decision
 
     def observe_shared(self, obs: Observation) -> Decision:
         """Judge an observation that every rank holds the same (gathered from all of them).
@@ -176,6 +195,7 @@ class Monitor:
         Every rank reaches the same verdict from it, so it is acted on at once, on every
         rank; only rank zero reports its findings (the others do not forward them).
         """
+        self.catch_up()
         return self._judge(obs, hold=False)
 
     def _judge(self, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
@@ -242,6 +262,7 @@ class Monitor:
     def observe_validation(self, step: int, epoch: int, val_loss: float) -> Decision:
         """Judge a validation loss against the mean training loss since the last one (a
         single process; the ranks of a distributed run pool theirs where they meet)."""
+        self.catch_up()  # the training losses that waited belong to this window
         obs = Observation(
             step=step,
             epoch=epoch,
@@ -255,12 +276,14 @@ class Monitor:
     def escalate(self, step: int, epoch: int, reason: str) -> None:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,
         something they should judge at once (a non-finite gradient on an unsampled step)."""
+        self.catch_up()
         msg = self.sampler.escalate(step, reason)
         if msg:
             self.ledger.record(self._sampler_finding(step, epoch, msg))
 
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
+        self.catch_up()
         findings = list(findings)
         for f in findings:
             self.ledger.record(f)
@@ -326,6 +349,7 @@ class Monitor:
 
     def summary(self, epoch: int) -> EpochSummary:
         """The summary of the epoch so far, as plain data."""
+        self.catch_up()
         return self.ledger.summary(
             epoch,
             detectors=[d for d in self.detectors if d.name not in self.planner.idle],
@@ -359,6 +383,7 @@ class Monitor:
 
     # -- lifecycle ------------------------------------------------------------------
     def flush(self) -> None:
+        self.catch_up()
         self.ledger.call_sinks("flush")
 
     def close(self) -> None:
@@ -366,11 +391,13 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        self.catch_up()
         self.ledger.call_sinks("flush")
         self.ledger.call_sinks("close")
 
     def state_dict(self) -> dict[str, Any]:
         """Detector baselines, sampler schedule and repeat bookkeeping: primitives only."""
+        self.catch_up()
         return {
             "detectors": {d.name: d.state_dict() for d in self.detectors},
             "sampler": self.sampler.state_dict(),
@@ -390,21 +417,7 @@ class Monitor:
     def describe(self) -> dict[str, Any]:
         """The detectors and the sampler as plain data: each detector's base interval and
         the arguments it was made with (its thresholds), for the run's record."""
-        detectors = {}
-        for d in self.detectors:
-            params = inspect.signature(type(d).__init__).parameters
-            detectors[d.name] = {
-                "class": type(d).__name__,
-                "every": self.sampler.base[d.name],
-                "idle": d.name in self.planner.idle,
-                "arguments": {p: getattr(d, p) for p in params if p != "self" and hasattr(d, p)},
-            }
-        return {
-            "detectors": detectors,
-            "sampler": {"escalate": self.sampler.escalation, "hot_steps": self.sampler.hot_steps},
-            "stop_on": _policy_text(self.stop_on),
-            "raise_on": _policy_text(self.raise_on),
-        }
+        return _description(self)
 
     def start(self, context: RunContext) -> None:
         """Hand every sink the run's context (its printer, the framework's log dir and
@@ -436,6 +449,7 @@ class Monitor:
         self.sampler.load_state_dict({})
         self.planner.forget()
         self.losses = TrainingLosses()
+        self.waiting = WaitingLosses()
         self.ledger.last_sent.clear()
         self.stopped_by = None
         self.last_step = -1
@@ -473,6 +487,33 @@ class TrainingLosses:
             "train_loss": (self.sum, float(self.n)),
             "start_loss": (start if start is not None else 0.0, float(start is not None)),
         }
+
+
+def _description(monitor: Monitor) -> dict[str, Any]:
+    """What :meth:`Monitor.describe` returns."""
+    detectors = {}
+    for d in monitor.detectors:
+        params = inspect.signature(type(d).__init__).parameters
+        detectors[d.name] = {
+            "class": type(d).__name__,
+            "every": monitor.sampler.base[d.name],
+            "idle": d.name in monitor.planner.idle,
+            "arguments": {p: getattr(d, p) for p in params if p != "self" and hasattr(d, p)},
+        }
+    return {
+        "detectors": detectors,
+        "sampler": {"escalate": monitor.sampler.escalation, "hot_steps": monitor.sampler.hot_steps},
+        "stop_on": _policy_text(monitor.stop_on),
+        "raise_on": _policy_text(monitor.raise_on),
+    }
+
+
+def _first_to_act(earlier: Decision, later: Decision) -> Decision:
+    """Of two steps' decisions, the one to act on: a raise before a stop, else the
+    earlier stop."""
+    if later.raise_ and not earlier.raise_:
+        return later
+    return earlier if earlier.stop else later
 
 
 def _listed(names: list[str]) -> str:

@@ -69,6 +69,7 @@ class Planner:
         # early (see Detector.finished) or stop wanting a statistic (Detector.wanting)
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
+        self._quiet: tuple[Detector, ...] | None = None
 
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
@@ -114,6 +115,20 @@ class Planner:
         if self._sink_every and step % self.sink_interval(step) == 0:
             planned = planned | self._sink_wants
         return planned
+
+    def quiet_detectors(self, step: int) -> list[Detector]:
+        """The detectors that judge a quiet step (one that measures the loss alone): those
+        run every step on the loss alone, taking part and not finished at ``step``."""
+        quiet = self._quiet
+        if quiet is None:
+            quiet = self._quiet = tuple(
+                d
+                for d in self.detectors
+                if d.name not in self.idle
+                and self.sampler.base[d.name] == 1
+                and d.needs <= frozenset({"loss"})
+            )
+        return [d for d in quiet if not d.finished(step)]
 
     def sampled_interval(self, step: int) -> int:
         """How often the sampled detectors (those not run every step) run at ``step``: the

@@ -68,6 +68,10 @@ class SortedWindow:
         while len(window) > size:
             del s[bisect.bisect_left(s, window.pop(0))]
 
+    def ordered(self, window: list[float]) -> list[float]:
+        """``window``'s values in ascending order (the copy itself: do not change it)."""
+        return self._follow(window)
+
     def median(self, window: list[float]) -> float:
         """The median of ``window`` (non-empty), as :func:`median` gives it."""
         s = self._follow(window)

@@ -81,6 +81,15 @@ class Detector:
         labels, counted once at the start) stops asking for it."""
         return self.wants
 
+    def waits_below(self, steps: int) -> float | None:
+        """The loss below which a quiet step may wait to be judged (see
+        :mod:`stethoscope.waiting`): over the next ``steps`` steps, finite losses under it
+        can neither stop the run nor skip a step nor raise a suspicion here, so this
+        detector may see them a few steps late with the same outcome. ``math.inf``: any
+        finite loss may wait. None (the default, since a detector's rule is its own):
+        every loss is judged at once."""
+        return None
+
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""
         self.suspect = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from stethoscope.detectors._stats import SortedWindow, is_finite, push, robust_sigma
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -108,6 +110,25 @@ class LossSpike(Detector):
         center = self._sorted.median(win)
         return center + max(self._bar(center), self.z * robust_sigma(win, center))
 
+    def waits_below(self, steps: int) -> float | None:
+        # A jump past half the bar (before the z-score) is a suspicion. Over ``steps``
+        # steps the median can fall by at most two places of the sorted window a step, the
+        # envelope decays and its count grows: the lowest that bar can get is the bar.
+        st = self.state
+        win = st["window"]
+        if len(win) < self.warmup or st["initial"] is None:
+            return None
+        ordered = self._sorted.ordered(win)
+        low = ordered[max(0, (len(ordered) - 1) // 2 - 2 * steps)]
+        envelope = st["envelope"] * (1.0 - 1.0 / self.memory) ** steps
+        young = max(1.0, self.memory / (st["seen"] + steps)) ** 0.5
+        bar = max(
+            self.tail * envelope * young,
+            self.min_jump * abs(st["initial"]),
+            (self.ratio - 1) * max(low, 0.0),
+        )
+        return low + bar / 2
+
     def passed_by(self, loss: float) -> float | None:
         """:meth:`threshold` if ``loss`` is past it, else None: what the recovery ladder
         asks every step, cheap on a healthy one (the z-score only for a jump past the
@@ -200,6 +221,9 @@ class LossNotDecreasing(Detector):
         self.window, self.patience, self.min_progress = window, patience, float(min_progress)
         super().__init__()
 
+    def waits_below(self, steps: int) -> float | None:
+        return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
+
     def _initial_state(self) -> dict:
         return {
             "recent": [],
@@ -290,6 +314,23 @@ class UnstableLoss(Detector):
 
     def _initial_state(self) -> dict:
         return {"recent": [], "initial": None, "best": None, "streak": 0, "diverged": 0}
+
+    def waits_below(self, steps: int) -> float | None:
+        # A rise (a suspicion, then a warning) needs the level, a median of the window,
+        # ``rise`` of the initial level above its best. Losses below ``bar`` can move the
+        # level no further than the window's extremes and ``bar``: while the window spans
+        # less than the rise, they cannot start one. The error needs losses past twice the
+        # initial level.
+        st = self.state
+        initial, best, recent = st["initial"], st["best"], st["recent"]
+        if initial is None:
+            return None if len(recent) + steps >= self.window else math.inf
+        ordered = self._sorted.ordered(recent)
+        floor = min(best, ordered[0])
+        bar = floor + self.rise * abs(initial)
+        if ordered[-1] >= bar:
+            return None
+        return min(bar, 2 * initial) if initial > 0 else bar
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss

@@ -44,6 +44,9 @@ class NonfiniteLoss(Detector):
     def _initial_state(self) -> dict:
         return {"tracing": None}  # the step whose non-finite loss the next trace explains
 
+    def waits_below(self, steps: int) -> float | None:
+        return math.inf  # a non-finite loss never waits: any finite one may
+
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         findings: list[Finding] = []

@@ -1,0 +1,76 @@
+"""The quiet steps' losses, judged a few at a time instead of one by one.
+
+On nearly every step the monitor receives only a loss, and the detectors due then (the
+loss sentinels) find nothing. Judging it at once costs the most Python of any step: the
+schedule, every loss detector and the ledger, each run from a cache that the step's own
+work has just emptied. A loss that none of those detectors could act on at once (it is
+finite, and below every bar that would stop the run, skip a step or raise a suspicion)
+can wait: :class:`WaitingLosses` keeps it, and the monitor judges the waiting steps in
+order, as if one by one, at the next step that cannot wait, or after ``BATCH`` steps.
+
+Nothing is lost or reordered: every detector sees every observation, in order, and each
+finding keeps its step. What waits is the report of a finding no bar asked for at once
+(``loss_not_decreasing``'s, say), by at most ``BATCH - 1`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from stethoscope.detectors.base import Detector
+from stethoscope.observation import Observation
+from stethoscope.planning import Planner
+
+__all__ = ["WaitingLosses"]
+
+#: What is measured on a quiet step.
+LOSS_ONLY = frozenset({"loss"})
+
+
+class WaitingLosses:
+    """Quiet steps' observations, waiting to be judged.
+
+    ``bar`` is the loss below which an observation may wait: the lowest of the due
+    detectors' :meth:`~stethoscope.detectors.base.Detector.waits_below`, worked out
+    again after every judged step (``-inf``: nothing waits).
+    """
+
+    #: The most steps that wait before they are judged.
+    BATCH = 16
+
+    def __init__(self) -> None:
+        self.steps: list[Observation] = []
+        self.bar = -math.inf
+
+    def keep(self, obs: Observation, planner: Planner) -> bool:
+        """Keep ``obs`` for later, if it may wait: a finite loss below the bar (anything
+        else, a NaN included, fails the comparison) on a quiet step, and room in the
+        batch. False: judge it now, after the waiting ones."""
+        loss = obs.loss
+        if loss is not None and loss < self.bar and planner.plan(obs.step) == LOSS_ONLY:
+            steps = self.steps
+            if len(steps) < self.BATCH - 1:
+                steps.append(obs)
+                return True
+        return False
+
+    def take(self) -> list[Observation]:
+        """The waiting observations, oldest first; none wait after."""
+        steps, self.steps = self.steps, []
+        return steps
+
+    def rebar(self, detectors: Iterable[Detector] | None) -> None:
+        """Work out the bar from the detectors that judge quiet steps (None: nothing may
+        wait, as in a distributed run or under a recovery ladder, which act every step)."""
+        if detectors is None:
+            self.bar = -math.inf
+            return
+        bar = math.inf
+        for d in detectors:
+            below = d.waits_below(self.BATCH)
+            if below is None:
+                bar = -math.inf
+                break
+            bar = min(bar, below)
+        self.bar = bar

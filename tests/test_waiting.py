@@ -1,0 +1,103 @@
+"""Quiet steps wait to be judged a few at a time: the same findings, at the same steps, in
+the same order, and what needs acting on is judged at once."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from stethoscope.detectors import default_detectors
+from stethoscope.monitor import Monitor
+from stethoscope.observation import Observation
+from stethoscope.testing import CapturingSink
+from stethoscope.waiting import WaitingLosses
+
+
+def _run(losses, monkeypatch=None, *, waiting: bool = True) -> tuple[Monitor, CapturingSink, list]:
+    """Feed a single process's monitor loss-only observations (what an adapter sends on the
+    steps it measures nothing else); a sampled step carries the same loss alone, so only
+    the schedule tells them apart."""
+    if not waiting:
+        monkeypatch.setattr(WaitingLosses, "BATCH", 1)  # nothing ever waits
+    sink = CapturingSink()
+    monitor = Monitor(detectors=default_detectors(), sinks=[sink], stop_on="error")
+    decisions = []
+    for step, loss in enumerate(losses):
+        decisions.append(monitor.observe(Observation(step=step, epoch=0, loss=float(loss))))
+    monitor.summary(0)
+    return monitor, sink, decisions
+
+
+def _curve(n: int = 1500, seed: int = 0) -> np.ndarray:
+    """A loss that falls, then climbs back for good from step 800 (unstable_loss warns)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    level = 2.3 * np.exp(-t / 200) + 0.2 + np.where(t > 800, (t - 800) / 400, 0.0)
+    return level * rng.lognormal(0.0, 0.05, n)
+
+
+def test_waiting_changes_no_finding(monkeypatch):
+    _, waited, _ = _run(_curve())
+    with monkeypatch.context() as m:
+        _, at_once, _ = _run(_curve(), m, waiting=False)
+    key = [(f.step, f.detector, f.severity, f.message) for f in waited.findings]
+    assert key == [(f.step, f.detector, f.severity, f.message) for f in at_once.findings]
+    assert any(f.detector == "unstable_loss" for f in waited.findings)
+
+
+def test_quiet_steps_wait_and_are_judged_in_order():
+    monitor, _, _ = _run(_curve(600))
+    spike = next(d for d in monitor.detectors if d.name == "loss_spike")
+    before = len(spike.state["window"])
+    for step in range(600, 605):  # quiet steps (not on the 1-in-16 grid): they wait
+        monitor.observe(Observation(step=step, epoch=0, loss=0.3))
+    assert len(monitor.waiting.steps) == 5 and len(spike.state["window"]) == before
+    state = monitor.state_dict()  # saving catches up first
+    assert monitor.waiting.steps == [] and monitor.last_step == 604
+    assert state["last_step"] == 604
+
+
+def test_a_nan_is_judged_at_once_after_the_steps_that_waited():
+    losses = list(_curve(600)) + [0.3] * 5 + [math.nan]
+    monitor, _, decisions = _run(losses)
+    assert decisions[-1].stop and decisions[-1].reason.detector == "nonfinite_loss"
+    assert monitor.last_step == 605 and monitor.waiting.steps == []
+
+
+def test_a_spike_is_judged_at_once():
+    losses = list(_curve(600))
+    monitor, sink, _ = _run(losses)
+    seen = len(sink.findings)
+    monitor.observe(Observation(step=601, epoch=0, loss=50.0))  # a quiet step's number
+    found = [(f.detector, f.step) for f in sink.findings[seen:]]
+    assert found == [("loss_spike", 601), ("sampler", 601)]  # and the sampler escalates
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_nothing_waits_in_a_distributed_run_or_under_recovery(world_size):
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    for step, loss in enumerate(_curve(300)):
+        monitor.observe(Observation(step=step, epoch=0, loss=float(loss)))
+    assert monitor.waiting.bar > 0  # a single process: quiet steps may wait
+    monitor.spared = frozenset({"loss_spike"})  # a recovery ladder acts on every step
+    monitor.observe(Observation(step=300, epoch=0, loss=0.3))
+    assert monitor.waiting.bar == -math.inf
+    monitor.spared = frozenset()
+    monitor.distribute(rank=0, world_size=world_size)
+    monitor.observe(Observation(step=301, epoch=0, loss=0.3))
+    assert monitor.waiting.bar == -math.inf and monitor.waiting.steps == []
+
+
+def test_a_validation_counts_the_training_losses_that_waited():
+    monitor, _, _ = _run(_curve(600))
+    monitor.observe_validation(599, 0, 1.0)  # closes the window so far
+    for step in range(600, 605):
+        monitor.observe(Observation(step=step, epoch=0, loss=0.25))
+    assert len(monitor.waiting.steps) == 5
+    spy = []
+    original = monitor.observe
+    monitor.observe = lambda obs, **kw: spy.append(obs) or original(obs, **kw)
+    monitor.observe_validation(604, 0, 1.0)
+    assert spy[0].train_loss == pytest.approx(0.25)  # the mean of the five that waited
