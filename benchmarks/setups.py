@@ -206,12 +206,18 @@ for _name in _RUN_HOOKS:
     setattr(BatchGate, _name, _forward(_name, always=True))
 
 
-def run_setup(setup: Setup, rounds: int, warmup: bool, log: Callable[[str], None]) -> dict:
+def run_setup(
+    setup: Setup,
+    rounds: int,
+    warmup: bool,
+    log: Callable[[str], None],
+    budget: float | None = None,
+) -> dict:
     torch.manual_seed(SEED)
     spec = MODELS["mlp"]
     task = setup.build(spec.build())
     pool = synthetic_batches(spec, POOL_BATCHES, SEED + 1)
-    steady = LightningStethoscope(sinks=[], stop_on=None)
+    steady = LightningStethoscope(sinks=[], stop_on=None, overhead_budget=budget)
     every = gradient_interval(steady)
     calib = calibration_steps(steady)
     per_step = 1 / setup.steps_per_batch  # batches per global step
@@ -257,6 +263,9 @@ def run_setup(setup: Setup, rounds: int, warmup: bool, log: Callable[[str], None
     return {
         "setup": setup.name,
         "title": setup.title,
+        "overhead_budget": budget,
+        "stretch": steady.monitor.sampler.stretch,
+        "budget_measured": steady.monitor.budget.measured if steady.monitor.budget else None,
         "wall_s": wall,
         "global_steps": trainer.global_step,
         "batches": total,
@@ -316,17 +325,24 @@ def _host_us(segments: Sequence[Segment], gate: BatchGate) -> dict[str, float]:
 
 def markdown(results: Sequence[dict], env: dict[str, Any], wall_s: float) -> str:
     lines = [
-        "| set-up | plain ms/batch | stethoscope / plain: median [IQR] | 95% CI | "
+        "| set-up | budget: stretch, cost it measured | plain ms/batch | "
+        "stethoscope / plain: median [IQR] | 95% CI | "
         "unsampled batches / plain median | host µs in the hooks, unsampled batch: median "
         "[IQR] | noise floor: median [IQR] | findings |",
-        "|---|---:|---|---|---:|---|---|---|",
+        "|---|---|---:|---|---|---:|---|---|---|",
     ]
     for r in results:
         q, n, h = r["ratio"], r["noise"], r["unsampled_host_us"]
         noise = f"{n['median']:.3f}x [{n['q1']:.3f}–{n['q3']:.3f}]" if n else "—"
         found = ", ".join(f"{k} {v}" for k, v in sorted(r["findings"].items())) or "none"
+        budget = "none"
+        if r["overhead_budget"] is not None:
+            seen = r["budget_measured"]
+            budget = f"{r['overhead_budget']:.1%}: {r['stretch']}x, " + (
+                f"{seen:.2%}" if seen is not None else "not measured"
+            )
         lines.append(
-            f"| {r['setup']}: {r['title']} | {r['plain_ms_per_batch']:.2f} | "
+            f"| {r['setup']}: {r['title']} | {budget} | {r['plain_ms_per_batch']:.2f} | "
             f"{q['median']:.3f}x [{q['q1']:.3f}–{q['q3']:.3f}] | "
             f"{q['ci95'][0]:.3f}–{q['ci95'][1]:.3f} | {r['unsampled_batch_ratio']:.3f}x | "
             f"{h['median']:.0f} [{h['q1']:.0f}–{h['q3']:.0f}] | {noise} | {found} |"
@@ -350,6 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help=f"default {DEFAULT_ROUNDS}")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds: a smoke run")
     p.add_argument("--json", metavar="PATH", help="also write every number")
+    p.add_argument(
+        "--budgets",
+        default="",
+        help="comma-separated overhead budgets (fractions, 'none' for none) to run each "
+        "set-up under, e.g. none,0.05,0.01,0.005 (default: none)",
+    )
     args = p.parse_args(argv)
     _quiet()
     torch.set_num_threads(THREADS)
@@ -363,7 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results = [run_setup(SETUPS[n], rounds, not args.quick, log) for n in names]
+    budgets = [
+        None if b.strip().lower() == "none" else float(b) for b in args.budgets.split(",") if b
+    ] or [None]
+    results = [
+        run_setup(SETUPS[n], rounds, not args.quick, log, budget)
+        for n in names
+        for budget in budgets
+    ]
     wall = time.perf_counter() - t0
     print(markdown(results, env, wall))
     if args.json:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.faults.runner import FRAMEWORKS, ONE_FIT_PER_SETTING, run_all, suite
-from benchmarks.faults.scenarios import SCENARIOS, SETTINGS, Scenario, select
+from benchmarks.faults.scenarios import BUDGETS, SAMPLING, SCENARIOS, SETTINGS, Scenario, select
 
 DEFAULT_SEEDS = 3
 OVERHEAD_CONTROLS = ("healthy_standardized", "healthy_cnn_bn_dropout")
@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     p.add_argument(
         "--setting",
-        choices=(*SETTINGS, "all"),
+        choices=(*SETTINGS, "all", "budgets"),
         default="adaptive",
         help="sampling setting(s): 'all' runs the three (in the same fits in Lightning, one "
         "fit each in Keras) and measures their per-step overhead on healthy controls "
@@ -136,7 +136,8 @@ def collect(
     impl.configure(args.threads)
     n_seeds = args.seeds or (1 if args.quick else DEFAULT_SEEDS)
     seeds = list(range(n_seeds))
-    settings = tuple(SETTINGS) if args.setting == "all" else (args.setting,)
+    named = {"all": SAMPLING, "budgets": BUDGETS}
+    settings = named.get(args.setting, (args.setting,))
     if "adaptive" in settings:
         settings = ("adaptive", *(s for s in settings if s != "adaptive"))
 

@@ -105,7 +105,14 @@ SETTINGS: dict[str, str] = {
     "every step for a while at the start and after any suspicion",
     "every": "every detector every step (intervals of 1, escalation off)",
     "sparse": "every detector at its default base interval, escalation off",
+    "budget-0.5%": "the default with overhead_budget=0.005: the sampled detectors' intervals "
+    "stretch to keep their cost within 0.5% of step time",
+    "budget-1%": "the default with overhead_budget=0.01",
+    "budget-5%": "the default with overhead_budget=0.05",
 }
+#: What ``--setting all`` runs: the sampling settings (the budgets have ``--setting budgets``).
+SAMPLING = ("adaptive", "every", "sparse")
+BUDGETS = ("adaptive", "budget-0.5%", "budget-1%", "budget-5%")
 
 
 def setting_kwargs(setting: str) -> dict[str, Any]:
@@ -122,6 +129,8 @@ def setting_kwargs(setting: str) -> dict[str, Any]:
         return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
     if setting == "sparse":
         return {"escalate": False}
+    if setting.startswith("budget-") and setting in SETTINGS:
+        return {"overhead_budget": float(setting[len("budget-") : -1]) / 100}
     raise ValueError(f"setting={setting!r}; use one of {[*SETTINGS]!r}")
 
 

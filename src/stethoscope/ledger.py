@@ -135,6 +135,7 @@ class Ledger:
         escalations: int,
         hot: bool,
         stopped_by: Finding | None,
+        budget: str = "",
     ) -> EpochSummary:
         """The summary of the epoch so far, as plain data.
 
@@ -144,6 +145,8 @@ class Ledger:
             escalations: The sampler's escalations so far in the run.
             hot: Whether the sampler still samples every step.
             stopped_by: The finding that stopped the run, if any.
+            budget: What the overhead budget bought, a clause for a healthy verdict
+                (``"; every 64 steps ..."``), or empty.
         """
         rows: list[SummaryRow] = []
         quiet: list[str] = []
@@ -183,7 +186,7 @@ class Ledger:
             epoch=epoch,
             steps=len(self._steps),
             rows=tuple(rows),
-            verdict=self._verdict(stopped_by),
+            verdict=self._verdict(stopped_by, budget),
             quiet=tuple(quiet),
             stopped_by=stopped_by.to_dict(json_safe=True) if stopped_by else None,
             dropped=self._dropped(),
@@ -225,7 +228,7 @@ class Ledger:
             verdict=verdict,
         )
 
-    def _verdict(self, stopped_by: Finding | None) -> str:
+    def _verdict(self, stopped_by: Finding | None, budget: str = "") -> str:
         seen = self._steps
         extent = epoch_extent(len(seen), min(seen, default=None), max(seen, default=None))
         if stopped_by is not None:
@@ -250,7 +253,7 @@ class Ledger:
             return verdict
         return (
             f"Healthy: no warnings in {extent} "
-            f"({self._loss_checked()}, gradients on {len(self._grad_steps)} steps)"
+            f"({self._loss_checked()}, gradients on {len(self._grad_steps)} steps{budget})"
         )
 
     def _loss_checked(self) -> str:

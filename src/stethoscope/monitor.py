@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from stethoscope.budget import LONGEST, OverheadBudget, parse_budget
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
 from stethoscope.distributed import Held
 from stethoscope.findings import Finding, Severity
@@ -78,6 +79,9 @@ class Monitor:
         intervals: Base sampling interval per detector name, overriding defaults.
         escalate: Whether suspicion raises the sampling rate.
         hot_steps: Length of the every-step window after an escalation.
+        overhead_budget: The share of step time the sampled steps may cost (0.01: 1%);
+            their detectors' intervals stretch to stay within it (see
+            :mod:`stethoscope.budget`). None: the declared intervals, whatever they cost.
         repeat_after: Steps before an identical finding (same detector, where and
             severity) is sent to the sinks again; repeats are still counted.
         writes: Whether this process writes findings to the sinks (``distribute`` sets it
@@ -97,6 +101,7 @@ class Monitor:
         intervals: Mapping[str, int] | None = None,
         escalate: bool = True,
         hot_steps: int = 32,
+        overhead_budget: float | None = None,
         repeat_after: int = 100,
         writes: bool = True,
     ) -> None:
@@ -140,6 +145,8 @@ class Monitor:
         self._sink_wants = _sink_wants(self.ledger.sinks)
         #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
         self.sinks_want: frozenset[str] = self._sink_wants[0]
+        #: Keeps the sampled steps' cost within ``overhead_budget`` (None: no budget).
+        self.budget = _budget(parse_budget(overhead_budget), self.sampler)
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
 
@@ -198,61 +205,18 @@ class Monitor:
         self.catch_up()
         return self._judge(obs, hold=False)
 
+    def clock(self, seconds: float, *, sampled: bool) -> None:
+        """How long the last step took (the adapter's clock, from one step's start to the
+        next), and whether it was sampled: the overhead budget's measure. Off while the
+        sampler is hot: the budget governs the healthy steady state."""
+        if self.budget is None or self.sampler.hot:
+            return
+        stretch = self.budget.clock(seconds, sampled=sampled)
+        if stretch is not None:
+            _stretch(self, stretch)
+
     def _judge(self, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
-        findings: list[Finding] = []
-        notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
-        back = self.sampler.tick(obs.step)
-        if back:
-            notes.append(self._sampler_finding(obs.step, obs.epoch, back))
-        suspects: list[str] = []
-        step, has = obs.step, obs.has
-        every = self.planner.runnable(step, every=forced)
-        for d in every:
-            if d.finished(step):
-                continue
-            for p in d.needs:
-                if not has(p):
-                    break
-            else:
-                found = d.update(obs)
-                if found:
-                    findings.extend(found)
-                if d.suspect:
-                    suspects.append(f"{d.name}: {d.suspect}")
-                if d.request:
-                    self.planner.requested |= d.request
-        self.planner.fulfilled(has)
-        self.losses.saw(obs)
-        self.ledger.saw_step(step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
-        if self.ledger.observers:
-            self.ledger.observe(obs, self.planner.sampled_interval(step))
-        if step > self.last_step:
-            self.last_step = step
-        if not findings and not suspects and not notes:  # the healthy step: nothing to do
-            return _NOTHING
-        alarming = [f for f in findings if f.severity >= Severity.WARNING]
-        if alarming or suspects:
-            reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
-            if hold:
-                self.held.why = self.held.why or reason
-            else:
-                msg = self.sampler.escalate(obs.step, reason)
-                if msg:
-                    notes.append(self._sampler_finding(obs.step, obs.epoch, msg))
-        for f in findings:
-            self.ledger.record(f, hold=self.held.findings if hold else None)
-        for f in notes:
-            self.ledger.record(f)
-        decision = decide(findings, self.stop_on, self.raise_on, self.spared)
-        if hold:
-            held = self.held.decision
-            if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
-                self.held.decision = decision
-            self.held.spared.extend(decision.spared)  # for the ranks to agree on
-            return Decision()
-        if decision.stop:
-            self.note_stop(decision.reason)
-        return decision
+        return _judge(self, obs, hold=hold, forced=forced)
 
     def note_stop(self, reason: Finding | None) -> None:
         """Remember ``reason`` as what stopped the run, unless something already did."""
@@ -350,8 +314,10 @@ class Monitor:
     def summary(self, epoch: int) -> EpochSummary:
         """The summary of the epoch so far, as plain data."""
         self.catch_up()
+        every = min((b for b in self.sampler.base.values() if b > 1), default=1)
         return self.ledger.summary(
             epoch,
+            budget=self.budget.note(every) if self.budget is not None else "",
             detectors=[d for d in self.detectors if d.name not in self.planner.idle],
             interval=self.interval,
             escalations=self.sampler.escalations,
@@ -410,6 +376,7 @@ class Monitor:
             if d.name in state.get("detectors", {}):
                 d.load_state_dict(state["detectors"][d.name])
         self.sampler.load_state_dict(state.get("sampler", {}))
+        _stretch(self, int(state.get("sampler", {}).get("stretch", 1)))
         self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
         self.ledger.last_sent = dict(state.get("last_sent", {}))
         self.last_step = int(state.get("last_step", -1))
@@ -447,6 +414,7 @@ class Monitor:
         for d in self.detectors:
             d.reset()
         self.sampler.load_state_dict({})
+        _stretch(self, 1)
         self.planner.forget()
         self.losses = TrainingLosses()
         self.waiting = WaitingLosses()
@@ -489,6 +457,65 @@ class TrainingLosses:
         }
 
 
+def _judge(monitor: Monitor, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
+    """Run the detectors due at ``obs``'s step on it; record what they find; decide (held
+    until the ranks meet when ``hold``)."""
+    findings: list[Finding] = []
+    notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
+    back = monitor.sampler.tick(obs.step)
+    if back:
+        notes.append(monitor._sampler_finding(obs.step, obs.epoch, back))
+    suspects: list[str] = []
+    step, has = obs.step, obs.has
+    every = monitor.planner.runnable(step, every=forced)
+    for d in every:
+        if d.finished(step):
+            continue
+        for p in d.needs:
+            if not has(p):
+                break
+        else:
+            found = d.update(obs)
+            if found:
+                findings.extend(found)
+            if d.suspect:
+                suspects.append(f"{d.name}: {d.suspect}")
+            if d.request:
+                monitor.planner.requested |= d.request
+    monitor.planner.fulfilled(has)
+    monitor.losses.saw(obs)
+    monitor.ledger.saw_step(step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
+    if monitor.ledger.observers:
+        monitor.ledger.observe(obs, monitor.planner.sampled_interval(step))
+    if step > monitor.last_step:
+        monitor.last_step = step
+    if not findings and not suspects and not notes:  # the healthy step: nothing to do
+        return _NOTHING
+    alarming = [f for f in findings if f.severity >= Severity.WARNING]
+    if alarming or suspects:
+        reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
+        if hold:
+            monitor.held.why = monitor.held.why or reason
+        else:
+            msg = monitor.sampler.escalate(obs.step, reason)
+            if msg:
+                notes.append(monitor._sampler_finding(obs.step, obs.epoch, msg))
+    for f in findings:
+        monitor.ledger.record(f, hold=monitor.held.findings if hold else None)
+    for f in notes:
+        monitor.ledger.record(f)
+    decision = decide(findings, monitor.stop_on, monitor.raise_on, monitor.spared)
+    if hold:
+        held = monitor.held.decision
+        if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
+            monitor.held.decision = decision
+        monitor.held.spared.extend(decision.spared)  # for the ranks to agree on
+        return Decision()
+    if decision.stop:
+        monitor.note_stop(decision.reason)
+    return decision
+
+
 def _description(monitor: Monitor) -> dict[str, Any]:
     """What :meth:`Monitor.describe` returns."""
     detectors = {}
@@ -506,6 +533,24 @@ def _description(monitor: Monitor) -> dict[str, Any]:
         "stop_on": _policy_text(monitor.stop_on),
         "raise_on": _policy_text(monitor.raise_on),
     }
+
+
+def _budget(fraction: float | None, sampler: AdaptiveSampler) -> OverheadBudget | None:
+    """The overhead budget of ``fraction`` for ``sampler``'s sampled detectors."""
+    if fraction is None:
+        return None
+    sampled = [every for every in sampler.declared.values() if every > 1]
+    return OverheadBudget(fraction, shortest=min(sampled, default=16))
+
+
+def _stretch(monitor: Monitor, factor: int) -> None:
+    """Run the sampled detectors ``factor`` times less often than declared."""
+    if factor == monitor.sampler.stretch:
+        return
+    monitor.sampler.stretch_to(factor, LONGEST)
+    if monitor.budget is not None:
+        monitor.budget.stretch = factor
+    monitor.planner.set_idle(monitor.planner.idle)  # its caches follow the schedule
 
 
 def _first_to_act(earlier: Decision, later: Decision) -> Decision:

@@ -56,7 +56,11 @@ class AdaptiveSampler:
                 )
         if isinstance(hot_steps, bool) or not isinstance(hot_steps, int) or hot_steps < 1:
             raise ValueError(f"hot_steps={hot_steps!r} must be an integer >= 1")
+        #: The intervals asked for; ``base`` holds them as an overhead budget stretches them.
+        self.declared: dict[str, int] = dict(intervals)
         self.base: dict[str, int] = dict(intervals)
+        #: How many times longer than declared the sampled detectors' intervals are now.
+        self.stretch = 1
         self.escalation = bool(escalate)
         self.hot_steps = hot_steps
         self._max_base = max(self.base.values(), default=1)
@@ -71,6 +75,20 @@ class AdaptiveSampler:
         self.escalations = 0
 
     # -- the schedule ---------------------------------------------------------
+    def stretch_to(self, factor: int, longest: int) -> None:
+        """Run the sampled detectors (those not every step) ``factor`` times less often
+        than declared, none less often than every ``longest`` steps (nor more often than
+        declared). ``factor`` is a power of two, so a stretched schedule keeps a subset of
+        the declared one's steps; the every-step detectors are never stretched."""
+        self.stretch = factor
+        self.base = {
+            name: every if every == 1 else max(every, min(every * factor, longest))
+            for name, every in self.declared.items()
+        }
+        self._max_base = max(self.base.values(), default=1)
+        self._intervals = tuple(sorted(set(self.base.values())))
+        self._due_cache.clear()
+
     def cap(self, step: int) -> int | None:
         """The escalation's cap on every interval at ``step``; None when not escalated."""
         if self.hot_since is None:
@@ -148,6 +166,7 @@ class AdaptiveSampler:
             "hot_since": self.hot_since,
             "calibrating": self.calibrating,
             "escalations": self.escalations,
+            "stretch": self.stretch,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

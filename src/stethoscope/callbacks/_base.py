@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,27 @@ from stethoscope.recovery import Recoverer, Recovery, parse_recover
 from stethoscope.sinks import ConsoleSink, Sink
 from stethoscope.summary import EpochSummary
 
-__all__ = ["StethoscopeBase"]
+__all__ = ["StepClock", "StethoscopeBase"]
+
+
+class StepClock:
+    """Times each step from its start to the next one's, for the overhead budget (see
+    :meth:`Monitor.clock`); what lies between epochs (validation, checkpoints) is no
+    step's time, so :meth:`pause` drops the step in progress."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._sampled = False
+
+    def start(self, monitor: Monitor, *, sampled: bool) -> None:
+        """A step starts: the last one's time goes to ``monitor``."""
+        now = time.perf_counter()
+        if self._start is not None:
+            monitor.clock(now - self._start, sampled=self._sampled)
+        self._start, self._sampled = now, sampled
+
+    def pause(self) -> None:
+        self._start = None
 
 
 class StethoscopeBase:
@@ -40,6 +61,7 @@ class StethoscopeBase:
         hot_steps: int,
         record: str | os.PathLike[str] | None,
         recover: bool | Recovery = False,
+        overhead_budget: float | None = None,
     ) -> None:
         """Make the monitor (which validates every argument); a console by default; with
         ``record``, a :class:`RunRecorder` first among the sinks (so that it has closed
@@ -57,6 +79,7 @@ class StethoscopeBase:
             intervals=intervals,
             escalate=escalate,
             hot_steps=hot_steps,
+            overhead_budget=overhead_budget,
         )
         self.summaries = []
         #: The recovery ladder (``recover=``), or ``None``.

@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "tensorflow-cpu"
     ) from exc
 
-from stethoscope.callbacks._base import StethoscopeBase
+from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._keras.describe import describe_run, training_setup
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
@@ -72,6 +72,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             only then stop. Each step judges itself inside the train step, so a bad one
             is never applied. Refused at the start of ``fit`` where it cannot skip (see
             ``docs/recovery.md``).
+        overhead_budget: The share of step time the sampled steps may cost (``0.01``:
+            1%); their detectors' intervals stretch, up to every 256 steps, to stay
+            within it. ``None`` (default): the declared intervals.
 
     The callback judges a step at the start of the next one (or at the epoch's end),
     never in ``on_train_batch_end``: overriding that hook makes Keras wait for every
@@ -109,6 +112,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         hot_steps: int = 32,
         record: str | os.PathLike[str] | None = None,
         recover: bool | Recovery = False,
+        overhead_budget: float | None = None,
     ) -> None:
         super().__init__()
         backend = keras.backend.backend()
@@ -128,7 +132,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             hot_steps=hot_steps,
             record=record,
             recover=recover,
+            overhead_budget=overhead_budget,
         )
+        self._clock = StepClock()
         self._probe: GraphProbe | None = None
         self._recovery: KerasRecovery | None = None
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
@@ -227,6 +233,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     # -- per step ------------------------------------------------------------------------
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        self._clock.pause()  # the last epoch's end and its validation are no step's time
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # The previous execution has returned: judge it here rather than in a batch-end
@@ -243,6 +250,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 break
         probe.schedule(chosen, plan)
         self._pending = (self._next, chosen, plan)
+        self._clock.start(self.monitor, sampled=chosen >= 0)  # an execution's time
 
     def _collect(self) -> None:
         """Judge the steps of the last execution: every loss, and the sampled step's probes."""

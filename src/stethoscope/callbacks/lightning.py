@@ -19,7 +19,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
         "LightningStethoscope needs torch and lightning: pip install 'stethoscope[lightning]'"
     ) from exc
 
-from stethoscope.callbacks._base import StethoscopeBase
+from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
@@ -38,6 +38,7 @@ from stethoscope.callbacks._lightning.reductions import (
 )
 from stethoscope.detectors import Detector
 from stethoscope.distributed import RankMeeting
+from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
 from stethoscope.policy import StopOn
 from stethoscope.recovery import Recovery
@@ -96,6 +97,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             record. Rank zero writes it. See :class:`stethoscope.record.RunRecorder`.
         recover: ``False`` (default), ``True`` or a :class:`stethoscope.Recovery`: skip a
             bad step, cool the learning rate, roll back to a snapshot, then stop.
+        overhead_budget: The share of step time the sampled steps may cost (``0.01``:
+            1%); their detectors' intervals stretch, up to every 256 steps, to stay
+            within it. ``None`` (default): the declared intervals.
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices.
@@ -121,15 +125,10 @@ class LightningStethoscope(StethoscopeBase, Callback):
         val_loss_key: str | None = None,
         record: str | os.PathLike[str] | None = None,
         recover: bool | Recovery = False,
+        overhead_budget: float | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
-            raise ValueError(f"max_lag={max_lag!r} must be an integer >= 0 (steps)")
-        for arg, fn in (("inputs_from", inputs_from), ("labels_from", labels_from)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{arg}={fn!r} must be a callable taking a batch, or None")
-        if val_loss_key is not None and not isinstance(val_loss_key, str):
-            raise TypeError(f"val_loss_key={val_loss_key!r} must be a metric name or None")
+        _check_arguments(max_lag, inputs_from, labels_from, val_loss_key)
         self.inputs_from, self.labels_from = inputs_from, labels_from
         self.val_loss_key = val_loss_key
         self._build_monitor(
@@ -142,6 +141,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             hot_steps=hot_steps,
             record=record,
             recover=recover,
+            overhead_budget=overhead_budget,
         )
         self.log_stats = bool(log_stats)
         self.max_lag = max_lag
@@ -156,6 +156,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._record = StepRecord(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
         self._train_losses = TrainingLosses()
+        self._clock = StepClock()
         self._printer: Callable[[str], None] | None = None
         self._lr_group: dict[str, Any] | None = None
         # distributed runs only
@@ -241,6 +242,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self.log_stats and "grads" in plan:
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         self._record = record = StepRecord(step, trainer.current_epoch, plan)
+        self._clock.start(self.monitor, sampled=record.sampled)
         if record.sampled:
             for r in self._reductions.run(plan):
                 r.at_start(record, batch)
@@ -318,10 +320,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._recovery.saw_loss(trainer, pl_module, loss)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.pause()
         if self._timing is not None:
             self._timing.pause()  # the first batch of an epoch also starts the data loader
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.pause()
         if self._timing is not None:
             self._timing.pause()
 
@@ -431,20 +435,38 @@ class LightningStethoscope(StethoscopeBase, Callback):
         obs = self._reductions.observation(reading, values, self.monitor.rank)
         decision = self.monitor.observe(obs)
         if self.log_stats and obs.grad_norm is not None:
-            log_metrics(trainer, headline(obs, self._interval), step=obs.step)
+            every = functools.partial(_gradient_interval, self.monitor)
+            log_metrics(trainer, headline(obs, every), step=obs.step)
         self._act(decision)
         self._look_if_nonfinite(trainer, obs)
-
-    def _interval(self) -> float:
-        """The gradient detectors' sampling interval now (NaN without them)."""
-        if "exploding_gradients" not in self.monitor.sampler.base:
-            return float("nan")
-        return float(self.monitor.interval("exploding_gradients"))
 
     def _look_if_nonfinite(self, trainer: pl.Trainer, judged: Observation) -> None:
         decision = look_if_nonfinite(judged, self._record.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
+
+
+def _gradient_interval(monitor: Monitor) -> float:
+    """The gradient detectors' sampling interval now (NaN without them)."""
+    if "exploding_gradients" not in monitor.sampler.base:
+        return float("nan")
+    return float(monitor.interval("exploding_gradients"))
+
+
+def _check_arguments(
+    max_lag: int,
+    inputs_from: Callable[[Any], Any] | None,
+    labels_from: Callable[[Any], Any] | None,
+    val_loss_key: str | None,
+) -> None:
+    """Refuse LightningStethoscope's own arguments when bad, naming them."""
+    if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
+        raise ValueError(f"max_lag={max_lag!r} must be an integer >= 0 (steps)")
+    for arg, fn in (("inputs_from", inputs_from), ("labels_from", labels_from)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{arg}={fn!r} must be a callable taking a batch, or None")
+    if val_loss_key is not None and not isinstance(val_loss_key, str):
+        raise TypeError(f"val_loss_key={val_loss_key!r} must be a metric name or None")
 
 
 def _gather(trainer: pl.Trainer) -> Callable[[np.ndarray], np.ndarray]:
