@@ -532,6 +532,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         collateral=("loss_spike", "unstable_loss"),
     ),
     Scenario(
+        "dead_units_late",
+        "silent",
+        "at step 1200, long past start-up (where an overhead budget has stretched the "
+        "sampled detectors), the biases of 60% of layer 0's ReLU units set to -100",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=1800),
+        fault=_fault("kill_units", layer=0, fraction=0.6, bias=-100.0),
+        onset=1200,
+        expect=("dead_relu",),
+        window=600,
+        # the loss jumps as the units die, and its gradients with it
+        collateral=("loss_spike", "unstable_loss", "exploding_gradients"),
+    ),
+    Scenario(
         "saturated_tanh",
         "silent",
         "a tanh MLP whose hidden weights are initialised x20: pre-activations saturate",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -293,7 +294,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
                 step=record.step, epoch=record.epoch, rank=self.monitor.rank, lr=lr, loss=value
             )
             self._act(self.monitor.observe(obs))
-            self._look_if_nonfinite(trainer, obs)
+            if not math.isfinite(value):
+                self._look_if_nonfinite(trainer, obs)
         else:
             for r in self._reductions.run(record.plan):
                 r.at_end(record)
@@ -302,7 +304,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             reading = record.take(lr)
             if reading is not None:
                 self._reader.push(reading, reading.values)
-        self._drain(trainer, wait=False)
+            self._drain(trainer, wait=False)
         if self._recovery is not None and trainer.global_step != record.step:
             self._recovery.after_step(trainer, pl_module, record.step)
         if self._meeting is not None:
