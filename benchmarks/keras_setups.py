@@ -123,7 +123,9 @@ def _fit(model: keras.Model, x: Any, y: Any, steps: int, callbacks: list) -> lis
     return [1e3 * (t[i + 1] - t[i]) / k for i in range(1, len(t) - 1)]
 
 
-def run_setup(setup: str, rounds: int, segment: int, instances: int, log: Any) -> dict:
+def run_setup(
+    setup: str, rounds: int, segment: int, instances: int, log: Any, budget: float | None = None
+) -> dict:
     model = build(setup)
     k = model.steps_per_execution
     segment = max(segment, k) // k * k
@@ -133,9 +135,15 @@ def run_setup(setup: str, rounds: int, segment: int, instances: int, log: Any) -
     y = rng.integers(0, 10, n)
     x = rng.normal(size=(n, 784)).astype("float32") + 0.1 * patterns[y]
     clock = ExecutionClock()
-    steadies = [KerasStethoscope(sinks=[], stop_on=None) for _ in range(instances)]
-    for steady in steadies:  # past each one's calibration window, untimed
-        for _ in range(256 // segment + 1):
+    steadies = [
+        KerasStethoscope(sinks=[], stop_on=None, overhead_budget=budget) for _ in range(instances)
+    ]
+    # past each one's calibration window, untimed; with a budget, past the windows in
+    # which it measures and settles (256 steady clocks each: executions, with several
+    # steps to one)
+    preroll = 256 if budget is None else 256 + 4 * 256 * k
+    for steady in steadies:
+        for _ in range(preroll // segment + 1):
             _fit(model, x, y, segment, [clock, steady])
     plain_ms, ratios = [], []
     previous = _fit(model, x, y, segment, [clock])
@@ -153,6 +161,8 @@ def run_setup(setup: str, rounds: int, segment: int, instances: int, log: Any) -
         "setup": setup,
         "title": SETUPS[setup],
         "backend": keras.backend.backend(),
+        "overhead_budget": budget,
+        "stretch": [s.monitor.sampler.stretch for s in steadies],
         "plain_ms_per_step": statistics.median(plain_ms),
         "ratio": {**_quartiles(ratios), "ci95": _median_ci(ratios), "n": len(ratios)},
         "alarms": sorted(
@@ -174,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--segment", type=int, default=32, help="timed steps per fit")
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--budget", type=float, default=None, help="overhead_budget (default: none)")
     args = p.parse_args(argv)
     backend = keras.backend.backend()
     if backend == "tensorflow":
@@ -193,7 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results = [run_setup(n, args.rounds, args.segment, args.instances, log) for n in names]
+    results = [
+        run_setup(n, args.rounds, args.segment, args.instances, log, args.budget) for n in names
+    ]
     wall = time.perf_counter() - t0
     lines = [
         "| backend | set-up | plain ms/step | stethoscope / plain: median [IQR] | 95% CI | "
@@ -202,8 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for r in results:
         q = r["ratio"]
+        title = r["title"] + (
+            f", overhead_budget={r['overhead_budget']} (stretch {r['stretch']})"
+            if r["overhead_budget"] is not None
+            else ""
+        )
         lines.append(
-            f"| {r['backend']} | {r['setup']}: {r['title']} | {r['plain_ms_per_step']:.2f} | "
+            f"| {r['backend']} | {r['setup']}: {title} | {r['plain_ms_per_step']:.2f} | "
             f"{q['median']:.3f}x [{q['q1']:.3f}–{q['q3']:.3f}] | "
             f"{q['ci95'][0]:.3f}–{q['ci95'][1]:.3f} | {', '.join(r['alarms']) or 'none'} |"
         )
