@@ -133,3 +133,22 @@ def test_labels_that_are_not_integer_classes_are_not_counted():
     d = LossAtChance()
     assert run(d, obs) == [] and d.state["counts"] == []
     assert d.finished(16) and d.wanting(16) == {"labels"}  # finished: never planned again
+
+
+def test_every_loss_counts_so_a_noisy_plateau_above_chance_is_not_at_chance():
+    """Batch-32 losses with a 20% spread: a plateau 7% above ln K is told apart from chance
+    with the 300 losses of the span (it was not, with one loss in 16), and a plateau at
+    ln K is still at chance."""
+    rng = np.random.default_rng(0)
+
+    def run_every_step(level: float) -> list:
+        d = LossAtChance()
+        out = []
+        for t in range(1200):
+            labels = rng.integers(0, K, 32) if t % 16 == 0 else None
+            loss = level * (1 + 0.2 * rng.standard_normal())
+            out += d.update(Observation(step=t, loss=loss, labels=labels))
+        return out
+
+    assert run_every_step(1.07 * math.log(K)) == []
+    assert len(run_every_step(math.log(K))) == 1

@@ -24,16 +24,16 @@ class LossAtChance(Detector):
     classifier that starts above chance (a confident initialisation) and falls to it
     has made "progress" that is no learning at all.
 
-    Rule: integer labels are counted at the start, on the sampled steps (as
+    Rule: integer labels are counted at the start, every ``stride`` steps (where
     ``class_imbalance`` reads them), until at least ``samples`` and ``20 x K`` were seen
     (K: the largest label + 1); then they are no longer read. Their entropy ``H`` (in
     nats, corrected for the sample's size) is chance. A run whose labels are not integer
     classes, or that has not shown enough of them in its first ``MAX_READS`` label
-    batches (a language model's vocabulary), is left alone. A loss every ``stride`` steps
-    over the last ``patience`` steps is kept; once they span that long, their median
-    within ``tolerance`` of ``H``, or within two standard errors of either estimate (the
-    median's from the batch noise, the entropy's from the labels counted), is a
-    warning, once. A doubled learning rate starts the span again (a warm-up from 0 gets
+    batches (a language model's vocabulary), is left alone. Every loss of the last
+    ``patience`` steps is kept; once they span that long, every ``stride`` steps, their
+    median within ``tolerance`` of ``H``, or within two standard errors of either
+    estimate (the median's from the batch noise, the entropy's from the labels counted),
+    is a warning, once. A doubled learning rate starts the span again (a warm-up from 0 gets
     its patience at a real learning rate).
 
     Sources: Karpathy's "A Recipe for Training Neural Networks" (2019) makes checking
@@ -51,9 +51,8 @@ class LossAtChance(Detector):
     name = "loss_at_chance"
     needs = frozenset({"loss"})
     wants = frozenset({"labels"})
-    base_interval = 16
-    #: Steps between the losses kept: the span's median needs no more, and a hot sampler
-    #: (every step) adds none.
+    base_interval = 1  # every loss: the median of 300 is four times surer than of 20
+    #: Steps between two judgements (and between two label reads while counting).
     stride = 16
     #: Label batches read at most while counting: a vocabulary of tens of thousands of
     #: tokens is never counted 20 times over, and its labels are not read for ever.
@@ -92,7 +91,11 @@ class LossAtChance(Detector):
         return st["fired"] or (st["chance"] is None and st["reads"] >= self.MAX_READS)
 
     def wanting(self, step: int) -> frozenset[str]:
-        return self.wants if self.state["chance"] is None else frozenset()
+        counting = self.state["chance"] is None and step % self.stride == 0
+        return self.wants if counting else frozenset()
+
+    def waits_below(self, steps: int) -> float | None:
+        return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -105,11 +108,13 @@ class LossAtChance(Detector):
         if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
             st["clock_lr"] = float(lr)
             recent.clear()  # a warm-up: the span starts again
-        if obs.step % self.stride or not is_finite(obs.loss):
+        if not is_finite(obs.loss):
             return []
         recent.append([obs.step, float(obs.loss)])
         while len(recent) > 1 and recent[1][0] <= obs.step - self.patience:
             recent.pop(0)  # the oldest kept is the last one at least ``patience`` back
+        if obs.step % self.stride:
+            return []
         chance = st["chance"]
         if chance is None or obs.step - recent[0][0] < self.patience or len(recent) < 5:
             return []
