@@ -152,3 +152,13 @@ def test_every_loss_counts_so_a_noisy_plateau_above_chance_is_not_at_chance():
 
     assert run_every_step(1.07 * math.log(K)) == []
     assert len(run_every_step(math.log(K))) == 1
+
+
+def test_batches_without_labels_stop_being_asked_for():
+    """A run whose batches hold no labels: after MAX_READS asks the detector finishes,
+    and nothing more is planned for it."""
+    d = LossAtChance()
+    for t in range(0, 16 * LossAtChance.MAX_READS, 16):
+        assert d.wanting(t) == {"labels"}
+        d.update(Observation(step=t, loss=1.0))
+    assert d.finished(16 * LossAtChance.MAX_READS)

@@ -54,8 +54,9 @@ class LossAtChance(Detector):
     base_interval = 1  # every loss: the median of 300 is four times surer than of 20
     #: Steps between two judgements (and between two label reads while counting).
     stride = 16
-    #: Label batches read at most while counting: a vocabulary of tens of thousands of
-    #: tokens is never counted 20 times over, and its labels are not read for ever.
+    #: Label batches asked for at most while counting: a vocabulary of tens of thousands
+    #: of tokens is never counted 20 times over, and a run whose batches hold no labels
+    #: never shows any; neither is asked for ever.
     MAX_READS = 64
     assumes_falling_loss = True
     advice = "check that labels match inputs; check the data pipeline"
@@ -101,8 +102,11 @@ class LossAtChance(Detector):
         st = self.state
         if st["fired"]:
             return []
-        if st["chance"] is None and obs.labels is not None:
-            self._count(obs.labels)
+        if st["chance"] is None:
+            if obs.step % self.stride == 0:  # asked for: a run whose batches hold no labels
+                st["reads"] += 1  # gives up too
+            if obs.labels is not None:  # counted whenever read (every step while hot)
+                self._count(obs.labels)
         recent = st["recent"]
         lr = obs.lr
         if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
@@ -154,7 +158,6 @@ class LossAtChance(Detector):
         if not np.issubdtype(labels.dtype, np.integer):
             st["reads"] = self.MAX_READS  # a regression's targets: no classes to count
             return
-        st["reads"] += 1
         labels = labels[labels >= 0]  # -100 and friends: ignored targets
         counts = np.bincount(labels.astype(np.int64, copy=False).ravel())
         old = st["counts"]
