@@ -40,6 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras
 import numpy as np
 
+from benchmarks.keras_overhead import StepClock
 from benchmarks.overhead import _median_ci, _quartiles
 from stethoscope import KerasStethoscope
 
@@ -92,23 +93,11 @@ def build(setup: str) -> keras.Model:
     return model
 
 
-class ExecutionClock(keras.callbacks.Callback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self.times = []
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self.times.append(time.perf_counter())
-
-
 def _fit(model: keras.Model, x: Any, y: Any, steps: int, callbacks: list) -> list[float]:
     """``steps`` timed steps and an untimed execution on each side; ms per step of each
     timed execution."""
     k = model.steps_per_execution
-    clock = next(c for c in callbacks if isinstance(c, ExecutionClock))
+    clock = next(c for c in callbacks if isinstance(c, StepClock))
     model.fit(
         x,
         y,
@@ -134,7 +123,7 @@ def run_setup(
     n = (segment + 2 * k) * BATCH
     y = rng.integers(0, 10, n)
     x = rng.normal(size=(n, 784)).astype("float32") + 0.1 * patterns[y]
-    clock = ExecutionClock()
+    clock = StepClock()
     steadies = [
         KerasStethoscope(sinks=[], stop_on=None, overhead_budget=budget) for _ in range(instances)
     ]

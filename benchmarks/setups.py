@@ -55,6 +55,7 @@ from benchmarks.overhead import (
     STETHOSCOPE,
     THREADS,
     Segment,
+    Task,
     _Cycle,
     _median_ci,
     _quartiles,
@@ -80,22 +81,7 @@ class Setup:
     build: Callable[[nn.Module], L.LightningModule]
 
 
-class Automatic(L.LightningModule):
-    """Cross-entropy with Adam, automatic optimization (``overhead.py``'s task)."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
-class TwoOptimizers(Automatic):
+class TwoOptimizers(Task):
     """Manual optimization: one backward, then two Adams, one per half of the network."""
 
     def __init__(self, net: nn.Module) -> None:
@@ -120,19 +106,19 @@ class TwoOptimizers(Automatic):
 
 
 def _compiled(net: nn.Module) -> L.LightningModule:
-    return Automatic(torch.compile(net))
+    return Task(torch.compile(net))
 
 
 SETUPS = {
     s.name: s
     for s in (
-        Setup("default", "automatic optimization (as overhead.py)", 1.0, {}, Automatic),
+        Setup("default", "automatic optimization (as overhead.py)", 1.0, {}, Task),
         Setup(
             "accumulate",
             "accumulate_grad_batches=4",
             0.25,
             {"accumulate_grad_batches": 4},
-            Automatic,
+            Task,
         ),
         Setup("compile", "torch.compile(net) (inductor)", 1.0, {}, _compiled),
         Setup("manual", "manual optimization, two optimizers", 2.0, {}, TwoOptimizers),

@@ -79,6 +79,11 @@ GAUSSIAN_FEATURES, GAUSSIAN_CLASSES = 20, 4
 SEQ_LEN, SEQ_FEATURES, SEQ_CLASSES = 20, 4, 4
 
 
+def _split(x: np.ndarray, y: np.ndarray, n_train: int) -> tuple[np.ndarray, ...]:
+    """The first ``n_train`` samples for training, the rest for validation."""
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
 def make_data(spec: DataSpec, seed: int) -> Arrays:
     """The arrays of ``spec`` for ``seed``."""
     rng = np.random.default_rng(10_000 + seed)
@@ -88,34 +93,19 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
         teacher = rng.standard_normal((GAUSSIAN_FEATURES, GAUSSIAN_CLASSES))
         y = (x @ teacher).argmax(1)
         classes = GAUSSIAN_CLASSES
-        x_tr, y_tr, x_va, y_va = (
-            x[: spec.n_train],
-            y[: spec.n_train],
-            x[spec.n_train :],
-            y[spec.n_train :],
-        )
+        x_tr, y_tr, x_va, y_va = _split(x, y, spec.n_train)
     elif spec.source == "separable":
         y = rng.integers(0, GAUSSIAN_CLASSES, n_total)
         x = 0.5 * rng.standard_normal((n_total, GAUSSIAN_FEATURES))
         x[np.arange(n_total), y] += 3.0
         classes = GAUSSIAN_CLASSES
-        x_tr, y_tr, x_va, y_va = (
-            x[: spec.n_train],
-            y[: spec.n_train],
-            x[spec.n_train :],
-            y[spec.n_train :],
-        )
+        x_tr, y_tr, x_va, y_va = _split(x, y, spec.n_train)
     elif spec.source == "sequences":
         templates = rng.standard_normal((SEQ_CLASSES, SEQ_LEN, SEQ_FEATURES))
         y = rng.integers(0, SEQ_CLASSES, n_total)
         x = 0.7 * templates[y] + rng.standard_normal((n_total, SEQ_LEN, SEQ_FEATURES))
         classes = SEQ_CLASSES
-        x_tr, y_tr, x_va, y_va = (
-            x[: spec.n_train],
-            y[: spec.n_train],
-            x[spec.n_train :],
-            y[spec.n_train :],
-        )
+        x_tr, y_tr, x_va, y_va = _split(x, y, spec.n_train)
     elif spec.source == "digits":
         from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
 

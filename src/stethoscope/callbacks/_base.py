@@ -30,7 +30,10 @@ class StepClock:
         self._sampled = False
 
     def start(self, monitor: Monitor, *, sampled: bool) -> None:
-        """A step starts: the last one's time goes to ``monitor``."""
+        """A step starts: the last one's time goes to ``monitor`` (with no budget to
+        measure for, nothing is clocked)."""
+        if monitor.budget is None:
+            return
         now = time.perf_counter()
         if self._start is not None:
             monitor.clock(now - self._start, sampled=self._sampled)

@@ -1,10 +1,12 @@
-"""Small robust statistics shared by detectors: plain Python, bounded windows."""
+"""Small robust statistics shared by detectors: bounded windows, label counts."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 #: Scales a median absolute deviation to a standard deviation for normal data.
 MAD_TO_SIGMA = 1.4826
@@ -22,6 +24,18 @@ def robust_sigma(xs: Sequence[float], center: float | None = None) -> float:
     """MAD-based estimate of the spread of ``xs``: insensitive to a few outliers."""
     c = median(xs) if center is None else center
     return MAD_TO_SIGMA * median([abs(x - c) for x in xs])
+
+
+def tally(counts: Sequence[int], labels: np.ndarray) -> np.ndarray:
+    """``counts`` (per class) plus those of ``labels``, the negative ones left out (-100
+    and friends: ignored targets), as an int64 array as long as either needs."""
+    if np.any(labels < 0):
+        labels = labels[labels >= 0]
+    new = np.bincount(labels.astype(np.int64, copy=False).ravel())
+    total = np.zeros(max(len(counts), len(new)), np.int64)
+    total[: len(counts)] += np.asarray(counts, np.int64)
+    total[: len(new)] += new
+    return total
 
 
 def push(window: list[float], x: float, size: int) -> None:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from stethoscope.detectors._stats import is_finite, median, robust_sigma
+from stethoscope.detectors._stats import is_finite, median, robust_sigma, tally
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -158,12 +158,7 @@ class LossAtChance(Detector):
         if not np.issubdtype(labels.dtype, np.integer):
             st["reads"] = self.MAX_READS  # a regression's targets: no classes to count
             return
-        labels = labels[labels >= 0]  # -100 and friends: ignored targets
-        counts = np.bincount(labels.astype(np.int64, copy=False).ravel())
-        old = st["counts"]
-        total = np.zeros(max(len(old), len(counts)), np.int64)
-        total[: len(old)] += np.asarray(old, np.int64)
-        total[: len(counts)] += counts
+        total = tally(st["counts"], labels)
         st["counts"] = total.tolist()
         seen = float(total.sum())
         if len(total) < 2 or seen < max(self.samples, 20 * len(total)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stethoscope.detectors._stats import tally
 from stethoscope.detectors.base import Detector, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -53,14 +54,7 @@ class ClassImbalance(Detector):
         labels = np.asarray(obs.labels)
         if st["judged"] or labels.size == 0:
             return []
-        if np.any(labels < 0):
-            labels = labels[labels >= 0]  # -100 and friends: ignored targets
-        counts = np.bincount(labels.astype(np.int64, copy=False))
-        old = st["counts"]
-        size = max(len(old), len(counts))
-        total = np.zeros(size, np.int64)
-        total[: len(old)] += np.asarray(old, np.int64)
-        total[: len(counts)] += counts
+        total = tally(st["counts"], labels)
         st["counts"] = total.tolist()
         seen = int(total.sum())
         if seen < max(self.samples, 20 * len(total)) or len(total) < 2:
