@@ -101,3 +101,33 @@ def test_a_validation_counts_the_training_losses_that_waited():
     monitor.observe = lambda obs, **kw: spy.append(obs) or original(obs, **kw)
     monitor.observe_validation(604, 0, 1.0)
     assert spy[0].train_loss == pytest.approx(0.25)  # the mean of the five that waited
+
+
+def test_quiet_steps_planned_ahead_are_the_schedule_step_by_step():
+    """The planner plans quiet steps up to 32 ahead and plans again when a detector judges
+    or the sampler escalates: every step's plan is what planning that step alone gives,
+    through a calibration, label counting that finishes, an escalation and its decay."""
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    planner = monitor.planner
+    rng = np.random.default_rng(0)
+    losses = _curve(900)
+    losses[500] = 40.0  # a spike: the sampler escalates
+    for step, loss in enumerate(losses):
+        plan = monitor.plan(step)
+        assert plan == planner._plan(step), step
+        obs = Observation(step=step, epoch=0, loss=float(loss))
+        if "labels" in plan:
+            obs.labels = rng.integers(0, 4, 64)
+        monitor.observe(obs)
+    assert monitor.sampler.escalations >= 1
+    assert all(d.finished(900) for d in monitor.detectors if d.name == "class_imbalance")
+
+
+def test_observe_loss_keeps_a_quiet_step_as_numbers_until_it_cannot_wait():
+    monitor, sink, _ = _run(_curve(600))
+    assert monitor.observe_loss(601, 0, 0.3, lr=0.1) is None  # waits
+    assert monitor.waiting.steps == [(601, 0, 0.3, 0.1)]
+    decision = monitor.observe_loss(602, 0, math.nan)  # judged at once, after 601
+    assert decision.stop and decision.reason.detector == "nonfinite_loss"
+    assert monitor.waiting.steps == [] and monitor.last_step == 602
+    assert sink.findings[-1].step == 602

@@ -20,6 +20,7 @@ from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import GATHERED, PLANNED, REPLICATED
 from stethoscope.summary import EpochSummary
+from stethoscope.validation_window import LossesSinceValidation
 from stethoscope.waiting import WaitingLosses
 
 __all__ = ["SAMPLER", "Monitor"]
@@ -139,7 +140,7 @@ class Monitor:
         self._closed = False
         #: Which detectors run at each step, and what they need measured.
         self.planner = Planner(self.detectors, self.sampler)
-        self.losses = TrainingLosses()
+        self.losses = LossesSinceValidation()
         #: Quiet steps waiting to be judged (see :mod:`stethoscope.waiting`).
         self.waiting = WaitingLosses()
         self._sink_wants = _sink_wants(self.ledger.sinks)
@@ -176,23 +177,50 @@ class Monitor:
             forced: The adapter measured this step off the schedule because something
                 was wrong (a non-finite loss or gradient): judge it likewise.
         """
-        # a distributed run meets on every rank's verdicts, a recovery ladder acts on each
-        # step's: there every step is judged at once
-        waits = self.world_size == 1 and not self.spared
-        if waits and not forced and self.waiting.keep(obs, self.planner):
+        if (
+            not forced
+            and self._waits
+            and self.waiting.keep(obs.step, obs.epoch, obs.loss, obs.lr, self.planner)
+        ):
             return _NOTHING  # a quiet step: judged with the next one that cannot wait
+        return self._observe_now(obs, forced=forced)
+
+    def observe_loss(
+        self, step: int, epoch: int, loss: float, lr: float | None = None
+    ) -> Decision | None:
+        """Judge a quiet step, one that measured the loss alone: :meth:`observe` of its
+        observation, which is made only if the step cannot wait to be judged.
+
+        Returns:
+            None while the step waits, else what :meth:`observe` returns.
+        """
+        if self._waits and self.waiting.keep(step, epoch, loss, lr, self.planner):
+            return None
+        obs = Observation(step=step, epoch=epoch, rank=self.rank, lr=lr, loss=loss)
+        return self._observe_now(obs, forced=False)
+
+    @property
+    def _waits(self) -> bool:
+        """Whether quiet steps may wait to be judged. A distributed run meets on every
+        rank's verdicts and a recovery ladder acts on each step's: there every step is
+        judged at once."""
+        return self.world_size == 1 and not self.spared
+
+    def _observe_now(self, obs: Observation, *, forced: bool) -> Decision:
+        """Judge the waiting steps, then ``obs``; work out the bar for the next ones."""
         earlier = self.catch_up()
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
         decision = self._judge(obs, hold=self.world_size > 1, forced=forced)
-        self.waiting.rebar(self.planner.quiet_detectors(obs.step + 1) if waits else None)
+        quiet = self.planner.quiet_detectors(obs.step + 1) if self._waits else None
+        self.waiting.rebar(quiet)
         return _first_to_act(earlier, decision)
 
     def catch_up(self) -> Decision:
         """Judge the quiet steps still waiting (see :mod:`stethoscope.waiting`), in order:
         before anything else is judged, summed up or saved."""
         decision = _NOTHING
-        for obs in self.waiting.take():
+        for obs in self.waiting.take(self.rank):
             decision = _first_to_act(decision, self._judge(obs, hold=False))
         return decision
 
@@ -241,6 +269,7 @@ class Monitor:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,
         something they should judge at once (a non-finite gradient on an unsampled step)."""
         self.catch_up()
+        self.planner.changed()
         msg = self.sampler.escalate(step, reason)
         if msg:
             self.ledger.record(self._sampler_finding(step, epoch, msg))
@@ -416,7 +445,7 @@ class Monitor:
         self.sampler.load_state_dict({})
         _stretch(self, 1)
         self.planner.forget()
-        self.losses = TrainingLosses()
+        self.losses = LossesSinceValidation()
         self.waiting = WaitingLosses()
         self.ledger.last_sent.clear()
         self.stopped_by = None
@@ -425,43 +454,12 @@ class Monitor:
         self.ledger.new_epoch(escalations=self.sampler.escalations)
 
 
-class TrainingLosses:
-    """The finite training losses a validation is judged against: their sum and count
-    since the last validation, and the run's first one (where the task started)."""
-
-    def __init__(self) -> None:
-        self.sum, self.n = 0.0, 0
-        self.start: float | None = None
-
-    def saw(self, obs: Observation) -> None:
-        """Count a step's loss; a validation closes the window."""
-        loss = obs.loss
-        if obs.val_loss is not None:
-            self.sum, self.n = 0.0, 0
-        elif loss is not None and math.isfinite(loss):
-            self.sum += loss
-            self.n += 1
-            if self.start is None:
-                self.start = loss
-
-    def mean(self) -> float | None:
-        """The mean since the last validation (None: no loss seen since)."""
-        return self.sum / self.n if self.n else None
-
-    def shared(self) -> dict[str, tuple[float, float]]:
-        """What a rank pools with the others' at a validation: each a (sum, count) pair."""
-        start = self.start
-        return {
-            "train_loss": (self.sum, float(self.n)),
-            "start_loss": (start if start is not None else 0.0, float(start is not None)),
-        }
-
-
 def _judge(monitor: Monitor, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
     """Run the detectors due at ``obs``'s step on it; record what they find; decide (held
     until the ranks meet when ``hold``)."""
     findings: list[Finding] = []
     notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
+    monitor.planner.changed()  # the detectors and the sampler may change as they judge
     back = monitor.sampler.tick(obs.step)
     if back:
         notes.append(monitor._sampler_finding(obs.step, obs.epoch, back))

@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 from stethoscope.detectors.base import Detector
 from stethoscope.sampling import AdaptiveSampler
-from stethoscope.statistics import EVENT, GATHERED, with_requirements
+from stethoscope.statistics import EVENT, EVERY_STEP, GATHERED, with_requirements
 
-__all__ = ["SINK_HOT_SHORTENING", "Planner"]
+__all__ = ["QUIET_HORIZON", "SINK_HOT_SHORTENING", "Planner"]
 
 #: How much shorter a sink's cadence gets at most while the sampler is hot. What sinks
 #: ask for (a histogram of every element of every parameter) is the costliest reading:
@@ -17,13 +17,20 @@ __all__ = ["SINK_HOT_SHORTENING", "Planner"]
 #: stretch.
 SINK_HOT_SHORTENING = 16
 
+#: How many steps ahead a run of quiet steps (the loss alone measured) is planned at
+#: once. Planning a step costs a few microseconds of Python on every step, run from a
+#: cache the step's own work has just emptied; a run of quiet steps planned together
+#: costs a comparison each.
+QUIET_HORIZON = 32
+
 
 class Planner:
     """The detectors due at each step (the sampler's schedule, less those that take no
     part in this run or have finished), and the statistics they need measured.
 
     ``plan`` runs on every step, so every answer is worked out once per distinct
-    schedule (a handful per run) and cached.
+    schedule (a handful per run) and cached, and the quiet steps ahead are planned
+    together, until something they depend on changes (:meth:`changed`).
 
     Args:
         detectors: Every detector, in order.
@@ -48,6 +55,7 @@ class Planner:
         self._sink_wants = with_requirements(statistics) - EVENT - GATHERED
         self._sink_every = every if self._sink_wants else 0
         self._sink_shortest = max(1, every // SINK_HOT_SHORTENING)
+        self.changed()
 
     def sink_interval(self, step: int) -> int:
         """How often the sinks' statistics are measured at ``step`` (0: never)."""
@@ -70,6 +78,7 @@ class Planner:
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
         self._quiet: tuple[Detector, ...] | None = None
+        self.changed()
 
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
@@ -99,6 +108,21 @@ class Planner:
     def plan(self, step: int) -> frozenset[str]:
         """The statistics to measure at ``step``: those the detectors due there need or
         want, with what those require, and any deeper statistic requested."""
+        if step in self._quiet_steps:
+            return self._quiet_plan
+        planned = self._plan(step)
+        if planned <= EVERY_STEP:
+            end = step + 1
+            while end < step + QUIET_HORIZON and self._plan(end) == planned:
+                end += 1
+            self._quiet_steps, self._quiet_plan = range(step, end), planned
+        return planned
+
+    def is_quiet(self, step: int) -> bool:
+        """Whether ``step`` measures no more than the every-step statistics (the loss)."""
+        return self.plan(step) <= EVERY_STEP
+
+    def _plan(self, step: int) -> frozenset[str]:
         run = self.runnable(step)
         # the answer depends on the schedule, on which detectors have finished and on
         # what the others still want
@@ -144,3 +168,11 @@ class Planner:
         """A fresh run: no cached schedule, no pending request."""
         self._due_key = None
         self.requested.clear()
+        self.changed()
+
+    def changed(self) -> None:
+        """What the plans ahead depend on may have changed: a detector judged a step (it
+        may have finished, stopped wanting a statistic or asked for one), or the sampler
+        escalated. The quiet steps ahead are planned again."""
+        self._quiet_steps = range(0)
+        self._quiet_plan = EVERY_STEP

@@ -24,41 +24,48 @@ from stethoscope.planning import Planner
 
 __all__ = ["WaitingLosses"]
 
-#: What is measured on a quiet step.
-LOSS_ONLY = frozenset({"loss"})
-
 
 class WaitingLosses:
-    """Quiet steps' observations, waiting to be judged.
+    """Quiet steps' losses, waiting to be judged.
 
-    ``bar`` is the loss below which an observation may wait: the lowest of the due
-    detectors' :meth:`~stethoscope.detectors.base.Detector.waits_below`, worked out
-    again after every judged step (``-inf``: nothing waits).
+    ``bar`` is the loss below which a step may wait: the lowest of the due detectors'
+    :meth:`~stethoscope.detectors.base.Detector.waits_below`, worked out again after
+    every judged step (``-inf``: nothing waits). A waiting step is kept as its numbers
+    alone, ``(step, epoch, loss, lr)``, and becomes an :class:`Observation` when judged.
     """
 
     #: The most steps that wait before they are judged.
     BATCH = 16
 
     def __init__(self) -> None:
-        self.steps: list[Observation] = []
+        self.steps: list[tuple[int, int, float, float | None]] = []
         self.bar = -math.inf
 
-    def keep(self, obs: Observation, planner: Planner) -> bool:
-        """Keep ``obs`` for later, if it may wait: a finite loss below the bar (anything
-        else, a NaN included, fails the comparison) on a quiet step, and room in the
-        batch. False: judge it now, after the waiting ones."""
-        loss = obs.loss
-        if loss is not None and loss < self.bar and planner.plan(obs.step) == LOSS_ONLY:
-            steps = self.steps
-            if len(steps) < self.BATCH - 1:
-                steps.append(obs)
-                return True
+    def keep(
+        self, step: int, epoch: int, loss: float | None, lr: float | None, planner: Planner
+    ) -> bool:
+        """Keep a step's loss for later, if it may wait: a finite loss below the bar
+        (anything else, a NaN included, fails the comparison) on a quiet step, and room
+        in the batch. False: judge it now, after the waiting ones."""
+        steps = self.steps
+        if (
+            loss is not None
+            and loss < self.bar
+            and len(steps) < self.BATCH - 1
+            and planner.is_quiet(step)
+        ):
+            steps.append((step, epoch, loss, lr))
+            return True
         return False
 
-    def take(self) -> list[Observation]:
-        """The waiting observations, oldest first; none wait after."""
+    def take(self, rank: int) -> list[Observation]:
+        """The waiting steps' observations (made on ``rank``), oldest first; none wait
+        after."""
         steps, self.steps = self.steps, []
-        return steps
+        return [
+            Observation(step=step, epoch=epoch, rank=rank, lr=lr, loss=loss)
+            for step, epoch, loss, lr in steps
+        ]
 
     def rebar(self, detectors: Iterable[Detector] | None) -> None:
         """Work out the bar from the detectors that judge quiet steps (None: nothing may

@@ -245,7 +245,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         chosen, plan = -1, frozenset()
         for step in range(self._next, self._next + probe.regime.steps):
             planned = self.monitor.plan(step)
-            if planned - EVERY_STEP:  # more than the every-step loss: a sampled step
+            if not planned <= EVERY_STEP:  # more than the every-step loss: a sampled step
                 chosen, plan = step, planned
                 break
         probe.schedule(chosen, plan)
@@ -288,11 +288,21 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         recovery = self._recovery
         verdicts = probe.verdicts(ring) if recovery is not None else None
         for step in range(first, first + count):
-            obs = Observation(step=step, epoch=self._epoch, rank=0)
-            if losses is not None:
-                obs.loss = float(losses[step % k])
-                if replica_losses and not np.isfinite(obs.loss):
-                    obs.rank = _first_nonfinite(replica_losses, step % k)
+            loss = float(losses[step % k]) if losses is not None else None
+            if (
+                recovery is None
+                and step != planned
+                and step != bad_at
+                and loss is not None
+                and math.isfinite(loss)
+            ):  # a quiet step, as nearly every step is: the loss alone
+                decision = self.monitor.observe_loss(step, self._epoch, loss)
+                if decision is not None:
+                    self._act(decision)
+                continue
+            obs = Observation(step=step, epoch=self._epoch, rank=0, loss=loss)
+            if replica_losses and loss is not None and not math.isfinite(loss):
+                obs.rank = _first_nonfinite(replica_losses, step % k)
             if recovery is not None:
                 recovery.settle(step, self._epoch, verdicts[step % k], obs.loss)
             if step == planned:

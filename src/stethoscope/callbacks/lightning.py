@@ -275,28 +275,29 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        loss = self._train_losses(outputs, trainer, pl_module)
+        record = self._record
         lr = self._lr_group.get("lr") if self._lr_group is not None else None
         lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
-        record = self._record
-        if (
-            loss is not None
-            and loss.device.type == "cpu"
-            and not record.pending
-            and not record.params
-            and not len(self._reader)
-        ):
+        quiet = not record.sampled and not len(self._reader)
+        value = self._train_losses.on_cpu(outputs, trainer, pl_module) if quiet else None
+        if value is not None:
             # The unsampled CPU step, which nearly every step is: reading a CPU scalar is no
             # device sync, and the loss goes straight to the monitor, with no reader and no
             # record to take apart.
-            value = loss.item()
-            obs = Observation(
-                step=record.step, epoch=record.epoch, rank=self.monitor.rank, lr=lr, loss=value
-            )
-            self._act(self.monitor.observe(obs))
-            if not math.isfinite(value):
-                self._look_if_nonfinite(trainer, obs)
+            decision = self.monitor.observe_loss(record.step, record.epoch, value, lr)
+            if decision is not None:  # judged now, not left to wait
+                self._act(decision)
+                if not math.isfinite(value):
+                    obs = Observation(
+                        step=record.step,
+                        epoch=record.epoch,
+                        rank=self.monitor.rank,
+                        lr=lr,
+                        loss=value,
+                    )
+                    self._look_if_nonfinite(trainer, obs)
         else:
+            loss = self._train_losses(outputs, trainer, pl_module)
             for r in self._reductions.run(record.plan):
                 r.at_end(record)
             if loss is not None:

@@ -49,6 +49,18 @@ class TrainingLosses:
             )
         return loss
 
+    def on_cpu(self, outputs: Any, trainer: Any, pl_module: Any) -> float | None:
+        """The step's loss as a number when it is a scalar tensor on the CPU, which reading
+        does not synchronise (None otherwise: see :meth:`__call__`). Every unsampled step
+        asks, so this is :func:`training_loss` with only the checks that number needs."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1:
+            return None
+        k = trainer.accumulate_grad_batches
+        if k > 1 and pl_module.automatic_optimization:
+            return (loss.detach() * k).item()  # as training_loss undoes Lightning's division
+        return loss.item()
+
 
 class ValidationLosses:
     """The validation loss of an epoch: the mean of what ``validation_step`` returned on
