@@ -103,3 +103,23 @@ def test_without_a_budget_nothing_is_clocked_or_stretched():
         m.clock(0.1 if t % 16 == 0 else 0.004, sampled=t % 16 == 0)
     assert m.budget is None and m.sampler.stretch == 1
     assert "budget" not in m.summary(0).verdict
+
+
+def test_the_step_after_a_sampled_one_counts_toward_its_cost():
+    """A sampled step leaves the next one slower (its cache refilled): the cost counts
+    both, so 1 ms over a 4 ms step plus 1 ms after it, every 16 steps, is 3.1%."""
+    budget = OverheadBudget(0.05, shortest=16)
+    for t in range(3000):
+        seconds = 0.005 if t % 16 in (0, 1) else 0.004
+        budget.clock(seconds, sampled=t % 16 == 0)
+    assert budget.measured == pytest.approx(0.002 / (16 * 0.004), rel=0.05)
+
+
+def test_a_distributed_run_has_no_budget_so_its_ranks_keep_one_schedule():
+    m = _monitor()
+    m.distribute(rank=1, world_size=2)
+    m.sampler.hot_since = None
+    _train(m)
+    assert m.budget is None and m.sampler.stretch == 1
+    m.distribute(rank=0, world_size=1)
+    assert m.budget is not None and m.budget.fraction == 0.01

@@ -4,8 +4,9 @@ allows.
 A sampled step (one that measures gradients, weights or activations) costs more than a
 quiet one, and how much more depends on the model: a few percent of a 30 ms GPT step, a
 third of a 4 ms MLP step. :class:`OverheadBudget` clocks every step as training runs,
-estimates what the sampled steps add (each one's time over the median quiet step, the
-median of those, times how many there were), and when that passes the budget, stretches
+estimates what the sampled steps add (each one's time over the median quiet step, with
+the step after it, which runs slower from a cache the sampled one filled; the median of
+those, times how many there were), and when that passes the budget, stretches
 the sampled detectors' intervals by a power of two (16 -> 32 -> 64 ...), up to a longest
 interval; when the cost falls well under the budget, it gives the steps back. The
 every-step sentinels (the loss, its NaNs and spikes) are never stretched, and an
@@ -64,21 +65,27 @@ class OverheadBudget:
         self._quiet: deque[float] = deque(maxlen=self.QUIET)
         self._extra: list[float] = []
         self._steps = 0
+        self._after_sampled = False
 
     def clock(self, seconds: float, *, sampled: bool) -> int | None:
         """One steady-state step's time; returns a new stretch when the cost calls for
         one (the caller applies it), else None."""
-        if not sampled:
+        if sampled:
+            if len(self._quiet) >= 8:
+                self._extra.append(seconds - statistics.median(self._quiet))
+                self._after_sampled = True
+        elif self._after_sampled:  # the sampled step's aftermath: part of its cost
+            self._extra[-1] += seconds - statistics.median(self._quiet)
+            self._after_sampled = False
+        else:
             self._quiet.append(seconds)
-        elif len(self._quiet) >= 8:
-            self._extra.append(seconds - statistics.median(self._quiet))
         self._steps += 1
         if self._steps < self.WINDOW or len(self._extra) < 4:
             return None
         cost = statistics.median(self._extra) * len(self._extra)
         cost /= self._steps * statistics.median(self._quiet)
         self.measured = max(cost, 0.0)
-        self._extra, self._steps = [], 0
+        self._extra, self._steps, self._after_sampled = [], 0, False
         wanted = self.stretch
         if cost > self.fraction:  # too dear: stretch by what the excess asks for
             wanted = self.stretch * 2 ** math.ceil(math.log2(cost / self.fraction))

@@ -146,8 +146,7 @@ class Monitor:
         self._sink_wants = _sink_wants(self.ledger.sinks)
         #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
         self.sinks_want: frozenset[str] = self._sink_wants[0]
-        #: Keeps the sampled steps' cost within ``overhead_budget`` (None: no budget).
-        self.budget = _budget(parse_budget(overhead_budget), self.sampler)
+        self._budget_fraction = parse_budget(overhead_budget)
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
 
@@ -323,6 +322,10 @@ class Monitor:
         self.planner.set_idle(frozenset(idle))
         # the sinks write on rank zero only: there alone is what they want measured
         self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
+        #: Keeps the sampled steps' cost within ``overhead_budget`` (None: no budget). Only
+        #: in a single process: the ranks of a distributed run share one schedule, which
+        #: their own clocks would pull apart.
+        self.budget = _budget(self._budget_fraction if world_size == 1 else None, self.sampler)
         #: What this rank holds until the ranks next meet (a distributed run only).
         self.held = Held()
 
@@ -538,7 +541,9 @@ def _budget(fraction: float | None, sampler: AdaptiveSampler) -> OverheadBudget 
     if fraction is None:
         return None
     sampled = [every for every in sampler.declared.values() if every > 1]
-    return OverheadBudget(fraction, shortest=min(sampled, default=16))
+    budget = OverheadBudget(fraction, shortest=min(sampled, default=16))
+    budget.stretch = sampler.stretch  # a run that goes on keeps the stretch it had
+    return budget
 
 
 def _stretch(monitor: Monitor, factor: int) -> None:

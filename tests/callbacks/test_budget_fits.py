@@ -32,6 +32,17 @@ def test_a_lightning_fit_stretches_its_sampled_detectors_to_a_tiny_budget():
     assert (first.detector, first.step) == ("nonfinite_loss", 1500)
 
 
+def test_the_callbacks_keep_to_a_1_percent_budget_unless_told_otherwise():
+    assert LightningStethoscope().monitor.budget.fraction == 0.01
+    assert LightningStethoscope(overhead_budget=None).monitor.budget is None
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() == "tensorflow":
+        from stethoscope import KerasStethoscope
+
+        assert KerasStethoscope().monitor.budget.fraction == 0.01
+        assert KerasStethoscope(overhead_budget=None).monitor.budget is None
+
+
 def test_lightning_refuses_a_bad_budget_at_construction():
     with pytest.raises(ValueError, match="overhead_budget=5"):
         LightningStethoscope(overhead_budget=5)

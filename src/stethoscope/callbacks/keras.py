@@ -72,9 +72,12 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             only then stop. Each step judges itself inside the train step, so a bad one
             is never applied. Refused at the start of ``fit`` where it cannot skip (see
             ``docs/recovery.md``).
-        overhead_budget: The share of step time the sampled steps may cost (``0.01``:
-            1%); their detectors' intervals stretch, up to every 256 steps, to stay
-            within it. ``None`` (default): the declared intervals.
+        overhead_budget: The share of step time the sampled steps may cost (default
+            ``0.01``, 1%): measured as training runs, their detectors' intervals stretch,
+            up to every 256 steps, to stay within it; the every-step sentinels and the
+            escalations on suspicion are never stretched. ``None``: the declared
+            intervals, a schedule that depends on the step alone. Off in a distributed
+            run, whose ranks share one schedule.
 
     The callback judges a step at the start of the next one (or at the epoch's end),
     never in ``on_train_batch_end``: overriding that hook makes Keras wait for every
@@ -112,7 +115,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         hot_steps: int = 32,
         record: str | os.PathLike[str] | None = None,
         recover: bool | Recovery = False,
-        overhead_budget: float | None = None,
+        overhead_budget: float | None = 0.01,
     ) -> None:
         super().__init__()
         backend = keras.backend.backend()

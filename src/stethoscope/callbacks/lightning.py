@@ -98,9 +98,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
             record. Rank zero writes it. See :class:`stethoscope.record.RunRecorder`.
         recover: ``False`` (default), ``True`` or a :class:`stethoscope.Recovery`: skip a
             bad step, cool the learning rate, roll back to a snapshot, then stop.
-        overhead_budget: The share of step time the sampled steps may cost (``0.01``:
-            1%); their detectors' intervals stretch, up to every 256 steps, to stay
-            within it. ``None`` (default): the declared intervals.
+        overhead_budget: The share of step time the sampled steps may cost (default
+            ``0.01``, 1%): measured as training runs, their detectors' intervals stretch,
+            up to every 256 steps, to stay within it; the every-step sentinels and the
+            escalations on suspicion are never stretched. ``None``: the declared
+            intervals, a schedule that depends on the step alone. Off in a distributed
+            run, whose ranks share one schedule.
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices.
@@ -126,7 +129,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         val_loss_key: str | None = None,
         record: str | os.PathLike[str] | None = None,
         recover: bool | Recovery = False,
-        overhead_budget: float | None = None,
+        overhead_budget: float | None = 0.01,
     ) -> None:
         super().__init__()
         _check_arguments(max_lag, inputs_from, labels_from, val_loss_key)
@@ -281,20 +284,14 @@ class LightningStethoscope(StethoscopeBase, Callback):
         quiet = not record.sampled and not len(self._reader)
         value = self._train_losses.on_cpu(outputs, trainer, pl_module) if quiet else None
         if value is not None:
-            # The unsampled CPU step, which nearly every step is: reading a CPU scalar is no
-            # device sync, and the loss goes straight to the monitor, with no reader and no
-            # record to take apart.
+            # the unsampled CPU step, as nearly every step is: reading a CPU scalar is no
+            # device sync, and the loss goes straight to the monitor
             decision = self.monitor.observe_loss(record.step, record.epoch, value, lr)
             if decision is not None:  # judged now, not left to wait
                 self._act(decision)
                 if not math.isfinite(value):
-                    obs = Observation(
-                        step=record.step,
-                        epoch=record.epoch,
-                        rank=self.monitor.rank,
-                        lr=lr,
-                        loss=value,
-                    )
+                    step, epoch, rank = record.step, record.epoch, self.monitor.rank
+                    obs = Observation(step=step, epoch=epoch, rank=rank, lr=lr, loss=value)
                     self._look_if_nonfinite(trainer, obs)
         else:
             loss = self._train_losses(outputs, trainer, pl_module)
