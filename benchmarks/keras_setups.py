@@ -173,7 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--segment", type=int, default=32, help="timed steps per fit")
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--budget", type=float, default=None, help="overhead_budget (default: none)")
+    p.add_argument(
+        "--budget",
+        type=_budget,
+        default=0.01,
+        help="overhead_budget, or 'none' (default: 0.01, the callback's default)",
+    )
     args = p.parse_args(argv)
     backend = keras.backend.backend()
     if backend == "tensorflow":
@@ -224,6 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"wall_s": wall, "results": results}, f, indent=1)
     return 0
+
+
+def _budget(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
 
 
 if __name__ == "__main__":

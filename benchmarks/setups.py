@@ -354,9 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write every number")
     p.add_argument(
         "--budgets",
-        default="",
+        default="0.01",
         help="comma-separated overhead budgets (fractions, 'none' for none) to run each "
-        "set-up under, e.g. none,0.05,0.01,0.005 (default: none)",
+        "set-up under, e.g. none,0.05,0.01,0.005 (default: 0.01, the callback's default)",
     )
     args = p.parse_args(argv)
     _quiet()
@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     budgets = [
         None if b.strip().lower() == "none" else float(b) for b in args.budgets.split(",") if b
-    ] or [None]
+    ]
     results = [
         run_setup(SETUPS[n], rounds, not args.quick, log, budget)
         for n in names
