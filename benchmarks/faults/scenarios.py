@@ -101,18 +101,19 @@ DETECTOR_NAMES = frozenset(DETECTORS)
 #: The three sampling settings of "Adaptive sampling, shown", in words; each
 #: implementation maps them to its callback's arguments.
 SETTINGS: dict[str, str] = {
-    "adaptive": "the default: loss every step, costlier detectors at their base intervals, "
-    "every step for a while at the start and after any suspicion",
+    "adaptive": "the default: loss every step, costlier detectors at their base intervals "
+    "(stretched to keep within the default overhead budget of 1% of step time), every "
+    "step for a while at the start and after any suspicion",
     "every": "every detector every step (intervals of 1, escalation off)",
-    "sparse": "every detector at its default base interval, escalation off",
+    "sparse": "every detector at its default base interval, escalation off, no budget",
+    "no-budget": "the default with overhead_budget=None: the declared intervals",
     "budget-0.5%": "the default with overhead_budget=0.005: the sampled detectors' intervals "
     "stretch to keep their cost within 0.5% of step time",
-    "budget-1%": "the default with overhead_budget=0.01",
     "budget-5%": "the default with overhead_budget=0.05",
 }
 #: What ``--setting all`` runs: the sampling settings (the budgets have ``--setting budgets``).
 SAMPLING = ("adaptive", "every", "sparse")
-BUDGETS = ("adaptive", "budget-0.5%", "budget-1%", "budget-5%")
+BUDGETS = ("adaptive", "no-budget", "budget-0.5%", "budget-5%")
 
 
 def setting_kwargs(setting: str) -> dict[str, Any]:
@@ -128,7 +129,9 @@ def setting_kwargs(setting: str) -> dict[str, Any]:
 
         return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
     if setting == "sparse":
-        return {"escalate": False}
+        return {"escalate": False, "overhead_budget": None}
+    if setting == "no-budget":
+        return {"overhead_budget": None}
     if setting.startswith("budget-") and setting in SETTINGS:
         return {"overhead_budget": float(setting[len("budget-") : -1]) / 100}
     raise ValueError(f"setting={setting!r}; use one of {[*SETTINGS]!r}")

@@ -20,8 +20,9 @@ SINK_HOT_SHORTENING = 16
 #: How many steps ahead a run of quiet steps (the loss alone measured) is planned at
 #: once. Planning a step costs a few microseconds of Python on every step, run from a
 #: cache the step's own work has just emptied; a run of quiet steps planned together
-#: costs a comparison each.
-QUIET_HORIZON = 32
+#: costs a comparison each. The waiting steps are judged 16 at a time, and judging plans
+#: again: planning further ahead would be thrown away.
+QUIET_HORIZON = 16
 
 
 class Planner:
