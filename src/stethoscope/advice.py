@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "TrainingSetup",
+    "adaptive_optimizers",
     "clipping_advice",
     "float16_note",
     "unoptimized_advice",
@@ -36,6 +37,9 @@ class TrainingSetup:
         scheduler: Whether a learning-rate schedule drives the learning rate.
         adversarial: Whether the training step steps several optimizers by hand (a game
             such as a GAN): the loss it returns is a player's, not meant to fall.
+        adaptive: Whether every optimizer scales each parameter's step by that
+            parameter's own gradient history (Adam, RMSprop, Adagrad…), so that one
+            large gradient does not make one large update.
     """
 
     framework: str = ""
@@ -43,10 +47,29 @@ class TrainingSetup:
     precision: str | None = None
     scheduler: bool = False
     adversarial: bool = False
+    adaptive: bool = False
 
     @property
     def float16(self) -> bool:
         return self.precision in _FLOAT16
+
+
+#: Optimizer class names (lowercase stems) whose step is normalised per parameter.
+_ADAPTIVE = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "lion", "lamb")
+
+
+def adaptive_optimizers(optimizers: list) -> bool:
+    """Whether every optimizer of ``optimizers`` (at least one) normalises its steps per
+    parameter, judged by its class's name and those of its bases (a wrapper's inner
+    optimizer, e.g. Keras' ``LossScaleOptimizer``, counts for it)."""
+    if not optimizers:
+        return False
+    for opt in optimizers:
+        opt = getattr(opt, "inner_optimizer", None) or opt
+        names = " ".join(cls.__name__.lower() for cls in type(opt).__mro__)
+        if not any(stem in names for stem in _ADAPTIVE):
+            return False
+    return True
 
 
 def clipping_advice(setup: TrainingSetup) -> str:

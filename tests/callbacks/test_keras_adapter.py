@@ -705,6 +705,17 @@ def test_a_nan_batch_names_the_bad_gradient_and_weight_on_its_step_whatever_was_
         assert found and found[0].step == 5, (name, [(f.step, f.where) for f in found])
 
 
+def test_the_detectors_know_an_adam_fit_is_adaptive():
+    x, y = data()
+    model = mlp()
+    model.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    callback = KerasStethoscope(sinks=[])
+    fit(model, callback, x, y)
+    assert all(d.setup.adaptive for d in callback.monitor.detectors)
+
+
 def test_the_detectors_advice_knows_the_optimizers_clipping_and_schedule():
     """A Keras fit with clipnorm and a schedule: the exploding-gradients advice says the run
     clips already (and does not tell it to), and looks at the schedule's warm-up."""
@@ -720,7 +731,7 @@ def test_the_detectors_advice_knows_the_optimizers_clipping_and_schedule():
     explode = next(d for d in callback.monitor.detectors if d.name == "exploding_gradients")
     setup = explode.setup
     assert (setup.framework, setup.clipping, setup.scheduler) == ("keras", "clipnorm=1.0", True)
-    assert setup.precision is None
+    assert setup.precision is None and not setup.adaptive  # SGD: a huge gradient, a huge step
     from stethoscope.advice import clipping_advice, warmup_advice
 
     assert "clipped already (clipnorm=1.0)" in clipping_advice(setup)

@@ -232,6 +232,13 @@ def test_nonfinite_loss_traces_the_first_bad_module_when_training_goes_on(fault)
     assert "clip" not in first.message
 
 
+def test_the_detectors_know_an_adam_run_is_adaptive():
+    """Adam normalises each step, so a single gradient spike is no error there."""
+    cb = LightningStethoscope(sinks=[])
+    fit(TinyMLP(), steps=5, callback=cb)
+    assert all(d.setup.adaptive for d in cb.monitor.detectors)
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_exploding_gradients_advice_knows_whether_the_run_clips(clip):
     torch.manual_seed(0)
@@ -241,6 +248,7 @@ def test_exploding_gradients_advice_knows_whether_the_run_clips(clip):
     fit(model, steps=400, callback=cb, gradient_clip_val=clip)
     found = sink.by_detector("exploding_gradients")
     assert found, [(f.detector, f.step) for f in sink.findings]
+    assert not cb.monitor.detectors[0].setup.adaptive  # SGD: one huge gradient, one huge step
     message = found[0].message
     rows = [r for summary in cb.summaries for r in summary.rows]
     row = next(r for r in rows if r.detector == "exploding_gradients")

@@ -119,6 +119,43 @@ def test_exploding_gradients_names_where_the_jump_enters_the_backward_pass():
     assert "layer1.bias" in f.message
 
 
+def test_under_an_adaptive_optimizer_one_spike_warns_and_only_a_run_of_them_is_an_error():
+    """Adam normalises each parameter's step: one hard batch's gradient, 1000x its median,
+    moves the weights no further than any other step, so it warns; three in a row still
+    stop the run."""
+    from stethoscope.advice import TrainingSetup
+
+    adam = TrainingSetup(framework="lightning", adaptive=True)
+    g = healthy_grads(0)
+    g[60] *= 1000
+    detector = ExplodingGradients()
+    detector.setup = adam
+    (f,) = run(detector, grad_obs(g))
+    assert (f.step, f.severity.value) == (60, "warning")
+    g[61:63] *= 1000
+    detector = ExplodingGradients()
+    detector.setup = adam
+    found = run(detector, grad_obs(g))
+    assert [(f.step, f.severity.value) for f in found] == [
+        (60, "warning"),
+        (61, "warning"),
+        (62, "error"),
+    ]
+
+
+def test_adaptive_optimizers_are_told_by_their_class():
+    import torch
+
+    from stethoscope.advice import adaptive_optimizers
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert adaptive_optimizers([torch.optim.Adam(p), torch.optim.RMSprop(p)])
+    assert adaptive_optimizers([torch.optim.NAdam(p)])
+    assert not adaptive_optimizers([torch.optim.SGD(p, lr=0.1)])
+    assert not adaptive_optimizers([torch.optim.Adam(p), torch.optim.SGD(p, lr=0.1)])
+    assert not adaptive_optimizers([])
+
+
 def test_exploding_gradients_names_a_jump_that_starts_inside_the_network():
     g = healthy_grads(0)
     g[60, :2] *= 1000  # only the input-side layer jumps (its own weights blew up)

@@ -26,7 +26,10 @@ class ExplodingGradients(Detector):
     times the run's initial norm needs no z-score: a run that diverges from its
     first step has no calm history for one (its norms swing 10x from step to
     step). One such step is a warning; ``patience`` in a row, or one ``factor**2``
-    times the median, is an error.
+    times the median, is an error. Under an adaptive optimizer (Adam, RMSprop…; see
+    ``TrainingSetup.adaptive``) only ``patience`` in a row are: it normalises each
+    parameter's step, so one hard batch's gradient, however large, moves the weights
+    no further than any other step, and a converged fine-tune meets such batches.
 
     Sources: Megatron flags gradients 10x their usual size (``factor=10``); the
     robust z of 6 is OLMo-core's spike rule; requiring the initial norm keeps a
@@ -132,7 +135,8 @@ class ExplodingGradients(Detector):
                 self.suspect = f"gradient norm {total:.3g} is {10**over:.3g}x its recent median"
             if over > margin and log_norm >= st["initial"]:
                 st["streak"] += 1
-                severe = over >= 2 * math.log10(self.factor) or st["streak"] >= self.patience
+                at_once = over >= 2 * math.log10(self.factor) and not self.setup.adaptive
+                severe = at_once or st["streak"] >= self.patience
                 where = _largest_jump(obs.names, norms, last, self.factor)
                 findings.append(
                     self.finding(

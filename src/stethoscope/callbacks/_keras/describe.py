@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stethoscope.advice import TrainingSetup
+from stethoscope.advice import TrainingSetup, adaptive_optimizers
 
 __all__ = ["describe_run", "has_own_train_step", "optimizers_of", "training_setup"]
 
@@ -99,4 +99,5 @@ def training_setup(model: Any) -> TrainingSetup:
         precision=policy if str(policy).startswith("mixed") else None,
         scheduler=isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule),
         adversarial=has_own_train_step(model) and len(optimizers_of(model)) > 1,
+        adaptive=adaptive_optimizers(optimizers_of(model)),
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
-from stethoscope.advice import TrainingSetup
+from stethoscope.advice import TrainingSetup, adaptive_optimizers
 from stethoscope.sinks.base import RunContext
 
 __all__ = ["run_context", "training_setup"]
@@ -62,6 +62,7 @@ def training_setup(trainer: Any) -> TrainingSetup:
         precision=None if precision in ("32-true", "32", "64-true", "64") else precision,
         scheduler=bool(trainer.lr_scheduler_configs),
         adversarial=manual and len(trainer.optimizers) > 1,
+        adaptive=adaptive_optimizers(list(trainer.optimizers)),
     )
 
 
