@@ -24,10 +24,15 @@ def training_loss(outputs: Any, trainer: Any, pl_module: Any) -> torch.Tensor | 
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         return None
     loss = loss.detach()
+    k = _divided_by(trainer, pl_module)
+    return loss * k if k > 1 else loss
+
+
+def _divided_by(trainer: Any, pl_module: Any) -> int:
+    """What Lightning divided the returned loss by: the accumulation factor, under
+    automatic optimization (1: nothing)."""
     k = trainer.accumulate_grad_batches
-    if pl_module.automatic_optimization and k > 1:
-        loss = loss * k  # Lightning divides the returned loss by the accumulation factor
-    return loss
+    return k if k > 1 and pl_module.automatic_optimization else 1
 
 
 class TrainingLosses:
@@ -56,10 +61,8 @@ class TrainingLosses:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1:
             return None
-        k = trainer.accumulate_grad_batches
-        if k > 1 and pl_module.automatic_optimization:
-            return (loss.detach() * k).item()  # as training_loss undoes Lightning's division
-        return loss.item()
+        k = _divided_by(trainer, pl_module)
+        return (loss.detach() * k).item() if k > 1 else loss.item()
 
 
 class ValidationLosses:
