@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from stethoscope.detectors import default_detectors
+from stethoscope.detectors.base import Detector
 from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
 from stethoscope.testing import CapturingSink
@@ -131,3 +132,79 @@ def test_observe_loss_keeps_a_quiet_step_as_numbers_until_it_cannot_wait():
     assert decision.stop and decision.reason.detector == "nonfinite_loss"
     assert monitor.waiting.steps == [] and monitor.last_step == 602
     assert sink.findings[-1].step == 602
+
+
+class _Observing(CapturingSink):
+    """Also keeps what every step's observation looked like to a sink that observes (the
+    run's record does), and how often the sampled detectors ran there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float | None, int]] = []
+
+    def observe(self, obs: Observation, interval: int) -> None:
+        self.seen.append((obs.step, obs.loss, interval))
+
+
+class _Clockwork(Detector):
+    """Says any finite loss may wait, then raises a warning at steps 137 and 1637 and a
+    suspicion at 391 and 1891 (a detector's own rule may do what its bar did not say),
+    all of them steps that wait."""
+
+    name = "clockwork"
+    needs = frozenset({"loss"})
+
+    def waits_below(self, steps: int) -> float:
+        return math.inf
+
+    def _update(self, obs: Observation) -> list:
+        if obs.step in (391, 1891):
+            self.suspect = f"step {obs.step}"
+        if obs.step in (137, 1637):
+            return [self.finding(obs, "warning", f"step {obs.step}")]
+        return []
+
+
+def _everything(losses, labels_seed: int = 0) -> tuple[Monitor, _Observing]:
+    """A run that raises every kind of outcome on loss-only steps: spikes (findings, an
+    escalation and its decay), a rise (unstable_loss's suspicion and warning), warnings
+    and suspicions among the steps that wait, labels counted while loss_at_chance and
+    class_imbalance want them, and validations."""
+    rng = np.random.default_rng(labels_seed)
+    sink = _Observing()
+    detectors = [*default_detectors(), _Clockwork()]
+    monitor = Monitor(detectors=detectors, sinks=[sink], stop_on=None)
+    for step, loss in enumerate(losses):
+        plan = monitor.plan(step)
+        obs = Observation(step=step, epoch=step // 500, loss=float(loss), lr=0.1)
+        if "labels" in plan:
+            obs.labels = rng.integers(0, 4, 64)
+        monitor.observe(obs)
+        if step % 500 == 499:
+            monitor.observe_validation(step, step // 500, float(loss) * 1.1)
+            monitor.end_epoch(step // 500)
+    monitor.close()
+    return monitor, sink
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steps_judged_together_end_as_if_judged_one_by_one(monkeypatch, seed):
+    losses = _curve(2000, seed)
+    losses[700] *= 30  # a spike, judged at once; the steps around it may wait
+    losses[1200:1230] *= 3.0  # a rise that unstable_loss first suspects
+    waited, waited_sink = _everything(losses)
+    assert waited.sampler.escalations >= 1
+    with monkeypatch.context() as m:
+        m.setattr(WaitingLosses, "BATCH", 1)  # nothing ever waits
+        at_once, at_once_sink = _everything(losses)
+
+    def key(sink):
+        return [(f.step, f.detector, f.severity, f.message) for f in sink.findings]
+
+    assert key(waited_sink) == key(at_once_sink)
+    assert {f.detector for f in waited_sink.findings} >= {"loss_spike", "sampler", "clockwork"}
+    assert waited_sink.seen == at_once_sink.seen
+    assert [s.to_dict() for s in waited_sink.summaries] == [
+        s.to_dict() for s in at_once_sink.summaries
+    ]
+    assert waited.state_dict() == at_once.state_dict()

@@ -89,6 +89,11 @@ class Ledger:
         if loss:
             self._loss_steps.add(step)
 
+    def saw_steps(self, steps: list[int]) -> None:
+        """Count quiet ``steps`` in the epoch: their losses were judged, nothing else."""
+        self._steps.update(steps)
+        self._loss_steps.update(steps)
+
     def call_sinks(self, method: str, *args: Any) -> None:
         """Call ``method`` on every sink (on rank zero), each call isolated."""
         self._call(self.sinks, method, *args)

@@ -12,10 +12,11 @@ from stethoscope.budget import LONGEST, OverheadBudget, parse_budget
 from stethoscope.detectors import DETECTORS, Detector, default_detectors
 from stethoscope.distributed import Held
 from stethoscope.findings import Finding, Severity
+from stethoscope.judging import judge, judge_waiting
 from stethoscope.ledger import SAMPLER, Ledger
 from stethoscope.observation import Observation
 from stethoscope.planning import Planner
-from stethoscope.policy import Decision, Policy, StopOn, decide, parse_policy
+from stethoscope.policy import NOTHING, Decision, Policy, StopOn, decide, first_to_act, parse_policy
 from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import GATHERED, PLANNED, REPLICATED
@@ -24,8 +25,6 @@ from stethoscope.validation_window import LossesSinceValidation
 from stethoscope.waiting import WaitingLosses
 
 __all__ = ["SAMPLER", "Monitor"]
-
-_NOTHING = Decision()  # what a healthy step decides (never mutated)
 
 
 def _policy_text(policy: Policy) -> str | list[str] | None:
@@ -181,7 +180,7 @@ class Monitor:
             and self._waits
             and self.waiting.keep(obs.step, obs.epoch, obs.loss, obs.lr, self.planner)
         ):
-            return _NOTHING  # a quiet step: judged with the next one that cannot wait
+            return NOTHING  # a quiet step: judged with the next one that cannot wait
         return self._observe_now(obs, forced=forced)
 
     def observe_loss(
@@ -210,18 +209,16 @@ class Monitor:
         earlier = self.catch_up()
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
-        decision = self._judge(obs, hold=self.world_size > 1, forced=forced)
+        decision = judge(self, obs, hold=self.world_size > 1, forced=forced)
         quiet = self.planner.quiet_detectors(obs.step + 1) if self._waits else None
         self.waiting.rebar(quiet)
-        return _first_to_act(earlier, decision)
+        return first_to_act(earlier, decision)
 
     def catch_up(self) -> Decision:
         """Judge the quiet steps still waiting (see :mod:`stethoscope.waiting`), in order:
         before anything else is judged, summed up or saved."""
-        decision = _NOTHING
-        for obs in self.waiting.take(self.rank):
-            decision = _first_to_act(decision, self._judge(obs, hold=False))
-        return decision
+        steps = self.waiting.take()
+        return judge_waiting(self, steps) if steps else NOTHING
 
     def observe_shared(self, obs: Observation) -> Decision:
         """Judge an observation that every rank holds the same (gathered from all of them).
@@ -230,7 +227,7 @@ class Monitor:
         rank; only rank zero reports its findings (the others do not forward them).
         """
         self.catch_up()
-        return self._judge(obs, hold=False)
+        return judge(self, obs, hold=False)
 
     def clock(self, seconds: float, *, sampled: bool) -> None:
         """How long the last step took (the adapter's clock, from one step's start to the
@@ -241,9 +238,6 @@ class Monitor:
         stretch = self.budget.clock(seconds, sampled=sampled)
         if stretch is not None:
             _stretch(self, stretch)
-
-    def _judge(self, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
-        return _judge(self, obs, hold=hold, forced=forced)
 
     def note_stop(self, reason: Finding | None) -> None:
         """Remember ``reason`` as what stopped the run, unless something already did."""
@@ -457,66 +451,6 @@ class Monitor:
         self.ledger.new_epoch(escalations=self.sampler.escalations)
 
 
-def _judge(monitor: Monitor, obs: Observation, *, hold: bool, forced: bool = False) -> Decision:
-    """Run the detectors due at ``obs``'s step on it; record what they find; decide (held
-    until the ranks meet when ``hold``)."""
-    findings: list[Finding] = []
-    notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
-    monitor.planner.changed()  # the detectors and the sampler may change as they judge
-    back = monitor.sampler.tick(obs.step)
-    if back:
-        notes.append(monitor._sampler_finding(obs.step, obs.epoch, back))
-    suspects: list[str] = []
-    step, has = obs.step, obs.has
-    every = monitor.planner.runnable(step, every=forced)
-    for d in every:
-        if d.finished(step):
-            continue
-        for p in d.needs:
-            if not has(p):
-                break
-        else:
-            found = d.update(obs)
-            if found:
-                findings.extend(found)
-            if d.suspect:
-                suspects.append(f"{d.name}: {d.suspect}")
-            if d.request:
-                monitor.planner.requested |= d.request
-    monitor.planner.fulfilled(has)
-    monitor.losses.saw(obs)
-    monitor.ledger.saw_step(step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
-    if monitor.ledger.observers:
-        monitor.ledger.observe(obs, monitor.planner.sampled_interval(step))
-    if step > monitor.last_step:
-        monitor.last_step = step
-    if not findings and not suspects and not notes:  # the healthy step: nothing to do
-        return _NOTHING
-    alarming = [f for f in findings if f.severity >= Severity.WARNING]
-    if alarming or suspects:
-        reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
-        if hold:
-            monitor.held.why = monitor.held.why or reason
-        else:
-            msg = monitor.sampler.escalate(obs.step, reason)
-            if msg:
-                notes.append(monitor._sampler_finding(obs.step, obs.epoch, msg))
-    for f in findings:
-        monitor.ledger.record(f, hold=monitor.held.findings if hold else None)
-    for f in notes:
-        monitor.ledger.record(f)
-    decision = decide(findings, monitor.stop_on, monitor.raise_on, monitor.spared)
-    if hold:
-        held = monitor.held.decision
-        if decision.stop and (held is None or (decision.raise_ and not held.raise_)):
-            monitor.held.decision = decision
-        monitor.held.spared.extend(decision.spared)  # for the ranks to agree on
-        return Decision()
-    if decision.stop:
-        monitor.note_stop(decision.reason)
-    return decision
-
-
 def _description(monitor: Monitor) -> dict[str, Any]:
     """What :meth:`Monitor.describe` returns."""
     detectors = {}
@@ -554,14 +488,6 @@ def _stretch(monitor: Monitor, factor: int) -> None:
     if monitor.budget is not None:
         monitor.budget.stretch = factor
     monitor.planner.set_idle(monitor.planner.idle)  # its caches follow the schedule
-
-
-def _first_to_act(earlier: Decision, later: Decision) -> Decision:
-    """Of two steps' decisions, the one to act on: a raise before a stop, else the
-    earlier stop."""
-    if later.raise_ and not earlier.raise_:
-        return later
-    return earlier if earlier.stop else later
 
 
 def _listed(names: list[str]) -> str:

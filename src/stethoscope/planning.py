@@ -78,7 +78,7 @@ class Planner:
         # early (see Detector.finished) or stop wanting a statistic (Detector.wanting)
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
-        self._quiet: tuple[Detector, ...] | None = None
+        self._loss_readers: tuple[Detector, ...] | None = None
         self.changed()
 
     def due(self, step: int) -> frozenset[str]:
@@ -141,19 +141,19 @@ class Planner:
             planned = planned | self._sink_wants
         return planned
 
-    def quiet_detectors(self, step: int) -> list[Detector]:
+    def loss_readers(self) -> tuple[Detector, ...]:
         """The detectors that judge a quiet step (one that measures the loss alone): those
-        run every step on the loss alone, taking part and not finished at ``step``."""
-        quiet = self._quiet
-        if quiet is None:
-            quiet = self._quiet = tuple(
-                d
-                for d in self.detectors
-                if d.name not in self.idle
-                and self.sampler.base[d.name] == 1
-                and d.needs <= frozenset({"loss"})
+        taking part that need nothing but the loss, at whatever interval, in order."""
+        readers = self._loss_readers
+        if readers is None:
+            readers = self._loss_readers = tuple(
+                d for d in self.detectors if d.name not in self.idle and d.needs <= EVERY_STEP
             )
-        return [d for d in quiet if not d.finished(step)]
+        return readers
+
+    def quiet_detectors(self, step: int) -> list[Detector]:
+        """The :meth:`loss_readers` not finished at ``step``."""
+        return [d for d in self.loss_readers() if not d.finished(step)]
 
     def sampled_interval(self, step: int) -> int:
         """How often the sampled detectors (those not run every step) run at ``step``: the

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from stethoscope.findings import Finding, Severity
 
-__all__ = ["Decision", "Policy", "StopOn", "decide", "parse_policy"]
+__all__ = ["NOTHING", "Decision", "Policy", "StopOn", "decide", "first_to_act", "parse_policy"]
 
 #: ``None`` (never), ``"error"``, ``"warning"``, or a set of detector names.
 StopOn = str | Iterable[str] | None
@@ -39,6 +39,10 @@ class Decision:
     raise_: bool = False
     reason: Finding | None = None
     spared: tuple[Finding, ...] = ()
+
+
+#: What a healthy step decides.
+NOTHING = Decision()
 
 
 def parse_policy(value: StopOn, *, argument: str, known: Iterable[str]) -> Policy:
@@ -87,3 +91,11 @@ def decide(
         if stop_on.matches(finding):
             return Decision(stop=True, reason=finding, spared=spared)
     return Decision(spared=spared) if spared else Decision()
+
+
+def first_to_act(earlier: Decision, later: Decision) -> Decision:
+    """Of two steps' decisions, the one to act on: a raise before a stop, else the
+    earlier stop."""
+    if later.raise_ and not earlier.raise_:
+        return later
+    return earlier if earlier.stop else later

@@ -28,6 +28,17 @@ class LossesSinceValidation:
             if self.start is None:
                 self.start = loss
 
+    def saw_losses(self, losses: list[float]) -> None:
+        """Count finite losses (quiet steps'), oldest first."""
+        if not losses:
+            return
+        total = self.sum
+        for loss in losses:  # in order, one by one: the same sum as step by step
+            total += loss
+        self.sum, self.n = total, self.n + len(losses)
+        if self.start is None:
+            self.start = losses[0]
+
     def mean(self) -> float | None:
         """The mean since the last validation (None: no loss seen since)."""
         return self.sum / self.n if self.n else None

@@ -5,8 +5,9 @@ loss sentinels) find nothing. Judging it at once costs the most Python of any st
 schedule, every loss detector and the ledger, each run from a cache that the step's own
 work has just emptied. A loss that none of those detectors could act on at once (it is
 finite, and below every bar that would stop the run, skip a step or raise a suspicion)
-can wait: :class:`WaitingLosses` keeps it, and the monitor judges the waiting steps in
-order, as if one by one, at the next step that cannot wait, or after ``BATCH`` steps.
+can wait: :class:`WaitingLosses` keeps it, and the monitor judges the waiting steps at
+the next step that cannot wait, or after ``BATCH`` steps, together, with the outcome of
+judging them one by one (:func:`stethoscope.judging.judge_waiting`).
 
 Nothing is lost or reordered: every detector sees every observation, in order, and each
 finding keeps its step. What waits is the report of a finding no bar asked for at once
@@ -19,7 +20,6 @@ import math
 from collections.abc import Iterable
 
 from stethoscope.detectors.base import Detector
-from stethoscope.observation import Observation
 from stethoscope.planning import Planner
 
 __all__ = ["WaitingLosses"]
@@ -58,14 +58,10 @@ class WaitingLosses:
             return True
         return False
 
-    def take(self, rank: int) -> list[Observation]:
-        """The waiting steps' observations (made on ``rank``), oldest first; none wait
-        after."""
+    def take(self) -> list[tuple[int, int, float, float | None]]:
+        """The waiting steps' numbers, oldest first; none wait after."""
         steps, self.steps = self.steps, []
-        return [
-            Observation(step=step, epoch=epoch, rank=rank, lr=lr, loss=loss)
-            for step, epoch, loss, lr in steps
-        ]
+        return steps
 
     def rebar(self, detectors: Iterable[Detector] | None) -> None:
         """Work out the bar from the detectors that judge quiet steps (None: nothing may

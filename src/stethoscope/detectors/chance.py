@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from stethoscope.detectors._stats import is_finite, median, robust_sigma, tally
+from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, robust_sigma, tally
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -123,12 +123,22 @@ class LossAtChance(Detector):
         if chance is None or obs.step - recent[0][0] < self.patience or len(recent) < 5:
             return []
         losses = [x for _, x in recent]
-        level = median(losses)
+        ordered = sorted(losses)
+        level = median(ordered)
+        gap = abs(level - chance)
+        # the standard error of a median is sqrt(pi / 2n) sigma
+        scale = (math.pi / (2 * len(losses))) ** 0.5
+        # the noise below is at most what the losses' range allows (two losses differ by
+        # no more than the range, two such differences by no more than twice it): a level
+        # further from chance than that is not at it, whatever the MAD of the differences
+        widest = MAD_TO_SIGMA * 2 * (ordered[-1] - ordered[0]) / math.sqrt(2)
+        if gap > max(self.tolerance * chance, 2 * math.hypot(widest * scale, st["chance_se"])):
+            return []
         # the batch noise comes from successive differences, which a falling loss does
-        # not widen; the standard error of a median is sqrt(pi / 2n) sigma
+        # not widen
         spread = robust_sigma(np.diff(losses).tolist()) / math.sqrt(2)
-        noise = 2 * math.hypot(spread * (math.pi / (2 * len(losses))) ** 0.5, st["chance_se"])
-        if abs(level - chance) > max(self.tolerance * chance, noise):
+        noise = 2 * math.hypot(spread * scale, st["chance_se"])
+        if gap > max(self.tolerance * chance, noise):
             return []
         st["fired"] = True
         k = len(st["counts"])
