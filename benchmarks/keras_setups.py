@@ -127,10 +127,9 @@ def run_setup(
     steadies = [
         KerasStethoscope(sinks=[], stop_on=None, overhead_budget=budget) for _ in range(instances)
     ]
-    # past each one's calibration window, untimed; with a budget, past the windows in
-    # which it measures and settles (256 steady clocks each: executions, with several
-    # steps to one)
-    preroll = 256 if budget is None else 256 + 4 * 256 * k
+    # past each one's calibration window, untimed; with a budget, past the windows of 256
+    # steps in which it measures and settles
+    preroll = 256 if budget is None else 256 + 4 * 256
     for steady in steadies:
         for _ in range(preroll // segment + 1):
             _fit(model, x, y, segment, [clock, steady])

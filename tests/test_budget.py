@@ -42,6 +42,36 @@ def test_a_cheap_sampled_step_keeps_its_interval_and_room_gives_steps_back():
     assert _feed(budget, quiet=0.004, sampled=0.0043, every=128, steps=800)[:1] == [4]
 
 
+def test_executions_of_several_steps_are_judged_every_window_of_steps():
+    """Keras' steps_per_execution=8: each clock is an execution of 8 steps. Sampling every
+    16 steps would leave no quiet execution to compare with (sampled, after, sampled...):
+    the budget starts at 2x. A sampled execution 2 ms dearer than a 32 ms one every 4
+    executions costs 1.6%: judged after 256 steps (32 executions), not 256 executions."""
+    budget = OverheadBudget(0.01, shortest=16)
+    asked = []
+    every = 2
+    for t in range(200):
+        got = budget.clock(0.034 if t % every == 0 else 0.032, sampled=t % every == 0, steps=8)
+        if got is not None:
+            asked.append((t, got))
+            every = 2 * got
+    assert asked[:2] == [(0, 2), (32, 4)]
+    assert budget.least == 2
+    assert budget.measured == pytest.approx(0.002 / (8 * 0.032), rel=0.01)
+
+
+def test_a_stretch_given_back_keeps_quiet_executions_between_sampled_ones():
+    budget = OverheadBudget(0.05, shortest=16)
+    budget.clock(0.032, sampled=False, steps=8)
+    assert budget.stretch == 2
+    for t in range(400):  # nearly free: room to spare, but not below 2x
+        budget.clock(0.0321 if t % 4 == 0 else 0.032, sampled=t % 4 == 0, steps=8)
+    assert budget.stretch == 2
+    single = OverheadBudget(0.01, shortest=16)  # one step an interval: no floor
+    single.clock(0.004, sampled=False)
+    assert single.stretch == 1 and single.least == 1
+
+
 def test_the_stretch_stops_at_the_longest_interval():
     budget = OverheadBudget(0.001, shortest=16)
     _feed(budget, quiet=0.001, sampled=0.010, every=16, steps=5000)

@@ -51,25 +51,46 @@ class OverheadBudget:
             a stretch past ``LONGEST / shortest`` buys nothing more.
     """
 
-    #: Steps between two judgements of the cost.
+    #: Training steps between two judgements of the cost (an interval clocked as one may
+    #: hold several: Keras' ``steps_per_execution``).
     WINDOW = 256
-    #: Quiet steps whose median is a step's time without sampling.
+    #: Quiet intervals whose median is an interval's time without sampling.
     QUIET = 63
 
     def __init__(self, fraction: float, shortest: int) -> None:
         self.fraction = fraction
-        self.most = max(1, LONGEST // max(shortest, 1))
+        self.shortest = max(shortest, 1)
+        self.most = max(1, LONGEST // self.shortest)
         self.stretch = 1
+        #: The least stretch that leaves quiet intervals between the sampled ones, where
+        #: an interval clocks several steps (see :meth:`clock`).
+        self.least = 1
         #: The cost measured last, a fraction of a quiet step's time (None: not yet).
         self.measured: float | None = None
         self._quiet: deque[float] = deque(maxlen=self.QUIET)
         self._extra: list[float] = []
         self._steps = 0
+        self._intervals = 0
         self._after_sampled = False
 
-    def clock(self, seconds: float, *, sampled: bool) -> int | None:
-        """One steady-state step's time; returns a new stretch when the cost calls for
-        one (the caller applies it), else None."""
+    def clock(self, seconds: float, *, sampled: bool, steps: int = 1) -> int | None:
+        """One steady-state interval's time, ``steps`` training steps clocked together (one
+        call of a train function that runs several); returns a new stretch when the cost
+        calls for one (the caller applies it), else None. The cost is judged every
+        :data:`WINDOW` training steps, however they are clocked, so a run of several steps
+        per execution settles as soon as one of a step each.
+
+        An interval that holds a sampled step and the one after it are its cost; the
+        others are the baseline. Where an interval holds several steps, the declared
+        intervals may leave no other (every 16 steps, in executions of 8: sampled, after,
+        sampled, after...), and the cost could never be measured: the stretch is at least
+        what puts four intervals between two sampled steps."""
+        if steps > 1 and self.least * self.shortest < 4 * steps:
+            while self.least * self.shortest < 4 * steps and self.least < self.most:
+                self.least *= 2
+            if self.stretch < self.least:
+                self.stretch = self.least
+                return self.stretch
         if sampled:
             if len(self._quiet) >= 8:
                 self._extra.append(seconds - statistics.median(self._quiet))
@@ -79,19 +100,20 @@ class OverheadBudget:
             self._after_sampled = False
         else:
             self._quiet.append(seconds)
-        self._steps += 1
+        self._steps += steps
+        self._intervals += 1
         if self._steps < self.WINDOW or len(self._extra) < 4:
             return None
         cost = statistics.median(self._extra) * len(self._extra)
-        cost /= self._steps * statistics.median(self._quiet)
+        cost /= self._intervals * statistics.median(self._quiet)
         self.measured = max(cost, 0.0)
-        self._extra, self._steps, self._after_sampled = [], 0, False
+        self._extra, self._steps, self._intervals, self._after_sampled = [], 0, 0, False
         wanted = self.stretch
         if cost > self.fraction:  # too dear: stretch by what the excess asks for
             wanted = self.stretch * 2 ** math.ceil(math.log2(cost / self.fraction))
         elif self.stretch > 1 and cost * 2 < self.fraction * 0.8:  # room to spare: halve
             wanted = self.stretch // 2
-        wanted = min(max(wanted, 1), self.most)
+        wanted = min(max(wanted, self.least), self.most)
         if wanted == self.stretch:
             return None
         # the cost scales with how often steps are sampled: what the new stretch should cost

@@ -229,13 +229,14 @@ class Monitor:
         self.catch_up()
         return judge(self, obs, hold=False)
 
-    def clock(self, seconds: float, *, sampled: bool) -> None:
+    def clock(self, seconds: float, *, sampled: bool, steps: int = 1) -> None:
         """How long the last step took (the adapter's clock, from one step's start to the
-        next), and whether it was sampled: the overhead budget's measure. Off while the
-        sampler is hot: the budget governs the healthy steady state."""
+        next; ``steps``: the training steps of an execution clocked as one), and whether it
+        was sampled: the overhead budget's measure. Off while the sampler is hot: the
+        budget governs the healthy steady state."""
         if self.budget is None or self.sampler.hot:
             return
-        stretch = self.budget.clock(seconds, sampled=sampled)
+        stretch = self.budget.clock(seconds, sampled=sampled, steps=steps)
         if stretch is not None:
             _stretch(self, stretch)
 

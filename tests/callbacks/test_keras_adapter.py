@@ -185,16 +185,19 @@ def test_a_nan_batch_is_caught_on_its_own_step_and_stops_training():
     assert_clean(model)
 
 
-def test_a_nan_that_relu_hides_from_the_loss_is_caught_in_the_gradients():
+@pytest.mark.parametrize("spe", [1, 4], ids=["one-step", "steps_per_execution=4"])
+def test_a_nan_that_relu_hides_from_the_loss_is_caught_in_the_gradients(spe):
     # TensorFlow's relu maps NaN to 0: the loss stays finite (TerminateOnNaN sees nothing)
-    # while the NaN input's weight row turns NaN through the gradient.
+    # while the NaN input's weight row turns NaN through the gradient. One step an
+    # execution, the host tests each gradient's sum of squares; with several, the graph
+    # tests their sum and records the bad step's norms.
     x, y = data()
     x[5 * BATCH + 3, 2] = np.nan
-    plain = mlp()
+    plain = mlp(spe=spe)
     history = fit(plain, keras.callbacks.TerminateOnNaN(), x, y, epochs=2)
     assert np.all(np.isfinite(history.history["loss"]))
     assert np.isnan(plain.layers[0].kernel.numpy()).any()
-    model = mlp()
+    model = mlp(spe=spe)
     cb = watch()
     fit(model, cb, x, y, epochs=2)
     assert cb.stopped_by is not None and cb.stopped_by.step == 5

@@ -28,16 +28,17 @@ class StepClock:
     def __init__(self) -> None:
         self._start: float | None = None
         self._sampled = False
+        self._steps = 1
 
-    def start(self, monitor: Monitor, *, sampled: bool) -> None:
-        """A step starts: the last one's time goes to ``monitor`` (with no budget to
-        measure for, nothing is clocked)."""
+    def start(self, monitor: Monitor, *, sampled: bool, steps: int = 1) -> None:
+        """A step starts (``steps``: an execution of that many): the last one's time goes
+        to ``monitor`` (with no budget to measure for, nothing is clocked)."""
         if monitor.budget is None:
             return
         now = time.perf_counter()
         if self._start is not None:
-            monitor.clock(now - self._start, sampled=self._sampled)
-        self._start, self._sampled = now, sampled
+            monitor.clock(now - self._start, sampled=self._sampled, steps=self._steps)
+        self._start, self._sampled, self._steps = now, sampled, steps
 
     def pause(self) -> None:
         self._start = None

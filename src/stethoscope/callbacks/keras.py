@@ -253,7 +253,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 break
         probe.schedule(chosen, plan)
         self._pending = (self._next, chosen, plan)
-        self._clock.start(self.monitor, sampled=chosen >= 0)  # an execution's time
+        self._clock.start(self.monitor, sampled=chosen >= 0, steps=probe.regime.steps)
 
     def _collect(self) -> None:
         """Judge the steps of the last execution: every loss, and the sampled step's probes."""

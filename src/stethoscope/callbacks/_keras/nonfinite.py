@@ -1,9 +1,9 @@
 """Catching a non-finite step inside the graph, where the ring is a variable.
 
 In the direct regime the ring itself carries every gradient's sum of squares, and the
-host tests them. Elsewhere one sum of the loss and every gradient tells the step
-whether it went bad, and opens one ``cond`` that records the step and its norms; the
-record waits for the host (the first one since the host last looked is kept).
+host tests them. Elsewhere one sum of the loss and every gradient's sum of squares tells
+the step whether it went bad, and opens one ``cond`` that records the step and its
+norms; the record waits for the host (the first one since the host last looked is kept).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from keras import ops
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.reductions import Layout
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.switches import cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
 
 __all__ = ["NonfiniteRecord"]
@@ -47,30 +48,47 @@ class NonfiniteRecord:
         self.optimizer, self.regime, self.layout = optimizer, regime, layout
         self.variables, self.position, self.strategy = variables, position, strategy
 
-    def predicate(self, loss: list[Any], grads: list[Any]) -> Any:
-        """Whether this step's loss or a gradient is not finite and no earlier record waits
-        for the host: a bool tensor, or ``False`` where the graph does not test (the direct
-        regime tests on the host; an eager step would pay a device sync)."""
+    def predicate(self, loss: list[Any], squares: list[Any]) -> Any:
+        """Whether this step's loss or a gradient is not finite: a bool tensor, or ``False``
+        where the graph does not test (the direct regime tests on the host; an eager step
+        would pay a device sync). ``squares``: each gradient's half sum of squares, taken
+        before the optimizer reads it (:func:`~stethoscope.callbacks._keras.ops.checked`),
+        so the update still works in place; one past float32's range (a norm over 1.8e19)
+        counts as non-finite, as the norms of a sampled step would say."""
         if self.regime.direct or self.regime.eager:
             return False
-        parts = loss + [ops.sum(ops.cast(g, "float32")) for g in grads if g is not None]
+        parts = loss + squares
         if not parts:
             return False
-        bad = ops.logical_not(ops.isfinite(ops.sum(ops.stack(parts))))
-        return ops.logical_and(bad, ops.less(self.variables["bad_at"], 0))
+        import tensorflow as tf  # not eager: TensorFlow's graph, where add_n is one op
+
+        return ops.logical_not(ops.isfinite(tf.add_n(parts)))
+
+    def when_first(self, bad: Any, record: Any) -> None:
+        """Run ``record`` at a step that went ``bad`` (see :meth:`predicate`) when no earlier
+        record waits for the host. The healthy step pays for the outer ``cond`` alone."""
+        if bad is False:
+            return
+        cond(bad, lambda: cond(ops.less(self.variables["bad_at"], 0), record))
 
     def gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
         """Record the gradient norms; ``scaled``: they still carry the loss scale."""
-        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
         by_pos = kops.by_position(grads, tvars, self.position)
-        norms = kops.norms({p: kops.half_square(g) for p, g in by_pos.items()}, self.layout.count)
+        self._store({p: kops.half_square(g) for p, g in by_pos.items()}, scaled=scaled)
+
+    def _store(self, squares: dict[int, Any], *, scaled: bool) -> None:
+        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
+        norms = kops.norms(squares, self.layout.count)
         self.variables["bad_grad_norm"].assign(norms / scale if scale else norms)
 
-    def record(self, grads: list, tvars: list) -> None:
-        """After the update: the gradient norms (under a strategy the all-reduce took
-        those), the weight norms, the step, and the flag the host reads with the losses."""
+    def record(self, tvars: list, squares: dict[int, Any]) -> None:
+        """After the update: the gradient norms from ``squares``, each gradient's half sum
+        of squares by position, those the predicate summed (under a strategy the
+        all-reduce took the norms), the weight norms, the step, and the flag the host
+        reads with the losses. The branch holds no gradient: a gradient it held would
+        wait for the branch, and the optimizer could no longer update in its buffer."""
         if self.strategy is None:
-            self.gradients(grads, tvars, scaled=True)
+            self._store(squares, scaled=True)
         weights = {
             pos: kops.half_square(ops.convert_to_tensor(v))
             for v in tvars

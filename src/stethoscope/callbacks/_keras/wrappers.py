@@ -278,6 +278,11 @@ class StepWrappers:
                 out[VERDICT_KEY], trace.verdict = verdict, None
             if self.switches.heavy:
                 out[PROBES_KEY] = self._handed_back(trace)
+            elif self.regime.outputs and not regime_direct:
+                # how many steps the execution ran (an epoch's last may run fewer): an
+                # output of the step, where reading the variable after it costs the host
+                # a read op on every execution
+                out[PROBES_KEY] = {"iterations": self._step_index()}
             return out
 
         return train_step
@@ -334,14 +339,20 @@ class StepWrappers:
             # input into 0, leaving the loss finite and the kernel's gradient NaN, so every
             # gradient is tested. With a direct ring each gradient's sum of squares rides
             # back with the loss (one op per gradient, no cond), and the host tests them,
-            # names the parameter and takes the norms. Else one sum of the loss and every
-            # gradient opens a cond that records the norms, and the record waits for the
-            # host, not overwritten.
+            # names the parameter and takes the norms. Else one sum of the loss and those
+            # sums of squares opens a cond that records the norms, and the record waits for
+            # the host, not overwritten. Either way each gradient reaches the optimizer
+            # after its own sum (see kops.checked): a sum racing the update for the
+            # gradient's buffer made the update copy it, and cost twice as much.
             loss = [trace.loss] if trace.loss is not None else []
-            forced = self.nonfinite.predicate(loss, grads)
+            forced: Any = False
+            squares: dict[int, Any] = {}
             if regime.direct:
                 grads, trace.squares = kops.checked(grads, tvars, self.position)
-            else:
+            elif not regime.eager:
+                grads, squares = kops.checked(grads, tvars, self.position)
+                forced = self.nonfinite.predicate(loss, list(squares.values()))
+            if not regime.direct:
                 trace.loss = None
             heavy = self.switches.heavy
             if self.strategy is not None:
@@ -356,8 +367,7 @@ class StepWrappers:
                 original(grads, tvars)
             if heavy:
                 self._at_update(tvars, before)
-            if forced is not False:
-                cond(forced, lambda: self.nonfinite.record(grads, tvars))
+            self.nonfinite.when_first(forced, lambda: self.nonfinite.record(tvars, squares))
             if regime.eager:
                 self.switches.py_step += 1
             return None
@@ -388,7 +398,9 @@ class StepWrappers:
                 grads, tvars = [g for g, _ in reduced], [v for _, v in reduced]
                 if heavy:
                     self._at_gradients(grads, tvars, scaled=False)
-                cond(forced, lambda: self.nonfinite.gradients(grads, tvars, scaled=False))
+                self.nonfinite.when_first(
+                    forced, lambda: self.nonfinite.gradients(grads, tvars, scaled=False)
+                )
             return reduced
 
         return all_reduce
