@@ -190,7 +190,8 @@ def test_a_nan_that_relu_hides_from_the_loss_is_caught_in_the_gradients(spe):
     # TensorFlow's relu maps NaN to 0: the loss stays finite (TerminateOnNaN sees nothing)
     # while the NaN input's weight row turns NaN through the gradient. One step an
     # execution, the host tests each gradient's sum of squares; with several, the graph
-    # tests their sum and records the bad step's norms.
+    # tests their sum and records the bad step's gradient norms, and the weights are read
+    # after the execution (steps 4-7): at its last step.
     x, y = data()
     x[5 * BATCH + 3, 2] = np.nan
     plain = mlp(spe=spe)
@@ -198,11 +199,14 @@ def test_a_nan_that_relu_hides_from_the_loss_is_caught_in_the_gradients(spe):
     assert np.all(np.isfinite(history.history["loss"]))
     assert np.isnan(plain.layers[0].kernel.numpy()).any()
     model = mlp(spe=spe)
-    cb = watch()
+    sink = CapturingSink()
+    cb = watch(sink=sink)
     fit(model, cb, x, y, epochs=2)
     assert cb.stopped_by is not None and cb.stopped_by.step == 5
     assert cb.stopped_by.detector == "nonfinite_gradients"
     assert cb.stopped_by.where == "mlp/hidden/kernel"
+    weights = sink.by_detector("nonfinite_weights")
+    assert [(f.step, f.where) for f in weights] == [(5 if spe == 1 else 7, "mlp/hidden/kernel")]
 
 
 def test_tanh_saturation_is_seen_through_the_layer_outputs():

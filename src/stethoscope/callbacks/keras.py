@@ -288,6 +288,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 bad_rank = probe.bad_replica()
             if not direct:  # ready for the next one (off the healthy path)
                 probe.clear_nonfinite(ring)
+        # the weights after a non-finite step are read after the execution: its last step's
+        weights_at = last if bad_at >= 0 else -1
         recovery = self._recovery
         verdicts = probe.verdicts(ring) if recovery is not None else None
         for step in range(first, first + count):
@@ -296,6 +298,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 recovery is None
                 and step != planned
                 and step != bad_at
+                and step != weights_at
                 and loss is not None
                 and math.isfinite(loss)
             ):  # a quiet step, as nearly every step is: the loss alone
@@ -311,19 +314,26 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             if step == planned:
                 probe.decode(obs, plan, fresh=measured == step)
             self._act(self.monitor.observe(obs))
-            if step == bad_at:  # a non-finite loss or gradient: the step's norms were recorded
-                if obs.loss is None or math.isfinite(obs.loss):  # only the gradient was not
-                    self.monitor.escalate(step, self._epoch, "a non-finite gradient")
-                self._look_at_nonfinite(obs, bad_rank)
+            # a non-finite loss or gradient, the step's norms recorded: where only the
+            # gradient was not finite, nothing else raised a suspicion
+            if step == bad_at and (obs.loss is None or math.isfinite(obs.loss)):
+                self.monitor.escalate(step, self._epoch, "a non-finite gradient")
+            if step in (bad_at, weights_at):
+                self._look_at_nonfinite(
+                    obs, bad_rank, grads=step == bad_at, weights=step == weights_at
+                )
             if recovery is not None:
                 recovery.after_step(step, self._epoch, first=first if step == last else None)
 
-    def _look_at_nonfinite(self, judged: Observation, replica: int) -> None:
-        """Judge the gradient and weight norms recorded at a non-finite step that its own
-        observation (``judged``) did not carry, by every detector that reads them, due or
-        not: the parameter that went bad is named on this step, whatever the schedule."""
+    def _look_at_nonfinite(
+        self, judged: Observation, replica: int, *, grads: bool, weights: bool
+    ) -> None:
+        """Judge what its own observation (``judged``) did not carry, by every detector that
+        reads it, due or not: the gradient norms recorded at a non-finite step (``grads``),
+        and the weight norms after the execution that took it (``weights``, at its last
+        step), so that the parameter that went bad is named, whatever the schedule."""
         obs = Observation(step=judged.step, epoch=judged.epoch, rank=replica)
-        self._probe.decode_nonfinite(obs, replica)
+        self._probe.decode_nonfinite(obs, replica, grads=grads, weights=weights)
         if judged.grad_norm is not None:
             obs.grad_norm = None  # judged already, as planned
         if judged.weight_norm is not None:

@@ -363,22 +363,26 @@ class GraphProbe:
             if per_parameter or not r.per_parameter:
                 r.decode(obs, self, idx, plan)
 
-    def decode_nonfinite(self, obs: Observation, replica: int | None) -> None:
-        """The gradient and weight norms the graph took at a step whose loss or gradient
-        was not finite (under a strategy: those of the replica that saw it; taken from the
-        summed gradients and the mirrored weights, the same numbers any replica would have
-        recorded). A direct ring holds the gradients'; its weights, after the update, are
-        still the model's (no step ran since), read here off the healthy path."""
+    def decode_nonfinite(
+        self, obs: Observation, replica: int | None, *, grads: bool = True, weights: bool = True
+    ) -> None:
+        """The gradient norms the graph took at a step whose loss or gradient was not
+        finite (under a strategy: those of the replica that saw it, taken from the summed
+        gradients), and the weight norms now, after the execution, read off the healthy
+        path: a direct step's own (no step ran since); with several steps an execution,
+        those of its last step (the graph records no weight: see
+        :meth:`NonfiniteRecord.record`)."""
         idx = self.describe(obs)
-        if self.regime.direct:
-            grads = np.sqrt(2.0 * self.last_ring[1:])
+        if grads:
+            norms = (
+                np.sqrt(2.0 * self.last_ring[1:])
+                if self.regime.direct
+                else self.variables.read("bad_grad_norm", replica)
+            )
+            obs.grad_norm = norms[idx].astype(np.float64)
+        if weights:
             values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in self._watched]
-            weights = np.array([np.sqrt(np.sum(w * w)) for w in values])
-        else:
-            grads = self.variables.read("bad_grad_norm", replica)
-            weights = self.variables.read("bad_weight_norm", replica)
-        obs.grad_norm = grads[idx].astype(np.float64)
-        obs.weight_norm = weights[idx].astype(np.float64)
+            obs.weight_norm = np.array([np.sqrt(np.sum(w * w)) for w in values])[idx]
 
     def describe(self, obs: Observation) -> np.ndarray:
         """Name the parameters of a measured step; returns their positions in the probe.
@@ -493,5 +497,4 @@ def _plumbing(layout: Layout, regime: Regime, groups: int) -> list[Slot]:
         # the first step with a non-finite loss since the host last looked, and its norms
         Slot("bad_at", (), -1, "int64", combine="earliest", returned=False),
         Slot("bad_grad_norm", (p,), np.nan, combine="bad_replica", returned=False),
-        Slot("bad_weight_norm", (p,), np.nan, combine="bad_replica", returned=False),
     ]

@@ -367,7 +367,7 @@ class StepWrappers:
                 original(grads, tvars)
             if heavy:
                 self._at_update(tvars, before)
-            self.nonfinite.when_first(forced, lambda: self.nonfinite.record(tvars, squares))
+            self.nonfinite.when_first(forced, lambda: self.nonfinite.record(squares))
             if regime.eager:
                 self.switches.py_step += 1
             return None
