@@ -182,9 +182,11 @@ def run_model(
     clock = StepClock()
     rng = random.Random(SEED)
     # untimed: past the stethoscope's calibration window (128 steps), and past the windows
-    # of 256 steps in which the overhead budget measures the sampled steps and settles, as
-    # it has in any run of more than a few thousand steps
-    preroll = 256 + 4 * 256
+    # of 256 steps in which the overhead budget measures the sampled steps and settles (the
+    # first stretches as far as the cost asks, the second confirms), as it has in any run
+    # of more than a few thousand steps. No longer: the shared model, trained on its 64
+    # batches by every instance in turn, would memorise them and spike sooner
+    preroll = 256 + 2 * 256
     segs = schedule(
         rounds,
         segment,

@@ -129,7 +129,7 @@ def run_setup(
     ]
     # past each one's calibration window, untimed; with a budget, past the windows of 256
     # steps in which it measures and settles
-    preroll = 256 if budget is None else 256 + 4 * 256
+    preroll = 256 if budget is None else 256 + 2 * 256
     for steady in steadies:
         for _ in range(preroll // segment + 1):
             _fit(model, x, y, segment, [clock, steady])

@@ -276,6 +276,15 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 stacklevel=3,
             )
         ring = probe.ring()
+        if direct and planned != first and self._recovery is None and probe.saw_loss:
+            # the step of nearly every call: one step, nothing sampled, no ladder; its loss
+            # and each gradient's sum of squares, finite when their sum is
+            values = ring.tolist()
+            if math.isfinite(sum(values)):
+                decision = self.monitor.observe_loss(first, self._epoch, values[0])
+                if decision is not None:
+                    self._act(decision)
+                return
         losses = ring if probe.saw_loss else None
         last = first + count - 1
         measured = probe.sampled_at() if first <= planned <= last else -1
