@@ -45,6 +45,16 @@ def test_has_says_whether_a_statistic_was_measured(name):
     assert pickle.loads(pickle.dumps(obs)).has(name)
 
 
+def test_a_quiet_steps_observation_equals_one_built_field_by_field():
+    quick = Observation.of_loss(7, 1, 0, 1e-3, 2.5)
+    full = Observation(step=7, epoch=1, rank=0, lr=1e-3, loss=2.5)
+    assert quick == full and repr(quick) == repr(full)
+    assert dataclasses.asdict(quick) == dataclasses.asdict(full)
+    assert not quick.has("grads") and quick.has("loss")
+    quick.grad_norm = np.ones(2)  # its own, not the class's default
+    assert Observation.of_loss(8, 1, 0, None, 1.0).grad_norm is None
+
+
 def test_the_derived_sets():
     assert {"loss"} == EVERY_STEP
     assert {"val"} == EVENT

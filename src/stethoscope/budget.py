@@ -5,8 +5,9 @@ A sampled step (one that measures gradients, weights or activations) costs more 
 quiet one, and how much more depends on the model: a few percent of a 30 ms GPT step, a
 third of a 4 ms MLP step. :class:`OverheadBudget` clocks every step as training runs,
 estimates what the sampled steps add (each one's time over the median quiet step, with
-the step after it, which runs slower from a cache the sampled one filled; the median of
-those, times how many there were), and when that passes the budget, stretches
+the step after it, which runs slower from a cache the sampled one filled; the mean of
+those, less the highest and lowest eighth, times how many there were), and when that
+passes the budget, stretches
 the sampled detectors' intervals by a power of two (16 -> 32 -> 64 ...), up to a longest
 interval; when the cost falls well under the budget, it gives the steps back. The
 every-step sentinels (the loss, its NaNs and spikes) are never stretched, and an
@@ -104,7 +105,7 @@ class OverheadBudget:
         self._intervals += 1
         if self._steps < self.WINDOW or len(self._extra) < 4:
             return None
-        cost = statistics.median(self._extra) * len(self._extra)
+        cost = _trimmed_mean(self._extra) * len(self._extra)
         cost /= self._intervals * statistics.median(self._quiet)
         self.measured = max(cost, 0.0)
         self._extra, self._steps, self._intervals, self._after_sampled = [], 0, 0, False
@@ -132,3 +133,14 @@ class OverheadBudget:
             f"; gradients every {every} steps at {self.measured:.1%} cost "
             f"(overhead budget {budget}{stretched})"
         )
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """The mean of ``values`` less the highest and lowest eighth: what the sampled steps
+    cost on average (they are of several kinds, some measuring more than others, and a
+    median falls on the commonest: one step in four twice as dear as the rest is half
+    the cost that median says), without a garbage collection or a scheduler's hiccup
+    weighing as much as all the rest."""
+    ordered = sorted(values)
+    cut = len(ordered) // 8
+    return statistics.fmean(ordered[cut : len(ordered) - cut])

@@ -75,10 +75,8 @@ def judge_waiting(monitor: Monitor, steps: Sequence[Waiting]) -> Decision:
     otherwise the steps are judged one by one.
     """
     rank = monitor.rank
-    observations = [
-        Observation(step=step, epoch=epoch, rank=rank, lr=lr, loss=loss)
-        for step, epoch, loss, lr in steps
-    ]
+    quiet = Observation.of_loss
+    observations = [quiet(step, epoch, rank, lr, loss) for step, epoch, loss, lr in steps]
     readers = monitor.planner.loss_readers()
     base = monitor.sampler.base
     if monitor.sampler.hot or any(base[d.name] != 1 for d in readers):

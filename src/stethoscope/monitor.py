@@ -194,7 +194,7 @@ class Monitor:
         """
         if self._waits and self.waiting.keep(step, epoch, loss, lr, self.planner):
             return None
-        obs = Observation(step=step, epoch=epoch, rank=self.rank, lr=lr, loss=loss)
+        obs = Observation.of_loss(step, epoch, self.rank, lr, loss)
         return self._observe_now(obs, forced=False)
 
     @property

@@ -92,6 +92,19 @@ def test_it_resumes_from_a_checkpoint():
     assert len(assert_resumes(LossAtChance, obs, at=30)) == 1
 
 
+def test_a_checkpoint_of_step_and_loss_pairs_continues_alike():
+    """Checkpoints written before the span was kept as two lists held [step, loss] pairs."""
+    obs = observe(noisy(math.log(K), 1200))
+    d = LossAtChance()
+    run(d, obs[:10])  # counted, not yet at chance for the patience
+    old = d.state_dict()
+    old["recent"] = [[s, x] for s, x in zip(old.pop("steps"), old.pop("losses"), strict=True)]
+    restored = LossAtChance()
+    restored.load_state_dict(old)
+    assert restored.state_dict() == d.state_dict()
+    assert run(restored, obs[10:]) == run(d, obs[10:]) != []
+
+
 def test_labels_are_wanted_until_counted_then_no_longer_read():
     d = LossAtChance()
     assert d.wanting(0) == {"labels"}

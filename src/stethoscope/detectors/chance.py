@@ -76,16 +76,23 @@ class LossAtChance(Detector):
 
     def _initial_state(self) -> dict:
         # counts: the labels seen (reads: in how many batches); chance and its standard
-        # error once known; recent: [step, loss] every ``stride`` steps of the span
+        # error once known; steps and losses: every finite loss of the span, in order
         return {
             "counts": [],
             "reads": 0,
             "chance": None,
             "chance_se": 0.0,
-            "recent": [],
+            "steps": [],
+            "losses": [],
             "clock_lr": None,
             "fired": False,
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "recent" in state and "steps" not in state:  # a checkpoint of [step, loss] pairs
+            self.state["steps"] = [int(step) for step, _ in state["recent"]]
+            self.state["losses"] = [float(loss) for _, loss in state["recent"]]
 
     def finished(self, step: int) -> bool:
         st = self.state
@@ -107,32 +114,41 @@ class LossAtChance(Detector):
                 st["reads"] += 1  # gives up too
             if obs.labels is not None:  # counted whenever read (every step while hot)
                 self._count(obs.labels)
-        recent = st["recent"]
+        steps, losses = st["steps"], st["losses"]
         lr = obs.lr
         if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
             st["clock_lr"] = float(lr)
-            recent.clear()  # a warm-up: the span starts again
+            steps.clear()  # a warm-up: the span starts again
+            losses.clear()
         if not is_finite(obs.loss):
             return []
-        recent.append([obs.step, float(obs.loss)])
-        while len(recent) > 1 and recent[1][0] <= obs.step - self.patience:
-            recent.pop(0)  # the oldest kept is the last one at least ``patience`` back
+        steps.append(obs.step)
+        losses.append(float(obs.loss))
+        # the oldest kept is the last one at least ``patience`` back
+        old = 0
+        while len(steps) - old > 1 and steps[old + 1] <= obs.step - self.patience:
+            old += 1
+        if old:
+            del steps[:old], losses[:old]
         if obs.step % self.stride:
             return []
         chance = st["chance"]
-        if chance is None or obs.step - recent[0][0] < self.patience or len(recent) < 5:
+        if chance is None or obs.step - steps[0] < self.patience or len(losses) < 5:
             return []
-        losses = [x for _, x in recent]
-        ordered = sorted(losses)
-        level = median(ordered)
-        gap = abs(level - chance)
         # the standard error of a median is sqrt(pi / 2n) sigma
         scale = (math.pi / (2 * len(losses))) ** 0.5
         # the noise below is at most what the losses' range allows (two losses differ by
         # no more than the range, two such differences by no more than twice it): a level
         # further from chance than that is not at it, whatever the MAD of the differences
-        widest = MAD_TO_SIGMA * 2 * (ordered[-1] - ordered[0]) / math.sqrt(2)
-        if gap > max(self.tolerance * chance, 2 * math.hypot(widest * scale, st["chance_se"])):
+        low, high = min(losses), max(losses)
+        widest = MAD_TO_SIGMA * 2 * (high - low) / math.sqrt(2)
+        bar = max(self.tolerance * chance, 2 * math.hypot(widest * scale, st["chance_se"]))
+        # the median lies between the extremes: a span wholly that far off needs no sorting
+        if low - chance > bar or chance - high > bar:
+            return []
+        level = median(losses)
+        gap = abs(level - chance)
+        if gap > bar:
             return []
         # the batch noise comes from successive differences, which a falling loss does
         # not widen
