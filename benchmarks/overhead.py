@@ -79,6 +79,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks._dispatch import call_hook
 from benchmarks._machine import machine
 from stethoscope import LightningStethoscope
 from stethoscope.record import RunRecord
@@ -338,7 +339,7 @@ class Gate(Callback):
             self.anomaly = key == ANOMALY
             torch.set_anomaly_enabled(self.anomaly, True)  # as set_detect_anomaly(mode) does
         for cb in self.active:
-            cb.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            call_hook(cb, "on_train_batch_start", trainer, batch, batch_idx)
         if key == STETHOSCOPE:
             self.sampled[step] = self.steady._record.sampled
             if self.steady.monitor.sampler.hot:
@@ -352,9 +353,9 @@ class Gate(Callback):
 
 
 def _step_hook(name: str) -> Callable[..., None]:
-    def hook(self: Gate, *args: Any, **kwargs: Any) -> None:
+    def hook(self: Gate, trainer: L.Trainer, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         for cb in self.active:
-            getattr(cb, name)(*args, **kwargs)
+            call_hook(cb, name, trainer, *args, **kwargs)
 
     hook.__name__ = name
     return hook

@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks._dispatch import call_hook
 from benchmarks.overhead import (
     MODELS,
     PLAIN,
@@ -168,7 +169,7 @@ class BatchGate(Callback):
         self.host_us.append(0.0)
         if self.active:
             t0 = time.perf_counter()
-            self.steady.on_train_batch_start(trainer, *args)
+            call_hook(self.steady, "on_train_batch_start", trainer, *args[1:])
             self.host_us[-1] += 1e6 * (time.perf_counter() - t0)
         self.sampled.append(self.active and self.steady._record.sampled)
 
@@ -179,7 +180,7 @@ def _forward(name: str, *, always: bool) -> Callable[..., None]:
             getattr(self.steady, name)(*args, **kwargs)
         elif self.active:
             t0 = time.perf_counter()
-            getattr(self.steady, name)(*args, **kwargs)
+            call_hook(self.steady, name, args[0], *args[2:], **kwargs)
             self.host_us[-1] += 1e6 * (time.perf_counter() - t0)
 
     hook.__name__ = name

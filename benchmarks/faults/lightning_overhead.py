@@ -41,6 +41,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks._dispatch import call_hook
 from benchmarks.faults.data import make_data
 from benchmarks.faults.lightning_suite import SuiteModule, make_loader, setting_kwargs
 from benchmarks.faults.scenarios import Scenario
@@ -93,7 +94,7 @@ class _Gate(Callback):
         self.active: list[LightningStethoscope] = []
         self.fresh: LightningStethoscope | None = None
         self.fresh_runs: list[LightningStethoscope] = []
-        self.step_hooks, self.run_hooks = _overridden(LightningStethoscope)
+        _, self.run_hooks = _overridden(LightningStethoscope)
         self.fresh_ends = -1
 
     def _run_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
@@ -101,10 +102,11 @@ class _Gate(Callback):
             for cb in self.steady.values():
                 getattr(cb, name)(*args, **kwargs)
 
-    def _step_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
-        if name in self.step_hooks:
-            for cb in self.active:
-                getattr(cb, name)(*args, **kwargs)
+    def _step_hook(
+        self, name: str, trainer: L.Trainer, pl_module: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        for cb in self.active:  # every step hook, as Lightning calls them: being called costs
+            call_hook(cb, name, trainer, *args, **kwargs)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int

@@ -24,6 +24,7 @@ from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.hooks import HookSwitch
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
@@ -149,6 +150,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self.log_stats = bool(log_stats)
         self.max_lag = max_lag
+        self._hooks = HookSwitch(self, LightningStethoscope)
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -190,6 +192,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if trainer.world_size > 1:
             self._meeting = RankMeeting(self.monitor, _gather(trainer), recoverer=self.recoverer)
             self._timing = RankTiming()
+        self._hooks.start_fit(recovering=self.recoverer is not None, ranks=trainer.world_size)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -247,6 +250,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         self._record = record = StepRecord(step, trainer.current_epoch, plan)
         self._clock.start(self.monitor, sampled=record.sampled)
+        self._hooks.set("on_before_optimizer_step", record.sampled or self.recoverer is not None)
         if record.sampled:
             for r in self._reductions.run(plan):
                 r.at_start(record, batch)
@@ -383,6 +387,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             (self._printer or print)(message)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._hooks.restore()
         if self._forward is not None:
             self._forward.detach()  # never leave a hook on the user's model
         if self._recovery is not None:
