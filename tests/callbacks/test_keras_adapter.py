@@ -748,3 +748,28 @@ def test_the_detectors_advice_knows_the_optimizers_clipping_and_schedule():
     assert explode.current_advice() == "lower the LR or add warm-up (gradients are clipped already)"
     assert by_name["nonfinite_loss"].current_advice() == "check the batch; lower the LR"
     assert by_name["loss_spike"].current_advice() == "inspect that batch"
+
+
+def test_a_classifier_sure_of_every_sample_has_no_dead_units():
+    # A softmax head so sure of the (single) class that its output is exactly one-hot in
+    # float32: the loss passes back no gradient, and every weight's gradient is zero, in
+    # the live ReLU layer and the head alike. That is no dead unit (it was an error).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(
+                CLASSES,
+                activation="softmax",
+                bias_initializer=keras.initializers.Constant([200.0, 0.0, 0.0]),
+                name="head",
+            ),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+    x, _ = data()
+    sink = CapturingSink()
+    fit(model, watch(sink=sink, stop_on=None), x, np.zeros(N, "int64"), epochs=4)
+    assert sink.by_detector("dead_relu") == []
+    assert sink.by_detector("vanishing_gradients")  # what is wrong is said, once

@@ -336,3 +336,21 @@ def test_saturated_activation_bad_arguments(kwargs, shown):
     with pytest.raises(ValueError, match=re.escape(shown)) as info:
         SaturatedActivation(**kwargs)
     assert "saturated_activation" in str(info.value)
+
+
+def test_dead_relu_skips_a_step_whose_whole_gradient_is_zero():
+    # a classifier sure of every sample of its batch passes back no gradient: every row of
+    # every layer is zero, the linear head's too, and no unit is shown to be dead by it
+    def all_zero_rows(step: int, head_bias: float) -> Observation:
+        obs = units_obs(step, np.ones(UNITS), np.ones(10), names=("hidden", "head"))
+        obs.grad_norm = np.array([0.0, 0.0, 0.0, head_bias])  # weights and biases
+        return obs
+
+    assert run(DeadRelu(), [all_zero_rows(t, 0.0) for t in range(40)]) == []
+    # the same rows with a gradient somewhere (the head's bias): a dead network, at the
+    # window's eighth step
+    (found,) = run(DeadRelu(), [all_zero_rows(t, 0.5) for t in range(8)])
+    assert (found.step, found.severity, found.where) == (7, "error", "hidden")
+    # steps with no gradient between them neither count nor break the streak
+    mixed = [all_zero_rows(t, 0.0 if t % 2 else 0.5) for t in range(16)]
+    assert [f.step for f in run(DeadRelu(), mixed)] == [14]

@@ -27,7 +27,12 @@ class DeadRelu(Detector):
     in every batch but few dead units (0-6%). A dead unit's weight-gradient row
     (and bias gradient) is exactly zero whatever computes the ReLU, ``nn.ReLU``
     or ``F.relu``, so no activation hook is needed. Layers not followed by a
-    ReLU-like function never have an exactly zero row.
+    ReLU-like function never have an exactly zero row, unless the whole gradient
+    is: a loss that passes back nothing (a classifier whose softmax is exactly
+    one-hot, in float32, on every sample of the batch; a cross-entropy that clipped
+    every probability it read) zeroes every row of every layer. Such a step (every
+    parameter's gradient norm exactly 0, when they were measured) says nothing
+    about which units are dead, and is skipped.
 
     Sources: SageMaker Debugger ``dead_relu`` (a unit active < 1% of the time is
     dead; fire when > 50% of a layer is); CS231n: "as much as 40% of your network
@@ -42,6 +47,8 @@ class DeadRelu(Detector):
 
     name = "dead_relu"
     needs = frozenset({"units"})
+    #: The gradient norms: a step whose gradient is zero everywhere is skipped.
+    wants = frozenset({"grads"})
     base_interval = 16
     advice = "lower the LR; LeakyReLU/GELU or He init"
 
@@ -79,6 +86,9 @@ class DeadRelu(Detector):
         return state
 
     def _update(self, obs: Observation) -> list[Finding]:
+        norms = obs.grad_norm
+        if norms is not None and len(norms) and not np.any(norms):
+            return []  # no gradient anywhere: every row is zero, dead or not
         st = self.state
         findings: list[Finding] = []
         look, samples = self._look(obs.unit_samples)
