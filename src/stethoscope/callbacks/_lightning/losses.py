@@ -61,8 +61,9 @@ class TrainingLosses:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1:
             return None
+        # scaled on the host: a tensor product would be an operator call on every batch
         k = _divided_by(trainer, pl_module)
-        return (loss.detach() * k).item() if k > 1 else loss.item()
+        return loss.item() * k if k > 1 else loss.item()
 
 
 class ValidationLosses:
