@@ -75,47 +75,82 @@ def judge_waiting(monitor: Monitor, steps: Sequence[Waiting]) -> Decision:
     otherwise the steps are judged one by one.
     """
     rank = monitor.rank
-    quiet = Observation.of_loss
-    observations = [quiet(step, epoch, rank, lr, loss) for step, epoch, loss, lr in steps]
+    observations = _Observations(steps, rank)
     readers = monitor.planner.loss_readers()
     base = monitor.sampler.base
     if monitor.sampler.hot or any(base[d.name] != 1 for d in readers):
         decision = NOTHING
-        for obs in observations:
+        for obs in observations.all():
             decision = first_to_act(decision, judge(monitor, obs, hold=False))
         return decision
     monitor.planner.changed()
-    # what each step raised, by its place in ``observations``, in the detectors' order
+    numbers = [step for step, _, _, _ in steps]
+    losses = [loss for _, _, loss, _ in steps]
+    lrs = [lr for _, _, _, lr in steps]
+    # what each step raised, by its place in ``steps``, in the detectors' order
     raised: dict[int, list[_Raised]] = {}
+    n = len(steps)
     for d in readers:
         finishes = type(d).finished is not Detector.finished
-        for i, obs in enumerate(observations):
-            if finishes and d.finished(obs.step):
+        i = 0
+        while i < n:
+            if finishes and d.finished(numbers[i]):
+                i += 1
                 continue
-            found = d.update(obs)
+            taken = d.absorb(numbers, losses, lrs, i)  # the steps that raise nothing, at once
+            if taken > i:
+                i = taken
+                continue
+            found = d.update(observations[i])
             if found or d.suspect or d.request:
                 raised.setdefault(i, []).append(_Raised(d, found))
-    numbers = [step for step, _, _, _ in steps]
-    monitor.losses.saw_losses([loss for _, _, loss, _ in steps])
+            i += 1
+    monitor.losses.saw_losses(losses)
     monitor.ledger.saw_steps(numbers)
     observers = monitor.ledger.observers
     decision = NOTHING
-    for i, obs in enumerate(observations):
-        if observers:
-            monitor.ledger.observe(obs, monitor.planner.sampled_interval(obs.step))
-        if obs.step > monitor.last_step:
-            monitor.last_step = obs.step
-        if i in raised:
-            findings, suspects = [], []
-            for r in raised[i]:
-                findings.extend(r.findings)
-                if r.suspect:
-                    suspects.append(f"{r.detector.name}: {r.suspect}")
-                monitor.planner.requested |= r.request
-            monitor.planner.fulfilled(obs.has)
-            done = _conclude(monitor, obs, findings, suspects, [], hold=False)
-            decision = first_to_act(decision, done)
+    if observers or raised:  # step by step, each where judging them one by one would be
+        for i in range(n):
+            obs = observations[i]
+            if observers:
+                monitor.ledger.observe(obs, monitor.planner.sampled_interval(obs.step))
+            monitor.last_step = max(monitor.last_step, obs.step)
+            if i in raised:
+                decision = first_to_act(decision, _act_on(monitor, obs, raised[i]))
+    monitor.last_step = max(monitor.last_step, numbers[-1])
     return decision
+
+
+def _act_on(monitor: Monitor, obs: Observation, raised: list[_Raised]) -> Decision:
+    """Conclude a step that waited on what its detectors raised there."""
+    findings: list[Finding] = []
+    suspects: list[str] = []
+    for r in raised:
+        findings.extend(r.findings)
+        if r.suspect:
+            suspects.append(f"{r.detector.name}: {r.suspect}")
+        monitor.planner.requested |= r.request
+    monitor.planner.fulfilled(obs.has)
+    return _conclude(monitor, obs, findings, suspects, [], hold=False)
+
+
+class _Observations:
+    """The waiting steps' :class:`Observation`, each made when first asked for: a step
+    every loss reader took in (:meth:`Detector.absorb`) and no sink observes needs none."""
+
+    def __init__(self, steps: Sequence[Waiting], rank: int) -> None:
+        self._steps, self._rank = steps, rank
+        self._made: dict[int, Observation] = {}
+
+    def __getitem__(self, i: int) -> Observation:
+        obs = self._made.get(i)
+        if obs is None:
+            step, epoch, loss, lr = self._steps[i]
+            obs = self._made[i] = Observation.of_loss(step, epoch, self._rank, lr, loss)
+        return obs
+
+    def all(self) -> list[Observation]:
+        return [self[i] for i in range(len(self._steps))]
 
 
 class _Raised:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from stethoscope.advice import TrainingSetup
@@ -89,6 +90,29 @@ class Detector:
         finite loss may wait. None (the default, since a detector's rule is its own):
         every loss is judged at once."""
         return None
+
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        """Take in quiet steps that waited (see :mod:`stethoscope.waiting`), from index
+        ``start`` on, leaving the state :meth:`update` would, for as long as ``update``
+        would raise nothing there (no finding, suspicion or request); return the index
+        of the first step not taken. The monitor judges that one with ``update`` and
+        offers the rest again. A loss reader's fast path (the waiting steps' Python is a
+        quiet step's largest cost): it needs no :class:`Observation`, and a detector
+        can test cheaply what rules a raise out. It is not offered a step the detector
+        has :meth:`finished` at. The default takes none.
+
+        Args:
+            steps, losses, lrs: The waiting steps' numbers, oldest first (the losses
+                finite, each under :meth:`waits_below`).
+            start: Where to begin.
+        """
+        return start
 
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -104,6 +105,30 @@ class LossAtChance(Detector):
 
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
+
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        st = self.state
+        kept_steps, kept = st["steps"], st["losses"]
+        for i in range(start, len(losses)):
+            step, lr = steps[i], lrs[i]
+            if step % self.stride == 0:
+                return i  # a label read or a judgement
+            if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+                return i  # the span starts again there
+            kept_steps.append(step)
+            kept.append(float(losses[i]))
+            old = 0
+            while len(kept_steps) - old > 1 and kept_steps[old + 1] <= step - self.patience:
+                old += 1
+            if old:
+                del kept_steps[:old], kept[:old]
+        return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from stethoscope.detectors._stats import SortedWindow, is_finite, push, robust_sigma
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
@@ -129,6 +130,33 @@ class LossSpike(Detector):
         )
         return low + bar / 2
 
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        st = self.state
+        win = st["window"]
+        if len(win) < self.warmup or st["initial"] is None:
+            return start
+        floor = self.min_jump * abs(st["initial"])
+        keep = 1.0 - 1.0 / self.memory
+        window = self._sorted
+        for i in range(start, len(losses)):
+            loss = losses[i]
+            center = window.median(win)
+            jump = loss - center
+            # the bar is at least the larger of these two: a jump within half of it can
+            # neither be a spike nor raise a suspicion, and only widens the envelope
+            if 2 * jump > max(floor, (self.ratio - 1) * max(center, 0.0)):
+                return i
+            st["envelope"] = max(st["envelope"] * keep, jump)
+            st["seen"] += 1
+            window.push(win, float(loss), self.window)
+        return len(losses)
+
     def passed_by(self, loss: float) -> float | None:
         """:meth:`threshold` if ``loss`` is past it, else None: what the recovery ladder
         asks every step, cheap on a healthy one (the z-score only for a jump past the
@@ -233,6 +261,31 @@ class LossNotDecreasing(Detector):
             "clock_lr": None,
         }
 
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        st = self.state
+        recent, window = st["recent"], self.window
+        for i in range(start, len(losses)):
+            step, lr = steps[i], lrs[i]
+            if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+                return i  # the clock starts again there
+            clock = st["clock_step"] if st["clock_step"] is not None else step
+            if len(recent) + 1 >= window and step - clock >= self.patience:
+                return i  # a judgement
+            st["clock_step"] = clock
+            push(recent, float(losses[i]), window)
+            if len(recent) == window:
+                level = sum(recent) / window
+                if st["initial"] is None:
+                    st["initial"] = level
+                st["best"] = level if st["best"] is None else min(st["best"], level)
+        return len(losses)
+
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         if not is_finite(loss):
@@ -331,6 +384,31 @@ class UnstableLoss(Detector):
         if ordered[-1] >= bar:
             return None
         return min(bar, 2 * initial) if initial > 0 else bar
+
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        st = self.state
+        initial, recent = st["initial"], st["recent"]
+        if initial is None or st["streak"] or st["diverged"]:
+            return start
+        rise = self.rise * abs(initial)
+        window = self._sorted
+        for i in range(start, len(losses)):
+            loss = losses[i]
+            # the next level, a median, is at most the highest of the window and the loss:
+            # if that is neither a rise above the best nor past twice the initial level,
+            # the step only moves the level (and perhaps the best)
+            top = max(window.ordered(recent)[-1], loss)
+            if top - st["best"] > rise or (initial > 0 and top > 2 * initial):
+                return i
+            window.push(recent, float(loss), self.window)
+            st["best"] = min(st["best"], window.median(recent))
+        return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss

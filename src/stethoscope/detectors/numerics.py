@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,6 +47,16 @@ class NonfiniteLoss(Detector):
 
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a non-finite loss never waits: any finite one may
+
+    def absorb(
+        self,
+        steps: Sequence[int],
+        losses: Sequence[float],
+        lrs: Sequence[float | None],
+        start: int,
+    ) -> int:
+        # a finite loss changes nothing here, unless a trace is awaited
+        return len(losses) if self.state["tracing"] is None else start
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
