@@ -49,6 +49,13 @@ def is_finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def restarts_clock(lr: float | None, since: float | None) -> bool:
+    """Whether learning rate ``lr`` starts a patience clock again: the first positive one
+    (``since`` None), or one past twice the rate the clock started at, so that a warm-up
+    from 0 gets its full patience at a real learning rate."""
+    return lr is not None and lr > 0 and (since is None or lr > 2 * since)
+
+
 class SortedWindow:
     """A sorted copy of a detector's bounded window, for its median on every step.
 

@@ -11,7 +11,13 @@ from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
 
-__all__ = ["Detector"]
+__all__ = ["Detector", "Losses", "Rates", "Steps"]
+
+#: What :meth:`Detector.absorb` is handed of the steps that waited, oldest first: their
+#: numbers, their losses and their learning rates (None: unknown).
+Steps = Sequence[int]
+Losses = Sequence[float]
+Rates = Sequence[float | None]
 
 
 class Detector:
@@ -91,13 +97,7 @@ class Detector:
         every loss is judged at once."""
         return None
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         """Take in quiet steps that waited (see :mod:`stethoscope.waiting`), from index
         ``start`` on, leaving the state :meth:`update` would, for as long as ``update``
         would raise nothing there (no finding, suspicion or request); return the index

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
-from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, robust_sigma, tally
-from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.detectors._stats import (
+    MAD_TO_SIGMA,
+    is_finite,
+    median,
+    restarts_clock,
+    robust_sigma,
+    tally,
+)
+from stethoscope.detectors.base import (
+    Detector,
+    Losses,
+    Rates,
+    Steps,
+    check_fraction,
+    check_positive,
+)
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -106,20 +119,14 @@ class LossAtChance(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
         kept_steps, kept = st["steps"], st["losses"]
         for i in range(start, len(losses)):
             step, lr = steps[i], lrs[i]
             if step % self.stride == 0:
                 return i  # a label read or a judgement
-            if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+            if restarts_clock(lr, st["clock_lr"]):
                 return i  # the span starts again there
             kept_steps.append(step)
             kept.append(float(losses[i]))
@@ -141,7 +148,7 @@ class LossAtChance(Detector):
                 self._count(obs.labels)
         steps, losses = st["steps"], st["losses"]
         lr = obs.lr
-        if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+        if restarts_clock(lr, st["clock_lr"]):
             st["clock_lr"] = float(lr)
             steps.clear()  # a warm-up: the span starts again
             losses.clear()

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
-from stethoscope.detectors._stats import SortedWindow, is_finite, push, robust_sigma
-from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.detectors._stats import (
+    SortedWindow,
+    is_finite,
+    push,
+    restarts_clock,
+    robust_sigma,
+)
+from stethoscope.detectors.base import (
+    Detector,
+    Losses,
+    Rates,
+    Steps,
+    check_fraction,
+    check_positive,
+)
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -130,13 +142,7 @@ class LossSpike(Detector):
         )
         return low + bar / 2
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
         win = st["window"]
         if len(win) < self.warmup or st["initial"] is None:
@@ -261,18 +267,12 @@ class LossNotDecreasing(Detector):
             "clock_lr": None,
         }
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
         recent, window = st["recent"], self.window
         for i in range(start, len(losses)):
             step, lr = steps[i], lrs[i]
-            if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+            if restarts_clock(lr, st["clock_lr"]):
                 return i  # the clock starts again there
             clock = st["clock_step"] if st["clock_step"] is not None else step
             if len(recent) + 1 >= window and step - clock >= self.patience:
@@ -294,7 +294,7 @@ class LossNotDecreasing(Detector):
         if st["clock_step"] is None:
             st["clock_step"] = obs.step
         lr = obs.lr
-        if lr is not None and lr > 0 and (st["clock_lr"] is None or lr > 2 * st["clock_lr"]):
+        if restarts_clock(lr, st["clock_lr"]):
             st["clock_step"], st["clock_lr"] = obs.step, float(lr)
         push(st["recent"], float(loss), self.window)
         if len(st["recent"]) < self.window:
@@ -385,13 +385,7 @@ class UnstableLoss(Detector):
             return None
         return min(bar, 2 * initial) if initial > 0 else bar
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
         initial, recent = st["initial"], st["recent"]
         if initial is None or st["streak"] or st["diverged"]:

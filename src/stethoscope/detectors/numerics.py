@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
 from stethoscope.advice import float16_note
-from stethoscope.detectors.base import Detector
+from stethoscope.detectors.base import Detector, Losses, Rates, Steps
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -48,13 +47,7 @@ class NonfiniteLoss(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a non-finite loss never waits: any finite one may
 
-    def absorb(
-        self,
-        steps: Sequence[int],
-        losses: Sequence[float],
-        lrs: Sequence[float | None],
-        start: int,
-    ) -> int:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         # a finite loss changes nothing here, unless a trace is awaited
         return len(losses) if self.state["tracing"] is None else start
 
