@@ -121,20 +121,13 @@ class LossAtChance(Detector):
 
     def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
-        kept_steps, kept = st["steps"], st["losses"]
         for i in range(start, len(losses)):
             step, lr = steps[i], lrs[i]
             if step % self.stride == 0:
                 return i  # a label read or a judgement
             if restarts_clock(lr, st["clock_lr"]):
                 return i  # the span starts again there
-            kept_steps.append(step)
-            kept.append(float(losses[i]))
-            old = 0
-            while len(kept_steps) - old > 1 and kept_steps[old + 1] <= step - self.patience:
-                old += 1
-            if old:
-                del kept_steps[:old], kept[:old]
+            self._keep(step, losses[i])
         return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
@@ -154,14 +147,7 @@ class LossAtChance(Detector):
             losses.clear()
         if not is_finite(obs.loss):
             return []
-        steps.append(obs.step)
-        losses.append(float(obs.loss))
-        # the oldest kept is the last one at least ``patience`` back
-        old = 0
-        while len(steps) - old > 1 and steps[old + 1] <= obs.step - self.patience:
-            old += 1
-        if old:
-            del steps[:old], losses[:old]
+        self._keep(obs.step, obs.loss)
         if obs.step % self.stride:
             return []
         chance = st["chance"]
@@ -206,6 +192,18 @@ class LossAtChance(Detector):
                 where="loss",
             )
         ]
+
+    def _keep(self, step: int, loss: float) -> None:
+        """Add a finite loss to the span; the oldest kept is the last one at least
+        ``patience`` steps back."""
+        steps, losses = self.state["steps"], self.state["losses"]
+        steps.append(step)
+        losses.append(float(loss))
+        old = 0
+        while len(steps) - old > 1 and steps[old + 1] <= step - self.patience:
+            old += 1
+        if old:
+            del steps[:old], losses[:old]
 
     def _count(self, labels: object) -> None:
         """Add a batch's labels to the counts; once enough were, chance is known."""

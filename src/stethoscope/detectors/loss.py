@@ -269,22 +269,29 @@ class LossNotDecreasing(Detector):
 
     def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
-        recent, window = st["recent"], self.window
         for i in range(start, len(losses)):
             step, lr = steps[i], lrs[i]
             if restarts_clock(lr, st["clock_lr"]):
                 return i  # the clock starts again there
             clock = st["clock_step"] if st["clock_step"] is not None else step
-            if len(recent) + 1 >= window and step - clock >= self.patience:
+            if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
                 return i  # a judgement
             st["clock_step"] = clock
-            push(recent, float(losses[i]), window)
-            if len(recent) == window:
-                level = sum(recent) / window
-                if st["initial"] is None:
-                    st["initial"] = level
-                st["best"] = level if st["best"] is None else min(st["best"], level)
+            self._push(losses[i])
         return len(losses)
+
+    def _push(self, loss: float) -> bool:
+        """Add a finite loss to the window; once it is full, its mean is the level, the
+        first level the initial one, the lowest the best. False: not full yet."""
+        st = self.state
+        push(st["recent"], float(loss), self.window)
+        if len(st["recent"]) < self.window:
+            return False
+        level = sum(st["recent"]) / self.window
+        if st["initial"] is None:
+            st["initial"] = level
+        st["best"] = level if st["best"] is None else min(st["best"], level)
+        return True
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
@@ -296,13 +303,8 @@ class LossNotDecreasing(Detector):
         lr = obs.lr
         if restarts_clock(lr, st["clock_lr"]):
             st["clock_step"], st["clock_lr"] = obs.step, float(lr)
-        push(st["recent"], float(loss), self.window)
-        if len(st["recent"]) < self.window:
+        if not self._push(loss):
             return []
-        level = sum(st["recent"]) / self.window
-        if st["initial"] is None:
-            st["initial"] = level
-        st["best"] = level if st["best"] is None else min(st["best"], level)
         if obs.step - st["clock_step"] < self.patience:
             return []
         initial = st["initial"]
