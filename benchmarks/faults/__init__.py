@@ -16,7 +16,7 @@ check). In Keras 3 (``keras_suite.py``, TensorFlow backend) a model carries one
 ``KerasStethoscope`` per fit, so each setting gets its own, identical ``model.fit``
 (checked step by step), and the baselines (Keras' ``EarlyStopping``,
 ``TerminateOnNaN`` and the same hand-written check) watch one more, unwatched by
-stethoscope, whose layer wrappers change what a NaN does in TensorFlow. ``metrics.py`` turns the
+stethoscope, as a user without it would train (see ``keras_suite``). ``metrics.py`` turns the
 findings into recall, false alarms, misdiagnoses and latency; ``report.py`` prints
 the tables.
 

@@ -34,6 +34,13 @@ Faults are injected the Keras way, each at its exact step:
   (they stay trainable and receive gradients; the optimizer never sees them).
   ``trainable=False`` is not that fault: it is the ``healthy_frozen_layer`` control.
 * ``kill_units``: a callback's ``on_train_batch_begin`` at the onset sets the biases.
+
+``nan_input``, ``nan_weight`` and ``inf_gradient`` (whose +Inf gradient makes Adam
+write a NaN weight) model a NaN that a ReLU hides from the loss, as TensorFlow's fused
+MatMul+BiasAdd+Relu kernel does on some CPUs (on others it passes the NaN on, as
+torch's ReLU does). Their models' ReLUs are ``where(isnan(h), 0, relu(h))``
+(:func:`relu_hiding_nan`), so on every CPU the loss stays finite while the NaN reaches
+the gradients or the weights, and the suite's numbers do not depend on the CPU.
 * ``init_scale``, ``init_std``, ``zero_init``: the weights are rewritten after the
   model is built, before compiling.
 
@@ -56,22 +63,20 @@ hand-written check of ``logs["loss"]``. Keras hands batch callbacks the running 
 of the epoch's losses, which turns non-finite with the first non-finite batch, so the
 two are the same check. Lightning's ``SpikeDetection`` has no Keras counterpart.
 
-Why not in the stethoscope's fit, as in Lightning: the stethoscope changes what a NaN
-does to this model. On the CPU, TensorFlow's graph optimiser fuses a MatMul, BiasAdd
-and Relu into one oneDNN kernel, which turns a NaN pre-activation into 0 (an unfused
-``relu(NaN)`` is NaN). KerasStethoscope's layer wrappers read each Dense output, a
-second consumer that keeps the three ops apart, so in a watched fit a NaN reaches the
-loss; unwatched, it is masked. Measured with seed 0: with a NaN input at step 150
-(or a NaN weight, or an Inf gradient, both before a ReLU) the unwatched fit's loss
-never turns non-finite, the watched fit's does at once; every loss before that is the
-same to the bit. (With Keras' ``Dense(64, activation="relu")`` the fusion happens
-inside the layer, watched or not, and a NaN input is masked in both: the stethoscope
-then finds it through the weights, not the loss.) The baselines here see what a user
-without the stethoscope would. Their fit is not always the watched one to the bit even
-while every value is finite: fused and unfused tanh and sigmoid kernels round
-differently (measured: a relative difference of ~1e-7 in the loss of the tanh MLPs from
-step 0; the ReLU MLPs match to the bit). ``run_scenario`` compares the two fits up to
-the first non-finite loss and notes any difference in ``RunResult.notes``.
+Why not in the stethoscope's fit, as in Lightning: a stethoscope that read a layer
+output could change what a NaN does to this model. On the CPU, TensorFlow's graph
+optimiser fuses a MatMul (or convolution), BiasAdd and Relu into one kernel, which on
+some CPUs turns a NaN pre-activation into 0 and on others passes it on (an unfused
+``relu(NaN)`` is NaN); a second consumer of the Dense output keeps the three ops apart.
+KerasStethoscope reads no Dense output that only an activation layer reads, so TensorFlow
+fuses as without it; and the scenarios whose NaN meets a ReLU hide it explicitly (see
+above), the same fused or not. The baselines here see what a user without the
+stethoscope would. Their fit is not always the watched
+one to the bit even while every value is finite: fused and unfused tanh and sigmoid
+kernels round differently (a relative difference of ~1e-7 in the loss of the tanh MLPs
+from step 0 was measured while the probe read the Dense outputs). ``run_scenario``
+compares the two fits up to the first non-finite loss and notes any difference in
+``RunResult.notes``.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ __all__ = [
     "environment",
     "make_dataset",
     "quiet",
+    "relu_hiding_nan",
     "run_scenario",
 ]
 
@@ -125,9 +131,9 @@ FRAMEWORK = "keras"
 SPIKE_DETECTION = (
     "Lightning's SpikeDetection has no Keras counterpart; TerminateOnNaN is Keras' own "
     "stop-on-non-finite callback. The Keras baselines watch a fit of their own, without "
-    "the stethoscope, whose layer wrappers keep TensorFlow from fusing MatMul+BiasAdd+Relu "
-    "(a fused kernel that turns a NaN into 0): in the unwatched fit a NaN before a ReLU "
-    "never reaches the loss."
+    "the stethoscope. In nan_input, nan_weight and inf_gradient a ReLU that maps NaN to "
+    "0 (built explicitly, as TensorFlow's fused MatMul+BiasAdd+Relu kernel behaves on "
+    "some CPUs) keeps the NaN from the loss, which is all these callbacks see."
 )
 
 _BATCH_FAULTS = ("nan_input", "scale_inputs", "corrupt_labels")
@@ -269,6 +275,29 @@ class _StepFaultModel(keras.Sequential):
         return {m.name: m.result() for m in self.metrics}
 
 
+def relu_hiding_nan(h: Any) -> Any:
+    """A ReLU that maps NaN to 0, the same on every CPU.
+
+    TensorFlow's fused MatMul+BiasAdd+Relu kernel does so on some CPUs and passes the NaN
+    on on others. The forward pass is finite; the gradient still reaches the NaN: none
+    flows back to a NaN pre-activation, but a kernel's gradient ``x^T @ delta`` has
+    ``NaN * 0 = NaN`` in the NaN input's row.
+    """
+    return ops.where(ops.isnan(h), 0.0, ops.relu(h))
+
+
+#: The faults whose NaN a hidden ReLU meets: their ReLUs hide it, on every CPU.
+_NAN_HIDDEN_BY_RELU = ("nan_input", "nan_weight", "inf_gradient")
+
+
+def _activation(name: str, fault: FaultSpec | None) -> Any:
+    """The hidden activation ``name``; a ReLU that hides a NaN under the faults that
+    make one before it."""
+    if name == "relu" and fault is not None and fault.kind in _NAN_HIDDEN_BY_RELU:
+        return relu_hiding_nan
+    return name
+
+
 def build_model(
     spec: ModelSpec,
     input_shape: tuple[int, ...],
@@ -289,7 +318,7 @@ def build_model(
             mods.append(dense)
             if spec.batchnorm:
                 mods.append(keras.layers.BatchNormalization())
-            mods.append(keras.layers.Activation(spec.activation))
+            mods.append(keras.layers.Activation(_activation(spec.activation, fault)))
         if spec.dropout:
             mods.append(keras.layers.Dropout(spec.dropout))
     elif spec.arch == "cnn":
@@ -299,7 +328,7 @@ def build_model(
             mods.append(conv)
             if spec.batchnorm:
                 mods.append(keras.layers.BatchNormalization())
-            mods.append(keras.layers.Activation("relu"))
+            mods.append(keras.layers.Activation(_activation("relu", fault)))
         mods += [keras.layers.MaxPooling2D(2), keras.layers.Flatten()]
         if spec.dropout:
             mods.append(keras.layers.Dropout(spec.dropout))

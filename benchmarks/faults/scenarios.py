@@ -350,11 +350,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=ADAM,
         fault=_fault("nan_input"),
         onset=ONSET,
-        # torch's ReLU passes the NaN on to the loss; TensorFlow's fused MatMul+BiasAdd+Relu
-        # kernel turns it into 0, so the loss stays finite and the first layer's kernel
-        # gradient is what goes NaN; from the next step on every unit of that layer
-        # outputs 0 (NaN weights through the fused ReLU): the loss jumps, then swings with
-        # each batch's labels around the dead net's one prediction
+        # torch's ReLU passes the NaN on to the loss. The Keras scenario is a NaN that a
+        # ReLU hides from the loss, as TensorFlow's fused MatMul+BiasAdd+Relu kernel does on
+        # some CPUs (others pass it on): its ReLUs map NaN to 0 explicitly (keras_suite's
+        # relu_hiding_nan; so do nan_weight's and inf_gradient's), so its results are the
+        # same on every CPU. The loss stays finite and the first layer's kernel gradient is
+        # what goes NaN; from the next step on every unit of that layer outputs 0 (NaN
+        # weights through that ReLU): the loss jumps, then swings with each batch's labels
+        # around the dead net's one prediction
         expect=("nonfinite_loss", "nonfinite_gradients"),
         window=1,
         collateral=(*NONFINITE, "loss_spike", "unstable_loss", *DEAD_NET),

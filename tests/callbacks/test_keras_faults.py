@@ -97,10 +97,11 @@ def test_fault_is_caught_within_its_window(name):
 
 
 def test_nan_input_is_caught_at_its_onset_step():
-    """The batch fault lands exactly on the onset step, an unsampled one. TensorFlow's fused
-    MatMul+BiasAdd+Relu turns the NaN into 0, so the loss stays finite (TerminateOnNaN sees
-    nothing) while the first kernel's gradient is NaN: the light train function's gradient
-    sentinel takes that step's record, and the kernel is named on step 150 itself."""
+    """The batch fault lands exactly on the onset step, an unsampled one. The scenario's
+    ReLUs turn the NaN into 0 (built explicitly, as TensorFlow's fused MatMul+BiasAdd+Relu
+    behaves on some CPUs), so the loss stays finite (TerminateOnNaN sees nothing) while the
+    first kernel's gradient is NaN: the light train function's gradient sentinel takes that
+    step's record, and the kernel is named on step 150 itself."""
     sc = _short("nan_input", 152)
     run = run_scenario(sc, 0, baselines=False)
     first = next(f for f in run.findings["adaptive"] if f["severity"] == "error")

@@ -137,9 +137,10 @@ def test_other_strategies_are_refused_by_name_and_clipping_is_warned_about(runs)
 def test_recover_skips_a_replicas_bad_batch_on_every_replica_as_if_never_seen(runs):
     recover = runs["recover"]
     assert recover["acts"] == [[3, "skip"], [6, "skip"]]
-    # nothing hidden: the non-finite step is reported (the ReLU fused into the layer turns
-    # the NaN input into a NaN gradient) and named with the replica that saw it (a repeat
-    # of the same error is counted in the summary, not reported again)
+    # nothing hidden: the non-finite step is reported (a ReLU that maps NaN to 0, built
+    # explicitly as TensorFlow's fused one behaves on some CPUs, turns the NaN input into
+    # a NaN gradient, not a NaN loss) and named with the replica that saw it (a repeat of
+    # the same error is counted in the summary, not reported again)
     assert recover["nonfinite"] == [[3, "nonfinite_gradients", 0]]
     # weights, slots and iterations, bit for bit as the strategy's own fit without those
     # batches, and as one device's up to the order of the replicas' sums

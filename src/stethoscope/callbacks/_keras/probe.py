@@ -79,7 +79,8 @@ class GraphProbe:
         layers = leaf_layers(model)
         # A linear Dense/Conv whose output only an activation layer reads is left alone:
         # reading it (even on a sampled step) would keep TensorFlow from fusing the two,
-        # and the fused ReLU turns a NaN into 0, where the unfused one passes it on.
+        # and on some CPUs the fused ReLU turns a NaN into 0, where the unfused one passes
+        # it on.
         self._layers = [la for la in layers if not feeds_activation(la)] if forward else []
         self.layout = _layout(watched, layers, self._layers, position)
         self.reductions = make_reductions(self.layout, regime, position)

@@ -336,8 +336,8 @@ class StepWrappers:
                         self.with_grad.add(pos)
             regime, trace = self.regime, self._trace()
             # A non-finite loss or gradient: measure its step. TF's fused ReLU turns a NaN
-            # input into 0, leaving the loss finite and the kernel's gradient NaN, so every
-            # gradient is tested. With a direct ring each gradient's sum of squares rides
+            # input into 0 on some CPUs, leaving the loss finite and the kernel's gradient NaN,
+            # so every gradient is tested. With a direct ring each gradient's sum of squares rides
             # back with the loss (one op per gradient, no cond), and the host tests them,
             # names the parameter and takes the norms. Else one sum of the loss and those
             # sums of squares opens a cond that records the norms, and the record waits for
