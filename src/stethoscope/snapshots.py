@@ -74,9 +74,7 @@ class SnapshotStore:
         snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began)
         self.kept.append(snap)
         while len(self.kept) > self.settings.keep_snapshots:
-            old = self.kept.popleft()
-            if old.path is not None:
-                old.path.unlink(missing_ok=True)
+            self._drop(self.kept.popleft())
         return snap
 
     def newest(self) -> tuple[Snapshot, dict[str, Any]] | None:
@@ -89,18 +87,23 @@ class SnapshotStore:
     def discard_newest(self) -> None:
         """Forget the newest snapshot (one a roll back found wanting)."""
         if self.kept:
-            old = self.kept.pop()
-            if old.path is not None:
-                old.path.unlink(missing_ok=True)
+            self._drop(self.kept.pop())
 
     def close(self) -> None:
         for snap in self.kept:
-            if snap.path is not None:
-                snap.path.unlink(missing_ok=True)
+            self._drop(snap)
         self.kept.clear()
         if self._dir is not None and self.settings.snapshot_dir is None:
             with contextlib.suppress(OSError):  # not empty: something of the user's
                 self._dir.rmdir()
+
+    def _drop(self, snap: Snapshot) -> None:
+        if snap.path is not None:
+            snap.path.unlink(missing_ok=True)
+        self._released(snap)
+
+    def _released(self, snap: Snapshot) -> None:
+        """A snapshot is dropped (an adapter that lends its state memory takes it back)."""
 
     def _on_disk(self, nbytes: int) -> bool:
         where = self.settings.snapshot_in

@@ -332,25 +332,21 @@ def test_the_report_marks_the_skips_the_cool_downs_and_the_roll_back(tmp_path):
     assert "learning rate cooled (recovery)" in traces
 
 
-class DecideOnDevice(L.Callback):
-    """Has the gate decide as on a GPU: the verdict a tensor, handed to the fused
-    optimizer's ``found_inf``, read back afterwards."""
-
-    def __init__(self, callback: LightningStethoscope) -> None:
-        self.callback = callback
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.callback._recovery.gate.force_device = True
-
-
 @pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused"])
-def test_a_step_skipped_on_the_device_is_as_if_the_batch_was_never_seen(optimizer):
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_step_skipped_on_the_device_is_as_if_the_batch_was_never_seen(optimizer, lag):
+    """As on a GPU (the CPU played as one, the device ``lag`` steps behind): the verdict a
+    tensor, handed to the fused optimizer's ``found_inf``, read back when it lands."""
+    from _accelerator import SimulatedAccelerator, SimulatedSteps
+
     poisoned = batches(60, poison={41: "nan", 50: "spike"})
     torch.manual_seed(0)
     model = Net(optimizer)
     sink = CapturingSink()
     callback = LightningStethoscope(sinks=[sink], recover=True)
-    trainer = train(model, poisoned, [callback, DecideOnDevice(callback)])
+    with SimulatedAccelerator(lag=lag) as sim:
+        trainer = train(model, poisoned, [SimulatedSteps(sim), callback])
+    assert sim.train_syncs() == []
     assert trainer.global_step == 60 and not trainer.should_stop
     torch.manual_seed(0)
     twin = Net(optimizer)

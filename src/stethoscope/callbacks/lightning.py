@@ -23,9 +23,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import describe_run, run_context
+from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_clock_for
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.hooks import HookSwitch
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
+from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
@@ -162,7 +164,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._record = StepRecord(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
         self._train_losses = TrainingLosses()
-        self._clock = StepClock()
+        self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
         self._lr_group: dict[str, Any] | None = None
         # distributed runs only
@@ -177,6 +179,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             return
         self._reset_run()
         self._trainer = trainer
+        self._clock = step_clock_for(trainer.strategy.root_device)
         probe = self._probe = ParameterProbe(list(pl_module.named_parameters()))
         layers = unit_layers(pl_module, probe)
         for _, i, mod in layers:
@@ -261,18 +264,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self._recovery is not None:
             self._recovery.judge(optimizer)
         record = self._record
-        if not record.sampled:
-            return  # not a sampled step: nothing to do here
-        stepping = self._reductions.stepping(record.plan)
-        if not stepping:
-            return
-        probe = self._probe
-        indices = probe.with_grad(probe.indices_of(optimizer))
-        if not indices:
-            return
-        for r in stepping:
-            r.before_step(record, indices)
-        record.params.extend(indices)
+        if record.sampled:  # else nothing to do here
+            scale = pending_scale(scaler_of(trainer), optimizer)
+            self._reductions.before_step(record, optimizer, scale)
 
     def on_train_batch_end(
         self,

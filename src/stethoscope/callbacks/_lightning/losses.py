@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning import device
+
 __all__ = ["TrainingLosses", "ValidationLosses", "training_loss"]
 
 #: Metrics that hold a validation loss when ``validation_step`` does not return it.
@@ -55,11 +57,12 @@ class TrainingLosses:
         return loss
 
     def on_cpu(self, outputs: Any, trainer: Any, pl_module: Any) -> float | None:
-        """The step's loss as a number when it is a scalar tensor on the CPU, which reading
-        does not synchronise (None otherwise: see :meth:`__call__`). Every unsampled step
-        asks, so this is :func:`training_loss` with only the checks that number needs."""
+        """The step's loss as a number when it is a scalar tensor in host memory, which
+        reading does not synchronise (None otherwise: see :meth:`__call__`). Every
+        unsampled step asks, so this is :func:`training_loss` with only the checks that
+        number needs."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if type(loss) is not torch.Tensor or not loss.is_cpu or loss.numel() != 1:
+        if type(loss) is not torch.Tensor or not device.is_host(loss.device) or loss.numel() != 1:
             return None
         # scaled on the host: a tensor product would be an operator call on every batch
         k = _divided_by(trainer, pl_module)

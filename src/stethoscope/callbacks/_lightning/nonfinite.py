@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from stethoscope.callbacks._lightning.device import to_host
 from stethoscope.observation import Observation
 from stethoscope.policy import Decision
 
@@ -33,7 +34,9 @@ def look_if_nonfinite(
     reading = reductions.gradients_and_weights_now(judged.step, judged.epoch, judged.lr)
     if reading is None:
         return None
-    obs = reductions.observation(reading, reading.values.numpy(), monitor.rank)
+    # waits for the device: off the healthy path, and the numbers are needed now
+    values = to_host(reading.values).wait().numpy()
+    obs = reductions.observation(reading, values, monitor.rank)
     if judged.grad_norm is not None:
         obs.grad_norm = None  # judged already
     if judged.weight_norm is not None:

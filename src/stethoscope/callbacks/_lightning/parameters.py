@@ -248,9 +248,22 @@ def _fine_to_coarse() -> list[int]:
 
 
 _FOLD = _fine_to_coarse()
+_TOP_LEVEL = -round(2 * math.log10(DISTRIBUTION_EDGES[0]))
 
 
-def magnitude_histograms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _fold_on(device: torch.device) -> torch.Tensor:
+    """:data:`_FOLD` as a tensor on ``device``, computed there: a tensor made from a
+    Python list would be a copy from the host, which waits for the device."""
+    level = torch.arange(_FINE_LOW, _FINE_HIGH, device=device)
+    fold = (1 + _TOP_LEVEL - level).clamp_(1, len(DISTRIBUTION_EDGES) + 1)
+    fold[0] = DISTRIBUTION_BINS - 1  # non-finite
+    fold[-1] = 0  # exact zero
+    return fold
+
+
+def magnitude_histograms(
+    tensors: Sequence[torch.Tensor], scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """For each tensor, how many of its elements fall in each magnitude bin: exact zeros,
     then ``(0, e0]``, ``(e0, e1]`` … up to ``(e_last, inf)`` for the edges of
     :data:`~stethoscope.statistics.DISTRIBUTION_EDGES`, then non-finite values. A value
@@ -258,19 +271,22 @@ def magnitude_histograms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     One float32 tensor ``(len(tensors), DISTRIBUTION_BINS)`` on the device (counts are
     exact below 2**24 per bin). Large tensors are taken in chunks, so the temporaries
-    stay a few times :data:`_HISTOGRAM_CHUNK` elements whatever the model.
+    stay a few times :data:`_HISTOGRAM_CHUNK` elements whatever the model. ``scale``: a
+    factor every tensor carries (a loss scale), divided out of the magnitudes.
     """
     bins = DISTRIBUTION_BINS
     if not tensors:
         return torch.zeros((0, bins))
     device = tensors[0].device
-    fold = torch.tensor(_FOLD, dtype=torch.long, device=device)
+    fold = _fold_on(device)
     rows: list[torch.Tensor] = []
     with torch.no_grad():
         for t in tensors:
             fine = torch.zeros(_FINE_BINS, dtype=torch.int64, device=device)
             for chunk in t.detach().reshape(-1).split(_HISTOGRAM_CHUNK):
                 level = torch.log10(chunk.float().abs()).mul_(-2.0)
+                if scale is not None:  # -2 log10(|x| / s) = -2 log10|x| + 2 log10 s
+                    level.add_(torch.log10(scale.float()).mul(2.0))
                 level = torch.nan_to_num_(
                     level, nan=_FINE_LOW + 0.5, posinf=_FINE_HIGH - 0.5, neginf=_FINE_LOW + 0.5
                 )

@@ -1,9 +1,10 @@
 """Numbers from the device to the host, in order, without synchronising the device.
 
-On CUDA a reading is copied into pinned memory with ``non_blocking=True`` and a CUDA
-event is recorded; the reading is taken once the event has completed, so the training
-stream is never synchronised. A reading is taken at most ``max_lag`` steps after it was
-produced (then, and only then, the reader waits for it).
+Each reading crosses to the host as :func:`~stethoscope.callbacks._lightning.device.to_host`
+says (on CUDA: a non-blocking copy into pinned memory, then an event); it is taken once
+it has landed, so the training stream is never synchronised. A reading is taken at most
+``max_lag`` steps after it was produced (then, and only then, the reader waits for it:
+the device still has the steps since queued, so it never idles for that wait).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stethoscope.callbacks._lightning.device import Crossing, to_host
+
 __all__ = ["HostReader"]
 
 
@@ -21,38 +24,27 @@ class HostReader:
     """Moves small 1-D device tensors to the host in order, without blocking.
 
     Args:
-        max_lag: How many pushes a CUDA result may wait before the reader blocks
-            on it. This bounds the detection delay, in steps, on a GPU; on the
-            CPU results are read at once.
+        max_lag: How many pushes a device's result may wait before the reader blocks
+            on it. This bounds the detection delay, in steps, on a GPU; on the CPU
+            results are read at once.
     """
 
     def __init__(self, max_lag: int = 2) -> None:
         self.max_lag = max_lag
-        self._pending: deque[tuple[Any, torch.Tensor, Any]] = deque()
+        self._pending: deque[tuple[Any, Crossing]] = deque()
 
     def push(self, meta: Any, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach()
-        if tensor.device.type == "cuda":
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(tensor.device))
-            self._pending.append((meta, host, event))
-        else:
-            # CPU: nothing to wait for. Other accelerators: a plain copy (may synchronise).
-            self._pending.append((meta, tensor.cpu(), None))
+        self._pending.append((meta, to_host(tensor)))
 
     def pop(self, *, wait: bool = False) -> list[tuple[Any, np.ndarray]]:
         """The results whose copies are done, oldest first (all of them if ``wait``)."""
         out: list[tuple[Any, np.ndarray]] = []
         while self._pending:
-            meta, host, event = self._pending[0]
-            if event is not None and not event.query():
-                if not wait and len(self._pending) <= self.max_lag:
-                    break
-                event.synchronize()  # the lag bound: never more than max_lag steps behind
-            self._pending.popleft()
-            out.append((meta, host.numpy()))
+            meta, crossing = self._pending[0]
+            if not wait and len(self._pending) <= self.max_lag and not crossing.landed():
+                break
+            self._pending.popleft()  # landed, or the lag bound: never more than max_lag behind
+            out.append((meta, crossing.wait().numpy()))
         return out
 
     def __len__(self) -> int:

@@ -61,6 +61,9 @@ class StepRecord:
     snapped: list[int] = field(default_factory=list)
     #: Whether forward hooks are attached for this step.
     forward: bool = False
+    #: The loss scale the gradients being measured still carry (see ``loss_scale``), or
+    #: None; set per optimizer before its gradients are measured.
+    grad_scale: torch.Tensor | None = None
     _parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _contexts: dict[str, list[Any]] = field(default_factory=dict)
 

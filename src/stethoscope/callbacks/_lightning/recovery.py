@@ -12,24 +12,28 @@ user's scheduler never sees the scaling).
 
 Where it reads the verdict. On the CPU a tensor's value is host memory: the gate reads
 the loss and the gradient norm at once. On an accelerator, with a fused optimizer, the
-verdict stays on the device and the optimizer skips itself (``skip_on_device``); with
-any other optimizer the gate reads it on the host, waiting for the device (it warns).
+verdict stays on the device and the optimizer skips itself (``skip_on_device``), under a
+GradScaler too; with any other optimizer the gate reads it on the host, waiting for the
+device (it warns, naming ``fused=True``). No optimizer of torch's but a fused one can
+skip a step on the device: the others take no ``found_inf``, and undoing a step after
+the fact would mean a copy of the weights and the optimizer's state every step.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning import device
+from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
+from stethoscope.callbacks._lightning.snapshots import Snapshots
 from stethoscope.policy import Decision
 from stethoscope.recovery import (
     GRADIENT_PAST_BAR,
@@ -38,11 +42,9 @@ from stethoscope.recovery import (
     NONFINITE_LOSS,
     REASONS,
     Recoverer,
-    Recovery,
 )
-from stethoscope.snapshots import Snapshot, SnapshotStore
 
-__all__ = ["LightningRecovery", "Snapshots", "StepGate", "refuse_unrecoverable"]
+__all__ = ["LightningRecovery", "StepGate", "refuse_unrecoverable"]
 
 #: A verdict of the host's own (never agreed across ranks as a reason: the ranks' worst
 #: code wins, and every rank's GradScaler finds the same all-reduced gradients): the
@@ -95,9 +97,6 @@ class StepGate:
         self.spike, self.explode = spike, explode
         self.on_skip = on_skip
         self.on_settle = on_settle
-        #: Decide on the device (a fused optimizer's ``found_inf``) even on the CPU, where
-        #: the host decides by default; for tests of the path a GPU takes.
-        self.force_device = False
         self.verdicts = DeviceVerdicts()
         self._codes: dict[int, torch.Tensor] = {}  # id(optimizer) -> verdict on the device
         self._sent_step = -1
@@ -143,11 +142,17 @@ class StepGate:
         division by the accumulated batches)."""
         self._losses.append(loss.detach() * scale)
 
-    def judge(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+    def judge(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grads: list[torch.Tensor],
+        grad_scale: torch.Tensor | None = None,
+    ) -> None:
         """Judge the step ``optimizer`` is about to take from its loss and ``grads``
-        (before clipping): keep why it must be skipped, or None. Under DDP every rank
-        takes the verdict of the worst of them (a NaN batch on one rank is skipped by
-        all), so the replicas stay the same."""
+        (before clipping; multiplied by ``grad_scale``, when a GradScaler left them
+        scaled): keep why it must be skipped, or None. Under DDP every rank takes the
+        verdict of the worst of them (a NaN batch on one rank is skipped by all), so the
+        replicas stay the same."""
         if self._on_device(optimizer, grads):
             code = self.verdicts.verdict(
                 self._losses,
@@ -155,6 +160,7 @@ class StepGate:
                 self.spike.threshold() if self.spike is not None else None,
                 self.explode.threshold() if self.explode is not None else None,
                 scaler_skips_nonfinite=self.scaler_skips_nonfinite,
+                grad_scale=grad_scale,
             )
             if _world_size() > 1:  # a collective on the device's stream: no host wait
                 torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
@@ -169,11 +175,9 @@ class StepGate:
         self._verdicts[id(optimizer)] = verdict[1] if verdict is not None else None
 
     def _on_device(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-        """Whether this step's verdict stays on the device (see ``skip_on_device``): not
-        with a GradScaler, which hands the optimizer its own ``found_inf``."""
-        if not skips_on_device(optimizer) or self.scaler_skips_nonfinite:
-            return False
-        return self.force_device or bool(grads and grads[0].device.type != "cpu")
+        """Whether this step's verdict stays on the device (see ``skip_on_device``): a
+        fused optimizer's, on an accelerator (in host memory the host reads it at once)."""
+        return skips_on_device(optimizer) and bool(grads) and not device.is_host(grads[0].device)
 
     def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
         """Why this step must not be applied, as ``(code, sentence)`` (the codes are
@@ -211,10 +215,10 @@ class StepGate:
             try:
                 self._apply(opt, original, args, kwargs, result)
             finally:
-                self.verdicts.taken_back(opt)
+                scalers = self.verdicts.taken_back(opt)
             if self._sent_step != self.step:  # several optimizers: one verdict per step
                 self._sent_step = self.step
-                self.verdicts.send(self.step, code)
+                self.verdicts.send(self.step, code, scalers)
             return result  # settled when the verdict lands (see ``landed``)
         why = self._verdicts.pop(id(opt), None)
         if why is not None:
@@ -228,6 +232,9 @@ class StepGate:
         """Report the device's verdicts that have reached the host: a skip, then the
         step settled."""
         for verdict in self.verdicts.landed(wait=wait):
+            if verdict.scaler_skipped:  # the GradScaler's skip (it settles the step)
+                self.on_unapplied(verdict.step)
+                continue
             if verdict.code:
                 self._skip(verdict.step, verdict.why)
             self.on_settle(verdict.step)
@@ -270,69 +277,6 @@ def _agree(verdict: tuple[int, str] | None, device: torch.device) -> tuple[int, 
     return code, f"on another rank, {REASONS[code]}"
 
 
-def _host_copy(obj: Any) -> Any:
-    """``obj`` with every tensor copied to host memory (a state that training cannot
-    change underneath)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
-
-
-class Snapshots(SnapshotStore):
-    """The last healthy states of the run: the module's weights and buffers, every
-    optimizer's and scheduler's state, and stethoscope's own (detectors and sampler).
-
-    Args:
-        settings: How many to keep, and where (memory or disk).
-    """
-
-    def __init__(self, settings: Recovery) -> None:
-        super().__init__(
-            settings,
-            save=torch.save,
-            load=lambda path: torch.load(path, weights_only=False),
-            suffix=".pt",
-        )
-
-    def take(self, step: int, trainer: Any, module: torch.nn.Module, monitor: Any) -> Snapshot:
-        began = time.perf_counter()
-        state = {
-            "module": _host_copy(module.state_dict()),
-            "optimizers": [_host_copy(o.state_dict()) for o in trainer.optimizers],
-            "schedulers": [
-                _host_copy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs
-            ],
-            "monitor": copy.deepcopy(monitor.state_dict()),
-        }
-        return self.keep(step, state, _nbytes(state), began)
-
-    @staticmethod
-    def put_back(
-        state: dict[str, Any], trainer: Any, module: torch.nn.Module, monitor: Any
-    ) -> None:
-        """Restore a snapshot's ``state``."""
-        module.load_state_dict(state["module"])
-        for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(saved)
-        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
-            config.scheduler.load_state_dict(saved)
-        monitor.load_state_dict(state["monitor"])
-
-
 #: What a roll back puts back, for its finding.
 _RESTORED = "weights and buffers, optimizer and scheduler state, detectors and sampler"
 
@@ -366,16 +310,15 @@ class LightningRecovery:
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
         refuse_unrecoverable(trainer.optimizers)
-        device = trainer.strategy.root_device
-        self.scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        root = trainer.strategy.root_device
+        self.scaler = scaler_of(trainer)
         unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]
-        if device.type != "cpu" and (unfused or self.scaler is not None):
-            which = ", ".join(unfused) if unfused else "the optimizers under a GradScaler"
+        if unfused and not device.is_host(root):
             warnings.warn(
-                f"stethoscope: recover= judges the steps of {which} on the host, which on "
-                f"{device.type} waits for the device every step; without a GradScaler, with "
-                "fused=True (Adam, AdamW, SGD), the step is skipped on the device, without "
-                "waiting",
+                f"stethoscope: recover= judges the steps of {', '.join(unfused)} on the host, "
+                f"which on {root.type} waits for the device twice a step; create the "
+                "optimizer with fused=True (torch.optim.Adam, AdamW or SGD) and a bad step "
+                "is skipped on the device, without waiting",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -401,12 +344,13 @@ class LightningRecovery:
             for p in group["params"]
             if p.grad is not None
         ]
-        self.gate.judge(optimizer, grads)
+        self.gate.judge(optimizer, grads, pending_scale(self.scaler, optimizer))
 
     def after_step(self, trainer: Any, module: torch.nn.Module, step: int) -> None:
         """After the optimizer step ``step``: hear of the skips decided on the device,
         end a cool-down, roll back if the ladder owes one, else snapshot when due."""
         self.gate.landed()
+        self.snapshots.poll()
         for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
             self.monitor.ledger.record(f)
         if self.recoverer.rollback_due is not None:

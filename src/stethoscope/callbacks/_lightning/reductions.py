@@ -109,7 +109,10 @@ class GradNorms(Reduction):
         self.probe = probe
 
     def before_step(self, record: StepRecord, indices: list[int]) -> None:
-        record.add("grads", self.probe.grad_norms(indices))
+        norms = self.probe.grad_norms(indices)
+        if record.grad_scale is not None:
+            norms = norms / record.grad_scale
+        record.add("grads", norms)
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.grad_norm = values
@@ -304,7 +307,8 @@ class Distributions(Reduction):
 
     def before_step(self, record: StepRecord, indices: list[int]) -> None:
         grads = [self.probe.params[i].grad for i in indices]
-        record.add("distributions", magnitude_histograms(grads), ("grads", len(indices)))
+        hist = magnitude_histograms(grads, scale=record.grad_scale)
+        record.add("distributions", hist, ("grads", len(indices)))
 
     def at_end(self, record: StepRecord) -> None:
         if record.params:
@@ -413,6 +417,26 @@ class ReductionSet:
             run = tuple(r for r in self.all if not r.statistics.isdisjoint(plan))
             hit = self._by_plan[plan] = (run, tuple(r for r in run if r.per_parameter))
         return hit
+
+    def before_step(
+        self,
+        record: StepRecord,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """Before ``optimizer`` steps: measure the parameters it steps that have a
+        gradient, for the statistics of ``record``'s plan that need them (the gradients
+        divided by ``grad_scale``, a loss scale they still carry, unless None)."""
+        stepping = self.stepping(record.plan)
+        if not stepping:
+            return
+        indices = self.probe.with_grad(self.probe.indices_of(optimizer))
+        if not indices:
+            return
+        record.grad_scale = grad_scale
+        for r in stepping:
+            r.before_step(record, indices)
+        record.params.extend(indices)
 
     def observation(self, reading: Reading, values: np.ndarray, rank: int) -> Observation:
         """The observation a reading holds: each part decoded by the reduction that made
