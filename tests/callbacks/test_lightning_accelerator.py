@@ -17,7 +17,7 @@ from _accelerator import SimulatedAccelerator, SimulatedSteps
 from _models import TinyMLP, loader
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from test_lightning_recovery import Net, batches
+from test_lightning_recovery import Net, batches, train
 
 from stethoscope import LightningStethoscope, Recovery
 from stethoscope.callbacks._lightning.parameters import _FOLD, _fold_on, magnitude_histograms
@@ -28,7 +28,7 @@ from stethoscope.testing import CapturingSink, RecordingDetector
 def fit_on(
     sim: SimulatedAccelerator,
     model: L.LightningModule,
-    data: Any,
+    data: list,
     callback: LightningStethoscope,
     *,
     device_ms: Any = None,
@@ -36,20 +36,7 @@ def fit_on(
 ) -> L.Trainer:
     """A fit whose stethoscope sees the CPU as ``sim``'s device (moved on a step at each
     batch start, before stethoscope's hooks run)."""
-    kw: dict[str, Any] = dict(
-        max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    kw.update(trainer_kw)
-    trainer = L.Trainer(callbacks=[SimulatedSteps(sim, device_ms), callback], **kw)
-    if isinstance(data, list):
-        data = torch.utils.data.DataLoader(data, batch_size=None)
-    trainer.fit(model, data)
-    return trainer
+    return train(model, data, [SimulatedSteps(sim, device_ms), callback], **trainer_kw)
 
 
 # -- a NaN ----------------------------------------------------------------------------------
@@ -174,17 +161,8 @@ def test_under_a_grad_scaler_a_fused_optimizer_skips_on_the_device():
     assert sim.train_syncs() == []
     torch.manual_seed(0)
     twin = Net("adamw-fused")
-    twin_trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **_scaler_plugin(),
-    )
     kept = [b for i, b in enumerate(poisoned) if i != 50]
-    twin_trainer.fit(twin, torch.utils.data.DataLoader(kept, batch_size=None))
+    twin_trainer = train(twin, kept, [], **_scaler_plugin())
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     _same_optimizer_state(trainer.optimizers[0], twin_trainer.optimizers[0])
@@ -202,17 +180,7 @@ def test_under_a_grad_scaler_the_gradients_of_a_fused_optimizer_are_measured_uns
         spy = RecordingDetector({"grads", "distributions"})
         callback = LightningStethoscope(sinks=[], detectors=[spy], recover=True)
         torch.manual_seed(0)
-        trainer = L.Trainer(
-            max_steps=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-            **_scaler_plugin(),
-        )
-        trainer.fit(Net(optimizer), torch.utils.data.DataLoader(batches(1), batch_size=None))
+        train(Net(optimizer), batches(1), [callback], **_scaler_plugin())
         seen[optimizer] = spy.seen[0]
     plain, fused = seen["adamw"], seen["adamw-fused"]
     np.testing.assert_allclose(fused.grad_norm, plain.grad_norm, rtol=1e-5)
@@ -232,10 +200,9 @@ def test_the_overhead_budget_measures_what_the_device_pays(sampled_ms, stretched
         return sampled_ms if callback._record.sampled else 10.0
 
     torch.manual_seed(0)
+    data = list(loader())
     with SimulatedAccelerator(lag=2) as sim:  # two steps behind: the readings' max_lag
-        fit_on(
-            sim, TinyMLP(), loader(), callback, device_ms=device_ms, max_steps=900, max_epochs=-1
-        )
+        fit_on(sim, TinyMLP(), data, callback, device_ms=device_ms, max_steps=900, max_epochs=-1)
     budget = callback.monitor.budget
     assert budget.measured is not None
     if stretched:

@@ -62,17 +62,17 @@ class Net(L.LightningModule):
         raise ValueError(self.optimizer)
 
 
-def train(model: Net, data: list, callbacks: list, **kw: Any) -> L.Trainer:
-    trainer = L.Trainer(
+def train(model: L.LightningModule, data: list, callbacks: list, **kw: Any) -> L.Trainer:
+    """A fit of one epoch over ``data`` (unless ``kw`` says otherwise)."""
+    defaults = dict(
         max_epochs=1,
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=callbacks,
-        **kw,
     )
+    trainer = L.Trainer(**{**defaults, **kw}, callbacks=callbacks)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
     return trainer
 
