@@ -404,9 +404,14 @@ class Census:
 
     def summary(self) -> dict[str, Any]:
         ours = [s for s in self.syncs if s["whose"] == "stethoscope"]
-        train = [s for s in ours if s["phase"] == "train"]
+        train = [s for s in ours if s["phase"] == "train" and s["kind"] == "sync"]
+        # a wait on a reading's event: the device more than max_lag steps behind, and still
+        # busy with the steps queued since (it does not idle for it)
+        waits = [s for s in ours if s["phase"] == "train" and s["kind"] == "event wait"]
         return dict(
             stethoscope_train=len(train),
+            stethoscope_train_waits=len(waits),
+            stethoscope_wait_sites=Counter(s["site"] for s in waits).most_common(4),
             stethoscope_train_unsampled=sum(1 for s in train if s["sampled"] is False),
             stethoscope_train_steps=len({s["step"] for s in train}),
             stethoscope_other_phases=Counter(s["phase"] for s in ours if s["phase"] != "train"),
@@ -926,9 +931,10 @@ def render(results: list[dict[str, Any]]) -> str:
         "**Host syncs on training steps, by mode** (300 steps, small GPT, bf16-mixed unless "
         "said; validation every 75 steps; `recover=` snapshots every 50 steps):",
         "",
-        "| mode | stethoscope's, on training steps | where | stethoscope's, elsewhere "
-        "| the optimizer's or scaler's own | Lightning's and the model's |",
-        "|---|---|---|---|---|---|",
+        "| mode | stethoscope's, on training steps | where | its waits on an event past "
+        "`max_lag` | stethoscope's, elsewhere | the optimizer's or scaler's own "
+        "| Lightning's and the model's |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["section"] != "census" or "stethoscope_train" not in r:
@@ -937,8 +943,9 @@ def render(results: list[dict[str, Any]]) -> str:
         elsewhere = ", ".join(f"{k}: {v}" for k, v in r["stethoscope_other_phases"].items()) or "0"
         error = f" (error: {r['error']})" if r.get("error") else ""
         lines.append(
-            f"| {r['mode']}{error} | **{r['stethoscope_train']}** | {where} | {elsewhere} "
-            f"| {r['stepper_train']} | {r['others_train']} |"
+            f"| {r['mode']}{error} | **{r['stethoscope_train']}** | {where} "
+            f"| {r.get('stethoscope_train_waits', '—')} | {elsewhere} | {r['stepper_train']} "
+            f"| {r['others_train']} |"
         )
     control = next((r for r in results if r.get("mode") == "control: one .item()"), None)
     if control is not None:
