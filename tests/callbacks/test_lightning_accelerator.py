@@ -6,6 +6,7 @@ without a wait."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -185,6 +186,25 @@ def test_under_a_grad_scaler_the_gradients_of_a_fused_optimizer_are_measured_uns
     plain, fused = seen["adamw"], seen["adamw-fused"]
     np.testing.assert_allclose(fused.grad_norm, plain.grad_norm, rtol=1e-5)
     np.testing.assert_array_equal(fused.grad_hist, plain.grad_hist)
+
+
+@pytest.mark.parametrize("played", [False, True], ids=["host", "device"])
+def test_under_a_grad_scaler_a_healthy_run_with_a_fused_optimizer_skips_nothing(played):
+    """The gate judges a fused optimizer's gradients with the scale divided out, on the
+    host (the CPU) and on the device alike: with them 2**16 too large, every step past
+    the calibration was past the exploding_gradients bar, skipped, and the run stopped."""
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=True)
+    torch.manual_seed(0)
+    scaler = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    with contextlib.ExitStack() as stack:
+        callbacks = [callback]
+        if played:
+            sim = stack.enter_context(SimulatedAccelerator(lag=1))
+            callbacks = [SimulatedSteps(sim), callback]
+        trainer = train(Net("adamw-fused"), batches(60), callbacks, **scaler)
+    assert trainer.global_step == 60 and not trainer.should_stop
+    assert [f for f in sink.findings if f.detector == RECOVERY] == []
 
 
 # -- the budget on the device's timeline ------------------------------------------------------

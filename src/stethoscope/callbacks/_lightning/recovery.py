@@ -166,7 +166,7 @@ class StepGate:
                 torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
             self._codes[id(optimizer)] = code
             return
-        verdict = self._why(grads)
+        verdict = self._why(grads, grad_scale)
         if _world_size() > 1:
             verdict = _agree(verdict, grads[0].device if grads else torch.device("cpu"))
         if verdict is not None and verdict[0] == _LEFT_TO_SCALER:
@@ -179,12 +179,18 @@ class StepGate:
         fused optimizer's, on an accelerator (in host memory the host reads it at once)."""
         return skips_on_device(optimizer) and bool(grads) and not device.is_host(grads[0].device)
 
-    def _why(self, grads: list[torch.Tensor]) -> tuple[int, str] | None:
+    def _why(
+        self, grads: list[torch.Tensor], grad_scale: torch.Tensor | None
+    ) -> tuple[int, str] | None:
         """Why this step must not be applied, as ``(code, sentence)`` (the codes are
-        :data:`~stethoscope.recovery.REASONS`), or None."""
+        :data:`~stethoscope.recovery.REASONS`), or None; ``grad_scale``: a loss scale the
+        gradients still carry, divided out of their norm."""
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
-        norm = float(total_norm(grads)) if grads and not bad else 0.0  # on the CPU: no wait
+        norm = 0.0
+        if grads and not bad:
+            total = total_norm(grads)
+            norm = float(total if grad_scale is None else total / grad_scale)  # CPU: no wait
         if self.scaler_skips_nonfinite and (bad or not math.isfinite(norm)):
             # a non-finite loss makes non-finite gradients: the GradScaler skips this step
             # itself, and it is not counted twice
