@@ -8,6 +8,16 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+#: The hooks Lightning calls on every step after ``on_train_batch_start`` (which a gate
+#: handles itself, choosing who owns the step there).
+STEP_HOOKS = (
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+
 
 def call_hook(callback: Callback, name: str, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
     """What Lightning's ``_call_callback_hooks`` does for one callback: skip the hook if it

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import statistics
@@ -97,15 +96,6 @@ class Run:
         with open(self.results, "a") as f:
             f.write(line + "\n")
         print(line[:600], flush=True)
-
-
-def _quiet() -> None:
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
-    warnings.filterwarnings("ignore", message=".*litlogger.*")
-    warnings.filterwarnings("ignore", module="lightning_utilities.*")
 
 
 # -- the model and its data ----------------------------------------------------------------
@@ -602,13 +592,6 @@ def section_faults(run: Run) -> None:
 # -- overhead, in blocks inside one fit -----------------------------------------------------------
 PLAIN, STETHOSCOPE, ANOMALY = "plain", "stethoscope", "detect_anomaly"
 ITEM = "isfinite(loss).item()"
-_STEP_HOOKS = (
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-)
 _RUN_HOOKS = ("setup", "on_train_start", "on_train_epoch_end", "on_train_end", "teardown")
 
 
@@ -616,7 +599,7 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
     import lightning as L
     import torch
 
-    from benchmarks._dispatch import call_hook
+    from benchmarks._dispatch import STEP_HOOKS, call_hook
 
     class ItemCheck(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -681,7 +664,7 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
 
         return hook
 
-    for name in _STEP_HOOKS:
+    for name in STEP_HOOKS:
         setattr(Gate, name, step_hook(name))
     for name in _RUN_HOOKS:
         setattr(Gate, name, run_hook(name))
@@ -882,6 +865,8 @@ SECTIONS: dict[str, Callable[[Run], None]] = {
 
 
 def measure(args: argparse.Namespace) -> int:
+    from benchmarks.overhead import _quiet
+
     _quiet()
     import lightning
     import torch

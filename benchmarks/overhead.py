@@ -79,7 +79,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks._dispatch import call_hook
+from benchmarks._dispatch import STEP_HOOKS, call_hook
 from benchmarks._machine import machine
 from stethoscope import LightningStethoscope
 from stethoscope.record import RunRecord
@@ -277,13 +277,6 @@ def schedule(
     return segments
 
 
-_STEP_HOOKS = (
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-)
 _RUN_HOOKS = ("setup", "on_train_start", "on_train_epoch_end", "teardown", "on_exception")
 
 
@@ -370,7 +363,7 @@ def _run_hook(name: str) -> Callable[..., None]:
     return hook
 
 
-for _name in _STEP_HOOKS:
+for _name in STEP_HOOKS:
     setattr(Gate, _name, _step_hook(_name))
 for _name in _RUN_HOOKS:
     setattr(Gate, _name, _run_hook(_name))

@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from benchmarks._dispatch import call_hook
+from benchmarks._dispatch import STEP_HOOKS, call_hook
 from benchmarks.overhead import (
     MODELS,
     PLAIN,
@@ -141,13 +141,6 @@ class BatchClock(Callback):
         return [1e3 * (t[i + 1] - t[i]) for i in range(len(t) - 1)]
 
 
-_STEP_HOOKS = (
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-)
 _RUN_HOOKS = ("setup", "on_train_start", "on_train_epoch_end", "on_train_end", "teardown")
 
 
@@ -187,7 +180,7 @@ def _forward(name: str, *, always: bool) -> Callable[..., None]:
     return hook
 
 
-for _name in _STEP_HOOKS:
+for _name in STEP_HOOKS:
     setattr(BatchGate, _name, _forward(_name, always=False))
 for _name in _RUN_HOOKS:
     setattr(BatchGate, _name, _forward(_name, always=True))
