@@ -965,9 +965,8 @@ def render(results: list[dict[str, Any]]) -> str:
         "| on the host's clock |",
         "|---|---|---|---|---|",
     ]
-    for r in results:
-        if r["section"] not in ("small", "medium") or "ratio" not in r:
-            continue
+    overheads = [r for r in results if r["section"] in ("small", "medium") and "ratio" in r]
+    for r in overheads:
         model = f"{r['section']}: {r['parameters_m']}M parameters, batch {r['batch']}"
         plain = f"{r['plain_step_ms']['device']:.2f} / {r['plain_step_ms']['host']:.2f} ms"
         for variant, clocks in r["ratio"].items():
@@ -984,9 +983,7 @@ def render(results: list[dict[str, Any]]) -> str:
         "| stretch | gradients every |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        if r["section"] not in ("small", "medium") or "ratio" not in r:
-            continue
+    for r in overheads:
         measured = r["budget_measured"]
         lines.append(
             f"| {r['section']} | {r['stethoscope_sampled_ms']} ms | {r['stethoscope_quiet_ms']} ms "
