@@ -51,6 +51,7 @@ SHORT_MEMORY = {
     "frozen_weights",
     "all_zero",
     "straggler",  # the ratios of its last ``window`` samples
+    "nonfinite_gradients",  # a streak of overflows under a loss scaler
 }
 NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])

@@ -40,6 +40,8 @@ class TrainingSetup:
         adaptive: Whether every optimizer scales each parameter's step by that
             parameter's own gradient history (Adam, RMSprop, Adagrad…), so that one
             large gradient does not make one large update.
+        loss_scaled: Whether a loss scaler (PyTorch's GradScaler) skips every step whose
+            gradients overflow, and lowers its scale: an overflow is its business.
     """
 
     framework: str = ""
@@ -48,6 +50,7 @@ class TrainingSetup:
     scheduler: bool = False
     adversarial: bool = False
     adaptive: bool = False
+    loss_scaled: bool = False
 
     @property
     def float16(self) -> bool:

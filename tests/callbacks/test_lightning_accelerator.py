@@ -207,6 +207,27 @@ def test_under_a_grad_scaler_a_healthy_run_with_a_fused_optimizer_skips_nothing(
     assert [f for f in sink.findings if f.detector == RECOVERY] == []
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused"])
+def test_a_grad_scaler_finding_its_scale_is_no_error(optimizer):
+    """A GradScaler that starts too high overflows and halves its scale, step after
+    step, until it fits: its business, info findings, not an error that stops the run
+    (it stopped at step 0)."""
+    sink = CapturingSink()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    torch.manual_seed(0)
+    trainer = train(
+        Net(optimizer),
+        batches(40),
+        [LightningStethoscope(sinks=[sink])],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    assert trainer.global_step == 40 and not trainer.should_stop
+    assert scaler.get_scale() < 2.0**24  # it did overflow, and halve
+    assert sink.at_least("warning") == []
+    overflows = [f for f in sink.findings if f.detector == "nonfinite_gradients"]
+    assert overflows and all("GradScaler skips this step" in f.message for f in overflows)
+
+
 # -- the budget on the device's timeline ------------------------------------------------------
 @pytest.mark.parametrize(("sampled_ms", "stretched"), [(10.0, False), (40.0, True)])
 def test_the_overhead_budget_measures_what_the_device_pays(sampled_ms, stretched):

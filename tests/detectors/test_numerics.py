@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _helpers import INF, NAMES, NAN, assert_actionable, loss_obs, make_obs, run, steps
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.detectors import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
 
 
@@ -109,6 +110,46 @@ def test_nonfinite_gradients_fires_on_a_single_step_and_on_each_bad_step():
 def test_nonfinite_gradients_quiet_on_a_healthy_twin():
     norms = healthy_norms(2, 500)
     assert run(NonfiniteGradients(), [make_obs(t, grads=g) for t, g in enumerate(norms)]) == []
+
+
+def _scaled(detector: NonfiniteGradients) -> NonfiniteGradients:
+    detector.setup = TrainingSetup(precision="16-mixed", loss_scaled=True)
+    return detector
+
+
+def test_under_a_loss_scaler_an_overflow_is_the_scalers_until_it_repeats():
+    """A GradScaler skips a step whose gradients overflow and halves its scale: info, and
+    the streak starts again at a finite step; ``patience`` overflows in a row: training
+    has stalled, an error."""
+    over = [1.0, INF, 1.0, 1.0]
+    grads = [over, over, [1.0] * 4, over, over, over, over]
+    found = run(
+        _scaled(NonfiniteGradients(patience=4)),
+        [make_obs(t, loss=2.0, grads=g) for t, g in enumerate(grads)],
+    )
+    assert steps(found) == [
+        (0, "info"),
+        (1, "info"),
+        (3, "info"),
+        (4, "info"),
+        (5, "info"),
+        (6, "error"),
+    ]
+    assert "GradScaler skips this step" in found[0].message
+    assert "since step 3" in found[-1].message and found[-1].where == NAMES[1]
+    assert_actionable(found[-1])
+
+
+def test_under_a_loss_scaler_a_nonfinite_loss_and_no_scaler_stay_errors():
+    obs = [make_obs(0, loss=NAN, grads=[1.0, NAN, 1.0, 1.0])]
+    assert steps(run(_scaled(NonfiniteGradients()), obs)) == [(0, "error")]
+    obs = [make_obs(0, loss=2.0, grads=[1.0, INF, 1.0, 1.0])]
+    assert steps(run(NonfiniteGradients(), obs)) == [(0, "error")]
+
+
+def test_nonfinite_gradients_refuses_a_bad_patience():
+    with pytest.raises(ValueError, match="patience=0"):
+        NonfiniteGradients(patience=0)
 
 
 # -- nonfinite_weights ----------------------------------------------------------------------------

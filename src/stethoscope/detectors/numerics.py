@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from stethoscope.advice import float16_note
-from stethoscope.detectors.base import Detector, Losses, Rates, Steps
+from stethoscope.detectors.base import Detector, Losses, Rates, Steps, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -132,6 +132,17 @@ class NonfiniteGradients(Detector):
     exactly when the tensor holds a NaN/Inf, or overflows) is an error. The
     finding names the first such parameter in backward order, the one nearest
     the output, which is where the non-finite value entered the backward pass.
+
+    Under a loss scaler (``TrainingSetup.loss_scaled``: float16 with PyTorch's
+    GradScaler), gradients that overflow while the loss is finite are the scaler's
+    business: it skips that step and halves its scale, which is how it finds its
+    scale (at the start of a run, and after each growth). That is an info finding;
+    only ``patience`` measured steps in a row that all overflowed are an error: the
+    scaler skips every step then, and training has stalled.
+
+    Args:
+        patience: Under a loss scaler, consecutive measured steps whose gradients
+            overflowed that make an error.
     """
 
     name = "nonfinite_gradients"
@@ -139,13 +150,24 @@ class NonfiniteGradients(Detector):
     base_interval = 16
     advice = "look for log/sqrt/div at 0; lower the LR"
 
+    def __init__(self, *, patience: int = 16) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"overflows": 0, "since": None}  # measured steps in a row that overflowed
+
     def _update(self, obs: Observation) -> list[Finding]:
         bad = ~np.isfinite(obs.grad_norm)
         if not bad.any():
+            self.state["overflows"], self.state["since"] = 0, None
             return []
         idx = np.flatnonzero(bad)
         first = int(idx[-1])  # registration order runs input → output; backward runs the other way
         value = float(obs.grad_norm[first])
+        if self.setup.loss_scaled and (obs.loss is None or math.isfinite(obs.loss)):
+            return [self._overflow(obs, first, len(idx), len(bad), value)]
         return [
             self.finding(
                 obs,
@@ -160,6 +182,35 @@ class NonfiniteGradients(Detector):
                 where=obs.names[first],
             )
         ]
+
+    def _overflow(self, obs: Observation, first: int, n_bad: int, n: int, value: float) -> Finding:
+        """Gradients that overflowed under a loss scaler, with a finite loss."""
+        state = self.state
+        state["overflows"] += 1
+        if state["since"] is None:
+            state["since"] = obs.step
+        where = obs.names[first]
+        if state["overflows"] < self.patience:
+            return self.finding(
+                obs,
+                "info",
+                f"The gradients overflowed at step {obs.step} ({where} first, {n_bad} of {n} "
+                "parameters) with a finite loss: the GradScaler skips this step and halves its "
+                "loss scale, as it is meant to; nothing to do unless it repeats.",
+                value=value,
+                where=where,
+            )
+        return self.finding(
+            obs,
+            "error",
+            f"The gradients have overflowed on {state['overflows']} measured steps in a row "
+            f"(since step {state['since']}; {where} first at step {obs.step}) with a finite "
+            "loss: the GradScaler skips every step and keeps halving its scale, so training "
+            f"has stalled. A non-finite value that no scale removes (log/sqrt/division at 0 "
+            f"near {where}) is the likely cause; else lower the learning rate.",
+            value=value,
+            where=where,
+        )
 
 
 class NonfiniteWeights(Detector):

@@ -19,6 +19,7 @@ from typing import Any
 from lightning.pytorch.callbacks import RichProgressBar
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
+from stethoscope.callbacks._lightning.loss_scale import scaler_of
 from stethoscope.sinks.base import RunContext
 
 __all__ = ["run_context", "training_setup"]
@@ -63,6 +64,7 @@ def training_setup(trainer: Any) -> TrainingSetup:
         scheduler=bool(trainer.lr_scheduler_configs),
         adversarial=manual and len(trainer.optimizers) > 1,
         adaptive=adaptive_optimizers(list(trainer.optimizers)),
+        loss_scaled=scaler_of(trainer) is not None,
     )
 
 
