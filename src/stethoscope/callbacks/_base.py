@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -141,11 +143,14 @@ class StethoscopeBase:
         return summary
 
     def _stop_message(self) -> str | None:
-        """One line on what stopped training, for the end of the run; None if nothing did."""
+        """What stopped training, for the end of the run, wrapped to the terminal's width;
+        None if nothing did."""
         f = self.monitor.stopped_by
         if f is None:
             return None
-        return (
+        text = (
             f"stethoscope stopped training at step {f.step}: {f.detector} ({f.severity}) — "
             f"{f.message}"
         )
+        width = max(shutil.get_terminal_size().columns, 40)
+        return textwrap.fill(text, width=width, break_on_hyphens=False)
