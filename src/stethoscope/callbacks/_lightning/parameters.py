@@ -284,9 +284,10 @@ def magnitude_histograms(
         for t in tensors:
             fine = torch.zeros(_FINE_BINS, dtype=torch.int64, device=device)
             for chunk in t.detach().reshape(-1).split(_HISTOGRAM_CHUNK):
-                level = torch.log10(chunk.float().abs()).mul_(-2.0)
-                if scale is not None:  # -2 log10(|x| / s) = -2 log10|x| + 2 log10 s
-                    level.add_(torch.log10(scale.float()).mul(2.0))
+                magnitude = chunk.float().abs()
+                if scale is not None:  # a GradScaler's is a power of two: the bins are exact
+                    magnitude.div_(scale)
+                level = torch.log10(magnitude).mul_(-2.0)
                 level = torch.nan_to_num_(
                     level, nan=_FINE_LOW + 0.5, posinf=_FINE_HIGH - 0.5, neginf=_FINE_LOW + 0.5
                 )
