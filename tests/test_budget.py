@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from stethoscope.budget import LONGEST, OverheadBudget, parse_budget
 from stethoscope.detectors import default_detectors
-from stethoscope.monitor import Monitor
+from stethoscope.engine.budget import LONGEST, OverheadBudget, parse_budget
+from stethoscope.engine.monitor import Monitor
 
 
 def _feed(budget: OverheadBudget, *, quiet: float, sampled: float, every: int, steps: int):

@@ -28,8 +28,8 @@ from stethoscope.distributed import (
     Packet,
     RankMeeting,
 )
-from stethoscope.findings import Finding
-from stethoscope.monitor import SAMPLER, Monitor
+from stethoscope.engine.monitor import Monitor
+from stethoscope.findings import SAMPLER, Finding
 from stethoscope.observation import Observation
 from stethoscope.statistics import GATHERED, REPLICATED
 from stethoscope.testing import CapturingSink, RecordingDetector
@@ -426,14 +426,14 @@ def test_a_validation_is_pooled_over_the_ranks_and_closes_each_training_window()
         for t in range(4):
             m.observe(loss_obs(t, 1.0 + r + 0.1 * (3 - t), r))  # each rank starts 0.3 higher
     shared = [
-        {"val_loss": (2.0 + 2 * r, 1), **m.losses.shared()} for r, m in enumerate(world.monitors)
+        {"val_loss": (2.0 + 2 * r, 1), **m.pooled_losses()} for r, m in enumerate(world.monitors)
     ]
     world.meet(3, shared)
     for spy, m in zip(seen, world.monitors, strict=True):
         (obs,) = spy.seen
         assert (obs.val_loss, obs.train_loss) == (3.0, pytest.approx(1.65))
         assert obs.start_loss == pytest.approx(1.8)  # the ranks' first losses, 1.3 and 2.3
-        assert m.losses.shared()["train_loss"] == (0.0, 0.0)
+        assert m.pooled_losses()["train_loss"] == (0.0, 0.0)
 
 
 def test_a_validation_no_rank_had_is_not_judged():

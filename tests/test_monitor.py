@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from stethoscope.detectors import DETECTORS, Detector, LossSpike, default_detectors
-from stethoscope.findings import Finding
-from stethoscope.monitor import SAMPLER, Monitor
+from stethoscope.engine.monitor import Monitor
+from stethoscope.findings import SAMPLER, Finding
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.statistics import EVENT, GATHERED, STATISTICS

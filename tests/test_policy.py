@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from stethoscope.detectors import DETECTORS
+from stethoscope.engine.policy import Decision, Policy, decide, parse_policy
 from stethoscope.findings import Finding
-from stethoscope.policy import Decision, Policy, decide, parse_policy
 
 KNOWN = tuple(DETECTORS)
 

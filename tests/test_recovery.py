@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from stethoscope import Monitor
-from stethoscope.findings import Finding
+from stethoscope.findings import RECOVERY, Finding
 from stethoscope.observation import Observation
-from stethoscope.recovery import RECOVERY, Ladder, Recoverer, Recovery, parse_recover
+from stethoscope.recovery import Ladder, Recoverer, Recovery, parse_recover
 from stethoscope.testing import CapturingSink
 
 
@@ -106,7 +106,7 @@ def test_snapshots_only_on_the_cadence_and_only_when_healthy():
 
 
 def test_a_roll_back_soon_after_a_roll_back_passes_over_the_snapshot_it_went_to(tmp_path):
-    from stethoscope.snapshots import SnapshotStore
+    from stethoscope.recovery.snapshots import SnapshotStore
 
     ladder = _ladder(snapshot_every=10)
     assert not ladder.newest_suspect(50)  # no roll back yet
@@ -198,7 +198,7 @@ def test_an_epoch_the_ladder_saved_says_so_in_its_verdict():
 
 
 def test_a_warning_that_the_weights_drifted_rolls_back_but_other_warnings_do_not():
-    from stethoscope.policy import Decision
+    from stethoscope.engine.policy import Decision
 
     monitor = Monitor(sinks=[])
     recoverer = Recoverer(monitor, Recovery())

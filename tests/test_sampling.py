@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stethoscope.sampling import AdaptiveSampler
+from stethoscope.engine.sampler import AdaptiveSampler
 
 BASE = {"loss": 1, "grads": 16, "acts": 64}
 

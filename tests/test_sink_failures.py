@@ -25,8 +25,8 @@ import pytest
 from rich.console import Console
 
 from _sinkkit import free_port, tb_scalars
+from stethoscope.engine.monitor import Monitor
 from stethoscope.findings import Finding
-from stethoscope.monitor import Monitor
 from stethoscope.sinks import CSVSink, JSONLSink, MLflowSink, Sink, TensorBoardSink
 from stethoscope.sinks._buffer import _Background
 from stethoscope.testing import CapturingSink

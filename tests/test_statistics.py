@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from stethoscope.monitor import Monitor
+from stethoscope.engine.monitor import Monitor
 from stethoscope.observation import Observation
 from stethoscope.statistics import (
     CORE_FIELDS,

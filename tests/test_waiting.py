@@ -10,10 +10,10 @@ import pytest
 
 from stethoscope.detectors import default_detectors
 from stethoscope.detectors.base import Detector
-from stethoscope.monitor import Monitor
+from stethoscope.engine.monitor import Monitor
+from stethoscope.engine.waiting import WaitingLosses
 from stethoscope.observation import Observation
 from stethoscope.testing import CapturingSink
-from stethoscope.waiting import WaitingLosses
 
 
 def _run(losses, monkeypatch=None, *, waiting: bool = True) -> tuple[Monitor, CapturingSink, list]:
@@ -82,10 +82,10 @@ def test_nothing_waits_in_a_distributed_run_or_under_recovery(world_size):
     for step, loss in enumerate(_curve(300)):
         monitor.observe(Observation(step=step, epoch=0, loss=float(loss)))
     assert monitor.waiting.bar > 0  # a single process: quiet steps may wait
-    monitor.spared = frozenset({"loss_spike"})  # a recovery ladder acts on every step
+    monitor.spare(frozenset({"loss_spike"}))  # a recovery ladder acts on every step
     monitor.observe(Observation(step=300, epoch=0, loss=0.3))
     assert monitor.waiting.bar == -math.inf
-    monitor.spared = frozenset()
+    monitor.spare(frozenset())
     monitor.distribute(rank=0, world_size=world_size)
     monitor.observe(Observation(step=301, epoch=0, loss=0.3))
     assert monitor.waiting.bar == -math.inf and monitor.waiting.steps == []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from stethoscope.engine import Monitor
 from stethoscope.findings import Finding, Severity, TrainingProblem
-from stethoscope.monitor import Monitor
 from stethoscope.observation import Observation
 from stethoscope.recovery import Recovery
 

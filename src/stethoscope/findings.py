@@ -7,7 +7,12 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
-__all__ = ["FIELDS", "Finding", "Severity", "TrainingProblem"]
+__all__ = ["FIELDS", "RECOVERY", "SAMPLER", "Finding", "Severity", "TrainingProblem"]
+
+#: The ``detector`` field of the info findings the sampler reports (it is no detector).
+SAMPLER = "sampler"
+#: The ``detector`` field of the findings the recovery ladder reports.
+RECOVERY = "recovery"
 
 
 class Severity(str, Enum):

@@ -276,7 +276,7 @@ def recover() -> dict:
     on one device; a roll back restores the snapshot; several steps per execution are
     refused."""
     from stethoscope import Recovery
-    from stethoscope.recovery import RECOVERY
+    from stethoscope.findings import RECOVERY
 
     x, y = data()
     x[3 * BATCH + 2, 0] = np.nan  # replica 0's half of step 3's batch

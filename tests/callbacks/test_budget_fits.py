@@ -11,7 +11,7 @@ import torch
 from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
-from stethoscope.budget import LONGEST
+from stethoscope.engine.budget import LONGEST
 from stethoscope.testing import CapturingSink
 
 

@@ -19,7 +19,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 from stethoscope import KerasStethoscope, Recovery  # noqa: E402
-from stethoscope.recovery import RECOVERY  # noqa: E402
+from stethoscope.findings import RECOVERY  # noqa: E402
 from stethoscope.testing import CapturingSink  # noqa: E402
 
 BATCH, FEATURES, CLASSES = 16, 12, 3

@@ -22,7 +22,7 @@ from test_lightning_recovery import Net, batches, train
 
 from stethoscope import LightningStethoscope, Recovery
 from stethoscope.callbacks._lightning.parameters import _FOLD, _fold_on, magnitude_histograms
-from stethoscope.recovery import RECOVERY
+from stethoscope.findings import RECOVERY
 from stethoscope.testing import CapturingSink, RecordingDetector
 
 
@@ -238,7 +238,7 @@ def test_the_overhead_budget_measures_what_the_device_pays(sampled_ms, stretched
     callback = LightningStethoscope(sinks=[])
 
     def device_ms(step: int) -> float:
-        return sampled_ms if callback._record.sampled else 10.0
+        return sampled_ms if callback._measures.sampled else 10.0
 
     torch.manual_seed(0)
     data = list(loader())

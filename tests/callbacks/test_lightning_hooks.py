@@ -36,8 +36,8 @@ def _sampled_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def spy(self: LightningStethoscope, trainer: L.Trainer, *args: Any) -> None:
         original(self, trainer, *args)
-        if self._record.sampled:
-            steps.append(self._record.step)
+        if self._measures.sampled:
+            steps.append(self._measures.step)
 
     monkeypatch.setattr(LightningStethoscope, "on_train_batch_start", spy)
     return steps

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from stethoscope import LightningStethoscope, Recovery
-from stethoscope.recovery import RECOVERY
+from stethoscope.findings import RECOVERY
 from stethoscope.testing import CapturingSink
 
 FEATURES, CLASSES = 12, 3

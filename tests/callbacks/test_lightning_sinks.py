@@ -96,6 +96,31 @@ def test_with_a_record_the_mlflow_run_gets_the_report_and_its_figures(
         assert pngs == {f"{folder}/{name}.png" for name in drawn}
 
 
+def test_a_sink_that_closes_before_the_recorder_still_attaches_the_whole_record(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("plotly")
+
+    class Attaching(Sink):
+        """Writes the run's report at its close, as MLflowSink does."""
+
+        def start(self, context: Any) -> None:
+            self.report = context.report
+
+        def emit(self, finding: Finding) -> None:
+            pass
+
+        def close(self) -> None:
+            self.report(tmp_path / "attached")
+
+    cb = LightningStethoscope(sinks=[Attaching()], record=tmp_path / "run")
+    cb.monitor.sinks.reverse()  # the attaching sink now closes first: order must not matter
+    fit(TinyMLP(fault="nan_input", onset=30), steps=200, callback=cb)
+    html = (tmp_path / "attached" / "report.html").read_text(encoding="utf-8")
+    assert "(step 0 … 30)" in html  # every step of the record, its last included
+    assert "running, or stopped" not in html  # the record was complete: closed first
+
+
 def test_an_mlflow_sink_that_names_its_run_keeps_it(store: tuple[str, Any], tmp_path: Path) -> None:
     uri, client = store
     name = f"lightning-{uuid.uuid4().hex}"

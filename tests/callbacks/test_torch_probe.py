@@ -101,7 +101,7 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
 
     def spy(name, original):
         def wrapper(self, *args, **kwargs):
-            calls[name].append(cb._record.step)
+            calls[name].append(cb._measures.step)
             return original(self, *args, **kwargs)
 
         return wrapper
@@ -115,13 +115,13 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         monkeypatch.setattr(
             reductions,
             fn,
-            lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._record.step) or _orig(*a),
+            lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._measures.step) or _orig(*a),
         )
     original_stack = parameters._stack_norms
     monkeypatch.setattr(
         parameters,
         "_stack_norms",
-        lambda tensors: steps_seen.append(cb._record.step) or original_stack(tensors),
+        lambda tensors: steps_seen.append(cb._measures.step) or original_stack(tensors),
     )
     planned: list[int] = []
     planned_updates: list[int] = []

@@ -6,17 +6,15 @@ import os
 import shutil
 import textwrap
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stethoscope.detectors import Detector
+from stethoscope.engine import Decision, Monitor, Settings
 from stethoscope.findings import Finding, TrainingProblem
-from stethoscope.monitor import Monitor
-from stethoscope.policy import Decision, StopOn
 from stethoscope.record.writer import RunRecorder
 from stethoscope.recovery import Recoverer, Recovery, parse_recover
-from stethoscope.sinks import ConsoleSink, Sink
 from stethoscope.summary import EpochSummary
 
 __all__ = ["StepClock", "StethoscopeBase"]
@@ -35,7 +33,7 @@ class StepClock:
     def start(self, monitor: Monitor, *, sampled: bool, steps: int = 1) -> None:
         """A step starts (``steps``: an execution of that many): the last one's time goes
         to ``monitor`` (with no budget to measure for, nothing is clocked)."""
-        if monitor.budget is None:
+        if not monitor.clocked:
             return
         now = time.perf_counter()
         if self._start is not None:
@@ -57,44 +55,45 @@ class StethoscopeBase:
 
     def _build_monitor(
         self,
+        settings: Settings,
         *,
-        detectors: Sequence[Detector] | None,
-        sinks: Sequence[Sink] | None,
-        stop_on: StopOn,
-        raise_on: StopOn,
-        intervals: Mapping[str, int] | None,
-        escalate: bool,
-        hot_steps: int,
         record: str | os.PathLike[str] | None,
         recover: bool | Recovery = False,
-        overhead_budget: float | None = None,
     ) -> None:
-        """Make the monitor (which validates every argument); a console by default; with
-        ``record``, a :class:`RunRecorder` first among the sinks (so that it has closed
-        the record when a later sink attaches its report); with ``recover``, the
-        recovery ladder that answers the errors it can mend instead of stopping."""
-        settings = parse_recover(recover)
+        """Make the monitor of ``settings``; with ``record``, a :class:`RunRecorder`
+        first among the sinks; with ``recover``, the recovery ladder that answers the
+        errors it can mend instead of stopping."""
+        ladder = parse_recover(recover)
         #: Writes the run's record (``record=``), or ``None``.
         self.recorder = RunRecorder(record) if record is not None else None
-        sinks = [ConsoleSink()] if sinks is None else list(sinks)
-        self.monitor = Monitor(
-            detectors=detectors,
-            sinks=[self.recorder, *sinks] if self.recorder is not None else sinks,
-            stop_on=stop_on,
-            raise_on=raise_on,
-            intervals=intervals,
-            escalate=escalate,
-            hot_steps=hot_steps,
-            overhead_budget=overhead_budget,
-        )
+        if self.recorder is not None:
+            settings = replace(settings, sinks=(self.recorder, *settings.sinks))
+        self.monitor = Monitor(settings)
         self.summaries = []
         #: The recovery ladder (``recover=``), or ``None``.
-        self.recoverer = Recoverer(self.monitor, settings) if settings is not None else None
+        self.recoverer = Recoverer(self.monitor, ladder) if ladder is not None else None
 
     def _describe(self, framework: dict[str, Any]) -> dict[str, Any]:
         """The run's configuration for its record: ``framework``'s description of the
         model, optimizer and trainer, and the detectors with their thresholds."""
         return {**framework, **self.monitor.describe()}
+
+    @property
+    def report(self) -> Callable[[Path], None] | None:
+        """Writes the report of the run's record into a folder (the sinks' way to it,
+        see ``RunContext.report``), or ``None`` without a record."""
+        return self._report_into if self.recorder is not None else None
+
+    def _report_into(self, folder: Path) -> None:
+        """The record's report into ``folder``: ``report.html`` and ``figures/``. The
+        record is closed first (closing is idempotent), so that the report is complete
+        whichever sink asks, and whenever."""
+        from stethoscope.record.report import write_report
+
+        recorder = self.recorder
+        assert recorder is not None
+        recorder.close()
+        write_report(recorder.directory, output=folder / "report.html", png_dir=folder / "figures")
 
     @property
     def record(self) -> Path | None:

@@ -26,10 +26,10 @@ from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.recovery import KerasRecovery, refuse_unrecoverable
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.detectors import Detector
+from stethoscope.engine import Settings, StopOn
 from stethoscope.observation import Observation
-from stethoscope.policy import StopOn
 from stethoscope.recovery import Recovery
-from stethoscope.sinks import RunContext, Sink
+from stethoscope.sinks import ConsoleSink, RunContext, Sink
 from stethoscope.statistics import EVERY_STEP
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
@@ -126,16 +126,18 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 "in-graph probes have no state to write to. Use tensorflow or torch."
             )
         self._build_monitor(
-            detectors=detectors,
-            sinks=sinks,
-            stop_on=stop_on,
-            raise_on=raise_on,
-            intervals=intervals,
-            escalate=escalate,
-            hot_steps=hot_steps,
+            Settings.of(
+                detectors=detectors,
+                sinks=[ConsoleSink()] if sinks is None else sinks,
+                stop_on=stop_on,
+                raise_on=raise_on,
+                intervals=intervals,
+                escalate=escalate,
+                hot_steps=hot_steps,
+                overhead_budget=overhead_budget,
+            ),
             record=record,
             recover=recover,
-            overhead_budget=overhead_budget,
         )
         self._clock = StepClock()
         self._probe: GraphProbe | None = None
@@ -153,7 +155,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
         forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
-            (d.needs | d.wants) & {"activations", "outputs"} or d.name == "nonfinite_loss"
+            (d.needs | d.wants | d.requests) & {"activations", "outputs", "trace"}
             for d in self.monitor.detectors
         )
         if hasattr(model.optimizer, "inner_optimizer"):  # keras.optimizers.LossScaleOptimizer
@@ -208,6 +210,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 first_epoch=self._epoch if step0 else 0,
                 describe=lambda: self._describe(describe_run(model, self.params)),
                 record=self.record,
+                report=self.report,
                 setup=training_setup(model),
             )
         )

@@ -29,10 +29,10 @@ from stethoscope.callbacks._lightning.hooks import HookSwitch
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
+from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
 from stethoscope.callbacks._lightning.reader import HostReader
-from stethoscope.callbacks._lightning.record import Reading, StepRecord
 from stethoscope.callbacks._lightning.recovery import LightningRecovery
 from stethoscope.callbacks._lightning.reductions import (
     RankTiming,
@@ -42,11 +42,10 @@ from stethoscope.callbacks._lightning.reductions import (
 )
 from stethoscope.detectors import Detector
 from stethoscope.distributed import RankMeeting
-from stethoscope.monitor import Monitor
+from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
-from stethoscope.policy import StopOn
 from stethoscope.recovery import Recovery
-from stethoscope.sinks import Sink
+from stethoscope.sinks import ConsoleSink, Sink
 
 __all__ = ["LightningStethoscope"]
 
@@ -139,16 +138,18 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self.inputs_from, self.labels_from = inputs_from, labels_from
         self.val_loss_key = val_loss_key
         self._build_monitor(
-            detectors=detectors,
-            sinks=sinks,
-            stop_on=stop_on,
-            raise_on=raise_on,
-            intervals=intervals,
-            escalate=escalate,
-            hot_steps=hot_steps,
+            Settings.of(
+                detectors=detectors,
+                sinks=[ConsoleSink()] if sinks is None else sinks,
+                stop_on=stop_on,
+                raise_on=raise_on,
+                intervals=intervals,
+                escalate=escalate,
+                hot_steps=hot_steps,
+                overhead_budget=overhead_budget,
+            ),
             record=record,
             recover=recover,
-            overhead_budget=overhead_budget,
         )
         self.log_stats = bool(log_stats)
         self.max_lag = max_lag
@@ -161,7 +162,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._forward: ForwardProbe | None = None
         self._reader = HostReader(self.max_lag)
         self._reductions: ReductionSet | None = None
-        self._record = StepRecord(step=-1, epoch=0, plan=frozenset())
+        self._measures = StepMeasures(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
@@ -205,6 +206,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         context = run_context(
             trainer,
             record=self.record,
+            report=self.report,
             describe=lambda: self._describe(describe_run(trainer, pl_module)),
         )
         self._printer = context.printer
@@ -239,34 +241,34 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        record = self._record
+        measures = self._measures
         step = trainer.global_step
-        if self._recovery is not None and step != record.step:
+        if self._recovery is not None and step != measures.step:
             self._recovery.new_step(step, trainer.current_epoch)
-        if step == record.step:  # a later micro-batch of an accumulated step
-            if record.sampled:
-                for r in self._reductions.run(record.plan):
-                    r.micro_batch(record, batch)
+        if step == measures.step:  # a later micro-batch of an accumulated step
+            if measures.sampled:
+                for r in self._reductions.run(measures.plan):
+                    r.micro_batch(measures, batch)
             return
         plan = self.monitor.plan(step)
         if self.log_stats and "grads" in plan:
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
-        self._record = record = StepRecord(step, trainer.current_epoch, plan)
-        self._clock.start(self.monitor, sampled=record.sampled)
-        self._hooks.set("on_before_optimizer_step", record.sampled or self.recoverer is not None)
-        if record.sampled:
+        self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
+        self._clock.start(self.monitor, sampled=measures.sampled)
+        self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
+        if measures.sampled:
             for r in self._reductions.run(plan):
-                r.at_start(record, batch)
+                r.at_start(measures, batch)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         if self._recovery is not None:
             self._recovery.judge(optimizer)
-        record = self._record
-        if record.sampled:  # else nothing to do here
+        measures = self._measures
+        if measures.sampled:  # else nothing to do here
             scale = pending_scale(scaler_of(trainer), optimizer)
-            self._reductions.before_step(record, optimizer, scale)
+            self._reductions.before_step(measures, optimizer, scale)
 
     def on_train_batch_end(
         self,
@@ -276,35 +278,35 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        record = self._record
+        measures = self._measures
         lr = self._lr_group.get("lr") if self._lr_group is not None else None
         lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
-        quiet = not record.sampled and not len(self._reader)
+        quiet = not measures.sampled and not len(self._reader)
         value = self._train_losses.on_cpu(outputs, trainer, pl_module) if quiet else None
         if value is not None:
             # the unsampled CPU step, as nearly every step is: reading a CPU scalar is no
             # device sync, and the loss goes straight to the monitor
-            decision = self.monitor.observe_loss(record.step, record.epoch, value, lr)
+            decision = self.monitor.observe_loss(measures.step, measures.epoch, value, lr)
             if decision is not None:  # judged now, not left to wait
                 self._act(decision)
                 if not math.isfinite(value):
-                    step, epoch, rank = record.step, record.epoch, self.monitor.rank
+                    step, epoch, rank = measures.step, measures.epoch, self.monitor.rank
                     obs = Observation(step=step, epoch=epoch, rank=rank, lr=lr, loss=value)
                     self._look_if_nonfinite(trainer, obs)
         else:
             loss = self._train_losses(outputs, trainer, pl_module)
-            for r in self._reductions.run(record.plan):
-                r.at_end(record)
+            for r in self._reductions.run(measures.plan):
+                r.at_end(measures)
             if loss is not None:
-                record.add("loss", loss.reshape(1))
-            reading = record.take(lr)
+                measures.add("loss", loss.reshape(1))
+            reading = measures.take(lr)
             if reading is not None:
                 self._reader.push(reading, reading.values)
             self._drain(trainer, wait=False)
-        if self._recovery is not None and trainer.global_step != record.step:
-            self._recovery.after_step(trainer, pl_module, record.step)
+        if self._recovery is not None and trainer.global_step != measures.step:
+            self._recovery.after_step(trainer, pl_module, measures.step)
         if self._meeting is not None:
-            step = record.step
+            step = measures.step
             if trainer.global_step != step and self._meeting.due(step):  # the optimizer stepped
                 self._meet_at_step(trainer, step)
             self._timing.batch_done()
@@ -349,7 +351,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             # every rank validates here: meet, and judge the validation of all ranks
             shared = {
                 "val_loss": (val if val is not None else 0.0, float(val is not None)),
-                **self.monitor.losses.shared(),
+                **self.monitor.pooled_losses(),
             }
             self._meet(trainer, step, shared)
             return
@@ -440,16 +442,15 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._look_if_nonfinite(trainer, obs)
 
     def _look_if_nonfinite(self, trainer: pl.Trainer, judged: Observation) -> None:
-        decision = look_if_nonfinite(judged, self._record.step, self.monitor, self._reductions)
+        decision = look_if_nonfinite(judged, self._measures.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
 
 
 def _gradient_interval(monitor: Monitor) -> float:
-    """The gradient detectors' sampling interval now (NaN without them)."""
-    if "exploding_gradients" not in monitor.sampler.base:
-        return float("nan")
-    return float(monitor.interval("exploding_gradients"))
+    """How often the gradients are measured now (NaN: for no detector)."""
+    every = monitor.every("grads")
+    return float("nan") if every is None else float(every)
 
 
 def _check_arguments(

@@ -72,7 +72,12 @@ class SortedWindow:
         self._sorted: list[float] = []
 
     def __eq__(self, other: object) -> bool:  # a copied detector equals its original
-        return isinstance(other, SortedWindow) and self._sorted == other._sorted
+        return isinstance(other, SortedWindow) and self.values == other.values
+
+    @property
+    def values(self) -> list[float]:
+        """The sorted copy as it stands (do not change it)."""
+        return self._sorted
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 

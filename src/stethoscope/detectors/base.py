@@ -11,7 +11,11 @@ from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
 
-__all__ = ["Detector", "Losses", "Rates", "Steps"]
+__all__ = ["BARS", "Detector", "Losses", "Rates", "Steps"]
+
+#: The numbers a detector can keep a bar of for the recovery ladder (``Detector.bars``):
+#: the step's loss, and the global norm of its gradients.
+BARS = frozenset({"loss", "grad_norm"})
 
 #: What :meth:`Detector.absorb` is handed of the steps that waited, oldest first: their
 #: numbers, their losses and their learning rates (None: unknown).
@@ -48,12 +52,20 @@ class Detector:
     #: Whether the rule assumes the training loss should fall: off in a game (see
     #: ``TrainingSetup.adversarial``), where a player's loss is not meant to.
     assumes_falling_loss: ClassVar[bool] = False
+    #: Deeper statistics it may ask for (:attr:`request`) when something goes wrong, so
+    #: that an adapter prepares their probes (the forward trace, say).
+    requests: ClassVar[frozenset[str]] = frozenset()
+    #: The number whose bar it keeps for the recovery ladder, which skips a step past it
+    #: before its update (:data:`BARS`), or None. See :meth:`threshold`.
+    bars: ClassVar[str | None] = None
     #: What the training already does (clipping, precision, a schedule), so that the
     #: findings' advice does not repeat it; set by the monitor when training starts.
     setup: TrainingSetup = TrainingSetup()
 
     def __init__(self) -> None:
-        unknown = set(self.needs | self.wants) - set(STATISTICS)
+        unknown = set(self.needs | self.wants | self.requests) - set(STATISTICS)
+        if self.bars is not None and self.bars not in BARS:
+            unknown.add(self.bars)
         if not self.name or unknown:  # a programming error in a subclass, not user input
             raise TypeError(
                 f"{type(self).__name__} needs a name, and statistics among {sorted(STATISTICS)} "
@@ -88,31 +100,53 @@ class Detector:
         labels, counted once at the start) stops asking for it."""
         return self.wants
 
+    def threshold(self) -> float | None:
+        """The bar of :attr:`bars` for the next step: a value past it is what the rule
+        calls bad (None: no bar yet, or none kept)."""
+        return None
+
+    def passed_by(self, value: float) -> float | None:
+        """:meth:`threshold` if ``value`` is past it, else None: what the recovery ladder
+        asks on every step (a detector may answer a healthy step more cheaply)."""
+        bar = self.threshold()
+        return bar if bar is not None and value > bar else None
+
     def waits_below(self, steps: int) -> float | None:
         """The loss below which a quiet step may wait to be judged (see
-        :mod:`stethoscope.waiting`): over the next ``steps`` steps, finite losses under it
-        can neither stop the run nor skip a step nor raise a suspicion here, so this
-        detector may see them a few steps late with the same outcome. ``math.inf``: any
+        :mod:`stethoscope.engine.waiting`): over the next ``steps`` steps, finite losses
+        under it can neither stop the run nor skip a step nor raise a suspicion here, so
+        this detector may see them a few steps late with the same outcome. ``math.inf``: any
         finite loss may wait. None (the default, since a detector's rule is its own):
         every loss is judged at once."""
         return None
 
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+        """The rule's healthy step, for a finite ``loss`` on a step that measured nothing
+        else: if the rule can raise nothing there (no finding, suspicion or request), do
+        to the state what it does and return True; otherwise change nothing and return
+        False, and the step gets the whole rule. A loss reader whose rule has such a step
+        states it here, once, and its ``_update`` begins with it. The default: False.
+        """
+        return False
+
     def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
-        """Take in quiet steps that waited (see :mod:`stethoscope.waiting`), from index
-        ``start`` on, leaving the state :meth:`update` would, for as long as ``update``
-        would raise nothing there (no finding, suspicion or request); return the index
-        of the first step not taken. The monitor judges that one with ``update`` and
-        offers the rest again. A loss reader's fast path (the waiting steps' Python is a
-        quiet step's largest cost): it needs no :class:`Observation`, and a detector
-        can test cheaply what rules a raise out. It is not offered a step the detector
-        has :meth:`finished` at. The default takes none.
+        """Take in quiet steps that waited (see :mod:`stethoscope.engine.waiting`), from
+        index ``start`` on, for as long as :meth:`quiet` finds them healthy; return the
+        index of the first step not taken, which the monitor judges with :meth:`update`
+        before offering the rest again. The batch form of the rule, for the waiting
+        steps' Python is a quiet step's largest cost: it needs no :class:`Observation`.
+        It is not offered a step the detector has :meth:`finished` at.
 
         Args:
             steps, losses, lrs: The waiting steps' numbers, oldest first (the losses
                 finite, each under :meth:`waits_below`).
             start: Where to begin.
         """
-        return start
+        quiet = self.quiet
+        for i in range(start, len(losses)):
+            if not quiet(steps[i], losses[i], lrs[i]):
+                return i
+        return len(losses)
 
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""

@@ -16,9 +16,6 @@ from stethoscope.detectors._stats import (
 )
 from stethoscope.detectors.base import (
     Detector,
-    Losses,
-    Rates,
-    Steps,
     check_fraction,
     check_positive,
 )
@@ -119,20 +116,20 @@ class LossAtChance(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
 
-    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
-        st = self.state
-        for i in range(start, len(losses)):
-            step, lr = steps[i], lrs[i]
-            if step % self.stride == 0:
-                return i  # a label read or a judgement
-            if restarts_clock(lr, st["clock_lr"]):
-                return i  # the span starts again there
-            self._keep(step, losses[i])
-        return len(losses)
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+        if step % self.stride == 0:
+            return False  # a label read or a judgement
+        if restarts_clock(lr, self.state["clock_lr"]):
+            return False  # the span starts again there
+        self._keep(step, loss)
+        return True
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         if st["fired"]:
+            return []
+        loss = obs.loss
+        if obs.labels is None and is_finite(loss) and self.quiet(obs.step, loss, obs.lr):
             return []
         if st["chance"] is None:
             if obs.step % self.stride == 0:  # asked for: a run whose batches hold no labels

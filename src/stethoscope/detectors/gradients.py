@@ -49,6 +49,7 @@ class ExplodingGradients(Detector):
 
     name = "exploding_gradients"
     needs = frozenset({"grads"})
+    bars = "grad_norm"
     base_interval = 16
     advice = "lower the LR, add warm-up or clip gradients"
 

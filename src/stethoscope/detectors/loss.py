@@ -13,9 +13,6 @@ from stethoscope.detectors._stats import (
 )
 from stethoscope.detectors.base import (
     Detector,
-    Losses,
-    Rates,
-    Steps,
     check_fraction,
     check_positive,
 )
@@ -64,6 +61,7 @@ class LossSpike(Detector):
 
     name = "loss_spike"
     needs = frozenset({"loss"})
+    bars = "loss"
     base_interval = 1
     #: The first losses whose median is the initial loss.
     START = 8
@@ -106,80 +104,85 @@ class LossSpike(Detector):
         if "seen" not in state and state.get("initial") is not None:
             self.state["seen"] = self.memory  # a checkpoint from before the count: mature
 
-    def _bar(self, center: float) -> float:
-        """The jump above ``center`` a spike must pass, before the z-score."""
-        st = self.state
+    def _warm(self) -> bool:
+        """Whether the warm-up is over: the rule judges from here."""
+        return len(self.state["window"]) >= self.warmup and self.state["initial"] is not None
+
+    def _bar(self, center: float, envelope: float, seen: int) -> float:
+        """The jump above ``center`` a spike must pass before the z-score, with an
+        envelope ``envelope`` learnt from ``seen`` healthy jumps. A jump past half of it
+        is a suspicion (then, and only then, can the z-score matter)."""
         return max(
-            self.tail * st["envelope"] * max(1.0, self.memory / max(st["seen"], 1)) ** 0.5,
-            self.min_jump * abs(st["initial"]),
+            self.tail * envelope * max(1.0, self.memory / max(seen, 1)) ** 0.5,
+            self.min_jump * abs(self.state["initial"]),
             (self.ratio - 1) * max(center, 0.0),
         )
 
+    def _spike_bar(self, center: float) -> float:
+        """The whole jump above ``center`` that makes a spike: the bar, or the z-score."""
+        st = self.state
+        bar = self._bar(center, st["envelope"], st["seen"])
+        return max(bar, self.z * robust_sigma(st["window"], center))
+
     def threshold(self) -> float | None:
         """The loss above which the next step is a spike, or None while warming up."""
-        win = self.state["window"]
-        if len(win) < self.warmup or self.state["initial"] is None:
+        if not self._warm():
             return None
-        center = self._sorted.median(win)
-        return center + max(self._bar(center), self.z * robust_sigma(win, center))
+        center = self._sorted.median(self.state["window"])
+        return center + self._spike_bar(center)
 
     def waits_below(self, steps: int) -> float | None:
         # A jump past half the bar (before the z-score) is a suspicion. Over ``steps``
         # steps the median can fall by at most two places of the sorted window a step, the
         # envelope decays and its count grows: the lowest that bar can get is the bar.
-        st = self.state
-        win = st["window"]
-        if len(win) < self.warmup or st["initial"] is None:
+        if not self._warm():
             return None
-        ordered = self._sorted.ordered(win)
+        st = self.state
+        ordered = self._sorted.ordered(st["window"])
         low = ordered[max(0, (len(ordered) - 1) // 2 - 2 * steps)]
         envelope = st["envelope"] * (1.0 - 1.0 / self.memory) ** steps
-        young = max(1.0, self.memory / (st["seen"] + steps)) ** 0.5
-        bar = max(
-            self.tail * envelope * young,
-            self.min_jump * abs(st["initial"]),
-            (self.ratio - 1) * max(low, 0.0),
-        )
-        return low + bar / 2
+        return low + self._bar(low, envelope, st["seen"] + steps) / 2
 
-    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+        # a jump within half the bar can be neither a spike nor a suspicion: it only
+        # widens the envelope
+        if not self._warm():
+            return False
         st = self.state
         win = st["window"]
-        if len(win) < self.warmup or st["initial"] is None:
-            return start
-        floor = self.min_jump * abs(st["initial"])
-        keep = 1.0 - 1.0 / self.memory
-        window = self._sorted
-        for i in range(start, len(losses)):
-            loss = losses[i]
-            center = window.median(win)
-            jump = loss - center
-            # the bar is at least the larger of these two: a jump within half of it can
-            # neither be a spike nor raise a suspicion, and only widens the envelope
-            if 2 * jump > max(floor, (self.ratio - 1) * max(center, 0.0)):
-                return i
-            st["envelope"] = max(st["envelope"] * keep, jump)
-            st["seen"] += 1
-            window.push(win, float(loss), self.window)
-        return len(losses)
+        center = self._sorted.median(win)
+        jump = loss - center
+        if 2 * jump > self._bar(center, st["envelope"], st["seen"]):
+            return False
+        self._widen(jump)
+        self._sorted.push(win, float(loss), self.window)
+        return True
+
+    def _widen(self, jump: float) -> None:
+        """A healthy jump: the envelope decays and takes it in."""
+        st = self.state
+        st["envelope"] = max(st["envelope"] * (1.0 - 1.0 / self.memory), jump)
+        st["seen"] += 1
 
     def passed_by(self, loss: float) -> float | None:
         """:meth:`threshold` if ``loss`` is past it, else None: what the recovery ladder
         asks every step, cheap on a healthy one (the z-score only for a jump past the
         other bars, as the rule itself does)."""
-        win = self.state["window"]
-        if len(win) < self.warmup or self.state["initial"] is None:
+        if not self._warm():
             return None
-        center = self._sorted.median(win)
-        if loss - center <= self._bar(center):
+        st = self.state
+        center = self._sorted.median(st["window"])
+        if loss - center <= self._bar(center, st["envelope"], st["seen"]):
             return None
-        bar = self.threshold()
-        return bar if bar is not None and loss > bar else None
+        bar = center + self._spike_bar(center)
+        return bar if loss > bar else None
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         if not is_finite(loss):
             return []  # nonfinite_loss owns it; keep NaN out of the baseline
+        if self.quiet(obs.step, loss, obs.lr):
+            return []
         st = self.state
         win = st["window"]
         findings: list[Finding] = []
@@ -187,12 +190,10 @@ class LossSpike(Detector):
             center = self._sorted.median(win)
             st["envelope"] = max(st["envelope"], loss - center)
             st["seen"] += 1
-        if len(win) >= self.warmup:
+        if len(win) >= self.warmup:  # and the jump is past half the bar (see quiet)
             center = self._sorted.median(win)
             jump = loss - center
-            bar = self._bar(center)
-            if jump > bar / 2:  # only then can the z-score matter: skip the MAD on most steps
-                bar = max(bar, self.z * robust_sigma(win, center))
+            bar = self._spike_bar(center)
             if jump > bar / 2 and jump > self.min_jump * abs(st["initial"]):
                 self.suspect = f"loss {loss:.4g} jumped {jump:.3g} above its median {center:.4g}"
             if jump > bar:
@@ -210,9 +211,7 @@ class LossSpike(Detector):
                     )
                 )
             else:  # only healthy jumps widen the envelope, so repeated spikes stay visible
-                decayed = st["envelope"] * (1.0 - 1.0 / self.memory)
-                st["envelope"] = max(decayed, jump)
-                st["seen"] += 1
+                self._widen(jump)
         self._sorted.push(win, float(loss), self.window)
         if st["initial"] is None and len(win) == min(self.START, self.warmup):
             st["initial"] = self._sorted.median(win)
@@ -267,18 +266,16 @@ class LossNotDecreasing(Detector):
             "clock_lr": None,
         }
 
-    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
         st = self.state
-        for i in range(start, len(losses)):
-            step, lr = steps[i], lrs[i]
-            if restarts_clock(lr, st["clock_lr"]):
-                return i  # the clock starts again there
-            clock = st["clock_step"] if st["clock_step"] is not None else step
-            if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
-                return i  # a judgement
-            st["clock_step"] = clock
-            self._push(losses[i])
-        return len(losses)
+        if restarts_clock(lr, st["clock_lr"]):
+            return False  # the clock starts again there
+        clock = st["clock_step"] if st["clock_step"] is not None else step
+        if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
+            return False  # a judgement
+        st["clock_step"] = clock
+        self._push(loss)
+        return True
 
     def _push(self, loss: float) -> bool:
         """Add a finite loss to the window; once it is full, its mean is the level, the
@@ -296,6 +293,8 @@ class LossNotDecreasing(Detector):
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         if not is_finite(loss):
+            return []
+        if self.quiet(obs.step, loss, obs.lr):
             return []
         st = self.state
         if st["clock_step"] is None:
@@ -387,28 +386,26 @@ class UnstableLoss(Detector):
             return None
         return min(bar, 2 * initial) if initial > 0 else bar
 
-    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
         st = self.state
         initial, recent = st["initial"], st["recent"]
         if initial is None or st["streak"] or st["diverged"]:
-            return start
-        rise = self.rise * abs(initial)
-        window = self._sorted
-        for i in range(start, len(losses)):
-            loss = losses[i]
-            # the next level, a median, is at most the highest of the window and the loss:
-            # if that is neither a rise above the best nor past twice the initial level,
-            # the step only moves the level (and perhaps the best)
-            top = max(window.ordered(recent)[-1], loss)
-            if top - st["best"] > rise or (initial > 0 and top > 2 * initial):
-                return i
-            window.push(recent, float(loss), self.window)
-            st["best"] = min(st["best"], window.median(recent))
-        return len(losses)
+            return False
+        # the next level, a median, is at most the highest of the window and the loss: if
+        # that is neither a rise above the best nor past twice the initial level, the step
+        # only moves the level (and perhaps the best)
+        top = max(self._sorted.ordered(recent)[-1], loss)
+        if top - st["best"] > self.rise * abs(initial) or (initial > 0 and top > 2 * initial):
+            return False
+        self._sorted.push(recent, float(loss), self.window)
+        st["best"] = min(st["best"], self._sorted.median(recent))
+        return True
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
         if not is_finite(loss):
+            return []
+        if self.quiet(obs.step, loss, obs.lr):
             return []
         st = self.state
         self._sorted.push(st["recent"], float(loss), self.window)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from stethoscope.advice import float16_note
-from stethoscope.detectors.base import Detector, Losses, Rates, Steps, check_positive
+from stethoscope.detectors.base import Detector, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -35,6 +35,7 @@ class NonfiniteLoss(Detector):
 
     name = "nonfinite_loss"
     needs = frozenset({"loss"})
+    requests = frozenset({"trace"})  # the forward trace after a non-finite loss
     base_interval = 1
     advice = "check the batch; lower the LR or clip gradients"
 
@@ -47,12 +48,13 @@ class NonfiniteLoss(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a non-finite loss never waits: any finite one may
 
-    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
-        # a finite loss changes nothing here, unless a trace is awaited
-        return len(losses) if self.state["tracing"] is None else start
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+        return self.state["tracing"] is None  # a finite loss changes nothing, unless traced
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
+        if loss is not None and math.isfinite(loss) and self.quiet(obs.step, loss, obs.lr):
+            return []
         findings: list[Finding] = []
         tracing = self.state["tracing"]
         if tracing is not None and obs.trace_finite is not None and obs.step > tracing:

@@ -19,8 +19,7 @@ import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 from plotly.subplots import make_subplots
 
-from stethoscope.findings import Finding
-from stethoscope.ledger import RECOVERY
+from stethoscope.findings import RECOVERY, Finding
 from stethoscope.record import plotting as pl
 from stethoscope.record.reader import Curve, LayerSeries
 from stethoscope.record.report import (

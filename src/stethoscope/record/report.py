@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stethoscope.findings import Finding
-from stethoscope.ledger import RECOVERY
+from stethoscope.findings import RECOVERY, Finding
 from stethoscope.record.reader import Curve, RunRecord
 from stethoscope.record.store import record_file
 from stethoscope.statistics import DISTRIBUTION_EDGES

@@ -46,7 +46,12 @@ class RunContext:
         describe: Returns the run's configuration as plain data (the model's parameters,
             the optimizer, the detectors' thresholds), for a sink that keeps it.
         record: The directory of the run's record (``record=`` on the callback), or
-            ``None``; a sink may attach the record's report at the end.
+            ``None``.
+        report: Writes the report of the run's record into a folder (``report.html``,
+            and each figure as a PNG in ``figures/``), completing the record first, so a
+            sink may attach it at its close whatever the sinks' order; ``None`` when the
+            run keeps no record. (Sinks never import the record: this is how they reach
+            it.)
         setup: The settings of the user's training that advice depends on (clipping,
             precision, a schedule); the monitor hands them to the detectors.
     """
@@ -61,6 +66,7 @@ class RunContext:
     first_epoch: int = 0
     describe: Callable[[], dict[str, Any]] | None = None
     record: Path | None = None
+    report: Callable[[Path], None] | None = None
     setup: TrainingSetup = field(default_factory=TrainingSetup)
 
 

@@ -10,6 +10,7 @@ import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -146,6 +147,7 @@ class MLflowSink(_Background):
         self._in_use = False  # anything queued since the last close
         self._spool = _Spool()
         self._record: Path | None = None  # the run's record, whose report goes with the run
+        self._report: Callable[[Path], None] | None = None  # writes that report
 
     # -- public face ---------------------------------------------------------------------
     @property
@@ -176,7 +178,8 @@ class MLflowSink(_Background):
         if self.follows_logger and (run := context.mlflow_run()) is not None:
             run_id, tracking_uri = run
             self.use_run(run_id, tracking_uri=tracking_uri)
-        self._record = context.record  # after use_run, which starts the sink afresh
+        # after use_run, which starts the sink afresh
+        self._record, self._report = context.record, context.report
 
     def use_run(self, run_id: str, *, tracking_uri: str | None = None) -> None:
         """Log to the existing run ``run_id`` from now on.
@@ -235,10 +238,10 @@ class MLflowSink(_Background):
         :attr:`dropped` (with a warning that says where their local copy is). A later
         emit starts a new worker and logs to the same run.
         """
-        if self._record is not None:
+        if self._report is not None:
             self._resolve()
-            self._write_report(self._record)
-            self._record = None
+            self._write_report(self._report)
+            self._report = None
         if not self._in_use:
             return
         if self._spool.files() or self._spool.path("report") is not None:
@@ -248,18 +251,14 @@ class MLflowSink(_Background):
         self._in_use = False
         self._spool.keep = not drained  # the local copy outlives the sink if the upload failed
 
-    def _write_report(self, record: Path) -> None:
-        """The record's report, into the spool for the artifacts (the record is complete:
-        the recorder, first among the sinks, closed it already)."""
+    def _write_report(self, report: Callable[[Path], None]) -> None:
+        """The record's report, into the spool for the artifacts."""
         try:
-            from stethoscope.record.report import write_report
-
-            folder = self._spool.folder("report")
-            write_report(record, output=folder / "report.html", png_dir=folder / "figures")
+            report(self._spool.folder("report"))
         except Exception as exc:  # the report is a copy of the record: never cost the run
             warnings.warn(
                 f"stethoscope: MLflowSink could not attach all of the run's report ({exc}); "
-                f"the record stays in {str(record)!r}",
+                f"the record stays in {str(self._record)!r}",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -19,7 +19,7 @@ from keras import ops
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import ProbeVariables
-from stethoscope.recovery import (
+from stethoscope.recovery.settings import (
     GRADIENT_PAST_BAR,
     LOSS_PAST_BAR,
     NONFINITE_GRADIENT,

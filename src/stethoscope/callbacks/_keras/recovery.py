@@ -37,9 +37,10 @@ import numpy as np
 from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
-from stethoscope.policy import Decision
-from stethoscope.recovery import Recoverer, skip_reason
-from stethoscope.snapshots import SnapshotStore
+from stethoscope.engine import Decision
+from stethoscope.recovery import Recoverer
+from stethoscope.recovery.settings import skip_reason
+from stethoscope.recovery.snapshots import SnapshotStore
 
 __all__ = ["KerasRecovery", "refuse_unrecoverable"]
 
@@ -91,9 +92,9 @@ class KerasRecovery:
         self.act = act
         self.monitor = recoverer.monitor
         self.snapshots = SnapshotStore(recoverer.ladder.settings)
-        by_name = {d.name: d for d in self.monitor.detectors}
-        self.spike = by_name.get("loss_spike")
-        self.explode = by_name.get("exploding_gradients")
+        #: The detectors that keep the bars a step must not pass (see ``Detector.bars``).
+        self.spike = self.monitor.keeper_of("loss")
+        self.explode = self.monitor.keeper_of("grad_norm")
         self.model: Any = None
         self.probe: GraphProbe | None = None
         self._bars_due = True  # write the bars after the next step, whatever the cadence
@@ -132,8 +133,7 @@ class KerasRecovery:
         taken before any is judged), roll back if the ladder owes one, else snapshot when
         a step of the execution was due; then write the bars of the next execution."""
         ladder = self.recoverer.ladder
-        for f in ladder.saw(step, epoch, troubled=False):
-            self.monitor.ledger.record(f)
+        self.recoverer.carried_on(step, epoch)
         if first is None:
             return
         if self.recoverer.rollback_due is not None:

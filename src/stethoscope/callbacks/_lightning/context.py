@@ -26,7 +26,11 @@ __all__ = ["run_context", "training_setup"]
 
 
 def run_context(
-    trainer: Any, *, record: Path | None, describe: Callable[[], dict[str, Any]]
+    trainer: Any,
+    *,
+    record: Path | None,
+    report: Callable[[Path], None] | None,
+    describe: Callable[[], dict[str, Any]],
 ) -> RunContext:
     """The context of ``trainer``'s run, for the sinks."""
     return RunContext(
@@ -40,6 +44,7 @@ def run_context(
         first_epoch=trainer.current_epoch,
         describe=describe,
         record=record,
+        report=report,
         setup=training_setup(trainer),
     )
 

@@ -7,8 +7,8 @@ import math
 from typing import Any
 
 from stethoscope.callbacks._lightning.device import to_host
+from stethoscope.engine import Decision
 from stethoscope.observation import Observation
-from stethoscope.policy import Decision
 
 __all__ = ["look_if_nonfinite"]
 

@@ -34,14 +34,14 @@ from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
-from stethoscope.policy import Decision
-from stethoscope.recovery import (
+from stethoscope.engine import Decision
+from stethoscope.recovery import Recoverer
+from stethoscope.recovery.settings import (
     GRADIENT_PAST_BAR,
     LOSS_PAST_BAR,
     NONFINITE_GRADIENT,
     NONFINITE_LOSS,
     REASONS,
-    Recoverer,
 )
 
 __all__ = ["LightningRecovery", "StepGate", "refuse_unrecoverable"]
@@ -75,8 +75,8 @@ class StepGate:
 
     Args:
         recoverer: The ladder (its ``lr_scale``) and where skips are reported.
-        spike: The ``loss_spike`` detector, whose bar a loss must not pass (or None).
-        explode: The ``exploding_gradients`` detector, likewise for the gradient norm.
+        spike: The detector that keeps the loss's bar (``loss_spike``), or None.
+        explode: The one that keeps the gradient norm's (``exploding_gradients``), or None.
         on_skip: Called with ``(step, why)`` when a step was skipped.
         on_settle: Called with the step once its optimizer step was applied or skipped.
         on_unapplied: Called with the step when a GradScaler will skip it itself (its
@@ -301,11 +301,10 @@ class LightningRecovery:
         self.act = act
         self.monitor = recoverer.monitor
         self.snapshots = Snapshots(recoverer.ladder.settings)
-        by_name = {d.name: d for d in self.monitor.detectors}
         self.gate = StepGate(
             recoverer,
-            by_name.get("loss_spike"),
-            by_name.get("exploding_gradients"),
+            self.monitor.keeper_of("loss"),
+            self.monitor.keeper_of("grad_norm"),
             self._skipped,
             self._settled,
             self._unapplied,
@@ -357,8 +356,7 @@ class LightningRecovery:
         end a cool-down, roll back if the ladder owes one, else snapshot when due."""
         self.gate.landed()
         self.snapshots.poll()
-        for f in self.recoverer.ladder.saw(step, self.epoch, troubled=False):
-            self.monitor.ledger.record(f)
+        self.recoverer.carried_on(step, self.epoch)
         if self.recoverer.rollback_due is not None:
 
             def put_back(state: dict[str, Any]) -> None:

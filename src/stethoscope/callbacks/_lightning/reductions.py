@@ -3,7 +3,7 @@ device, and how the host's copy becomes observation fields, side by side.
 
 Each :class:`Reduction` serves a statistic of :mod:`stethoscope.statistics` (the forward
 hooks serve three at once). It measures at the hooks it needs, on the steps whose plan
-names its statistic, and hands the tensors to the step's :class:`StepRecord`:
+names its statistic, and hands the tensors to the step's :class:`StepMeasures`:
 
 - :meth:`~Reduction.at_start`: the step's first batch, before its forward pass;
 - :meth:`~Reduction.micro_batch`: each later micro-batch of the step (accumulation);
@@ -13,7 +13,7 @@ names its statistic, and hands the tensors to the step's :class:`StepRecord`:
   step's last micro-batch.
 
 :meth:`~Reduction.decode` turns the statistic's numbers back into fields; per-parameter
-arrays follow ``record.params``, the parameters the optimizers stepped, in order.
+arrays follow ``measures.params``, the parameters the optimizers stepped, in order.
 
 The statistics gathered from every rank where the ranks meet are not per step: their
 reductions (:class:`ReplicaChecksums`, :class:`RankTiming`) hand the meeting this rank's
@@ -32,13 +32,13 @@ import torch
 
 from stethoscope.callbacks._lightning.batch import BatchParts, class_labels, input_moments
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
     checksums,
     magnitude_histograms,
     zero_rows,
 )
-from stethoscope.callbacks._lightning.record import Reading, StepRecord
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
@@ -65,22 +65,22 @@ class Reduction:
 
     #: The statistics it serves.
     statistics: ClassVar[frozenset[str]] = frozenset()
-    #: The name its parts carry in a step's record (its statistic's, or its probe's).
+    #: The name its parts carry in a step's measures (its statistic's, or its probe's).
     name: ClassVar[str] = ""
     #: Whether it measures the parameters an optimizer steps (the callback then tells the
-    #: record which ones, in :meth:`before_step`'s order).
+    #: measures which ones, in :meth:`before_step`'s order).
     per_parameter: ClassVar[bool] = False
 
-    def at_start(self, record: StepRecord, batch: Any) -> None:
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
         """The step's first batch, before its forward pass."""
 
-    def micro_batch(self, record: StepRecord, batch: Any) -> None:
+    def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
         """A later micro-batch of the same step."""
 
-    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         """Before an optimizer steps the watched parameters ``indices``."""
 
-    def at_end(self, record: StepRecord) -> None:
+    def at_end(self, measures: StepMeasures) -> None:
         """After a batch (after the optimizer step, on the step's last micro-batch)."""
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
@@ -108,11 +108,11 @@ class GradNorms(Reduction):
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
-    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         norms = self.probe.grad_norms(indices)
-        if record.grad_scale is not None:
-            norms = norms / record.grad_scale
-        record.add("grads", norms)
+        if measures.grad_scale is not None:
+            norms = norms / measures.grad_scale
+        measures.add("grads", norms)
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.grad_norm = values
@@ -128,9 +128,9 @@ class WeightNorms(Reduction):
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
-    def at_end(self, record: StepRecord) -> None:
-        if record.params:
-            record.add("weights", self.probe.weight_norms(record.params))
+    def at_end(self, measures: StepMeasures) -> None:
+        if measures.params:
+            measures.add("weights", self.probe.weight_norms(measures.params))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.weight_norm = values
@@ -147,19 +147,19 @@ class UpdateNorms(Reduction):
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
-    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         chosen = self.probe.choose(indices)
-        record.snapshots.extend(self.probe.snapshot(chosen))
-        record.snapped.extend(chosen)
+        measures.snapshots.extend(self.probe.snapshot(chosen))
+        measures.snapped.extend(chosen)
 
-    def at_end(self, record: StepRecord) -> None:
-        if not record.snapshots:
+    def at_end(self, measures: StepMeasures) -> None:
+        if not measures.snapshots:
             return
-        updates, previous = self.probe.update_norms(record.snapshots, record.snapped)
-        where = {i: k for k, i in enumerate(record.params)}
-        positions = tuple(where[i] for i in record.snapped)
-        record.add("updates", torch.cat([updates, previous]), (len(record.params), positions))
-        record.snapshots, record.snapped = [], []
+        updates, previous = self.probe.update_norms(measures.snapshots, measures.snapped)
+        where = {i: k for k, i in enumerate(measures.params)}
+        positions = tuple(where[i] for i in measures.snapped)
+        measures.add("updates", torch.cat([updates, previous]), (len(measures.params), positions))
+        measures.snapshots, measures.snapped = [], []
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         ((size, positions),) = contexts
@@ -192,20 +192,20 @@ class UnitRows(Reduction):
     ) -> None:
         self.probe, self.layers, self.samples = probe, layers, samples
 
-    def at_start(self, record: StepRecord, batch: Any) -> None:
-        record.samples = self.samples(batch)
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        measures.samples = self.samples(batch)
 
-    def micro_batch(self, record: StepRecord, batch: Any) -> None:
-        record.samples += self.samples(batch)  # the gradient rows hold every micro-batch
+    def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
+        measures.samples += self.samples(batch)  # the gradient rows hold every micro-batch
 
-    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         chosen = set(indices)
         layers = [(name, i) for name, i, _ in self.layers if i in chosen]
         if layers:
             grads = [self.probe.params[i].grad for _, i in layers]
             units = tuple((name, g.shape[0]) for (name, _), g in zip(layers, grads, strict=True))
             # every micro-batch of the step has started by now: the samples are complete
-            record.add("units", zero_rows(grads), (units, record.samples))
+            measures.add("units", zero_rows(grads), (units, measures.samples))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         layers = [layer for units, _ in contexts for layer in units]
@@ -224,10 +224,10 @@ class InputScale(Reduction):
     def __init__(self, inputs_of: Callable[[Any], Any]) -> None:
         self.inputs_of = inputs_of
 
-    def at_start(self, record: StepRecord, batch: Any) -> None:
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
         moments = input_moments(self.inputs_of(batch))
         if moments is not None:
-            record.add("inputs", moments[0], moments[1])
+            measures.add("inputs", moments[0], moments[1])
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.input_sq, obs.input_count = values, contexts[0]
@@ -243,10 +243,10 @@ class ClassLabels(Reduction):
     def __init__(self, labels_of: Callable[[Any], Any]) -> None:
         self.labels_of = labels_of
 
-    def at_start(self, record: StepRecord, batch: Any) -> None:
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
         labels = class_labels(self.labels_of(batch))
         if labels is not None:
-            record.add("labels", labels)
+            measures.add("labels", labels)
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         if values[-1] == 1.0:  # the validity flag: class labels after all
@@ -264,20 +264,20 @@ class ForwardStatistics(Reduction):
     def __init__(self, forward: ForwardProbe) -> None:
         self.forward = forward
 
-    def at_start(self, record: StepRecord, batch: Any) -> None:
-        plan = record.plan
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        plan = measures.plan
         self.forward.attach(
             activations="activations" in plan, outputs="outputs" in plan, trace="trace" in plan
         )
-        record.forward = True
+        measures.forward = True
 
-    def at_end(self, record: StepRecord) -> None:
-        if not record.forward:
+    def at_end(self, measures: StepMeasures) -> None:
+        if not measures.forward:
             return
-        record.forward = False
+        measures.forward = False
         names, kinds, values = self.forward.collect()
         if values is not None:
-            record.add("forward", values, (tuple(names), tuple(kinds)))
+            measures.add("forward", values, (tuple(names), tuple(kinds)))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         ((names, kinds),) = contexts
@@ -305,16 +305,16 @@ class Distributions(Reduction):
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
-    def before_step(self, record: StepRecord, indices: list[int]) -> None:
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         grads = [self.probe.params[i].grad for i in indices]
-        hist = magnitude_histograms(grads, scale=record.grad_scale)
-        record.add("distributions", hist, ("grads", len(indices)))
+        hist = magnitude_histograms(grads, scale=measures.grad_scale)
+        measures.add("distributions", hist, ("grads", len(indices)))
 
-    def at_end(self, record: StepRecord) -> None:
-        if record.params:
-            weights = [self.probe.params[i] for i in record.params]
+    def at_end(self, measures: StepMeasures) -> None:
+        if measures.params:
+            weights = [self.probe.params[i] for i in measures.params]
             hist = magnitude_histograms(weights)
-            record.add("distributions", hist, ("weights", len(record.params)))
+            measures.add("distributions", hist, ("weights", len(measures.params)))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         rows = values.reshape(-1, DISTRIBUTION_BINS)
@@ -420,23 +420,23 @@ class ReductionSet:
 
     def before_step(
         self,
-        record: StepRecord,
+        measures: StepMeasures,
         optimizer: torch.optim.Optimizer,
         grad_scale: torch.Tensor | None,
     ) -> None:
         """Before ``optimizer`` steps: measure the parameters it steps that have a
-        gradient, for the statistics of ``record``'s plan that need them (the gradients
+        gradient, for the statistics of ``measures``' plan that need them (the gradients
         divided by ``grad_scale``, a loss scale they still carry, unless None)."""
-        stepping = self.stepping(record.plan)
+        stepping = self.stepping(measures.plan)
         if not stepping:
             return
         indices = self.probe.with_grad(self.probe.indices_of(optimizer))
         if not indices:
             return
-        record.grad_scale = grad_scale
+        measures.grad_scale = grad_scale
         for r in stepping:
-            r.before_step(record, indices)
-        record.params.extend(indices)
+            r.before_step(measures, indices)
+        measures.params.extend(indices)
 
     def observation(self, reading: Reading, values: np.ndarray, rank: int) -> Observation:
         """The observation a reading holds: each part decoded by the reduction that made
@@ -457,11 +457,11 @@ class ReductionSet:
         indices = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         if not indices:
             return None
-        record = StepRecord(step, epoch, frozenset({"grads", "weights"}))
-        self._by_name["grads"].before_step(record, indices)
-        record.params.extend(indices)
-        self._by_name["weights"].at_end(record)
-        return record.take(lr)
+        measures = StepMeasures(step, epoch, frozenset({"grads", "weights"}))
+        self._by_name["grads"].before_step(measures, indices)
+        measures.params.extend(indices)
+        self._by_name["weights"].at_end(measures)
+        return measures.take(lr)
 
 
 def make_reductions(

@@ -28,7 +28,7 @@ import torch
 
 from stethoscope.callbacks._lightning.device import Crossing, to_host
 from stethoscope.callbacks._lightning.parameters import total_norm
-from stethoscope.recovery import (
+from stethoscope.recovery.settings import (
     GRADIENT_PAST_BAR,
     LOSS_PAST_BAR,
     NONFINITE_GRADIENT,

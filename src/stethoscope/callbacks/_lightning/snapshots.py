@@ -32,7 +32,7 @@ from stethoscope.callbacks._lightning.device import (
     to_host_into,
 )
 from stethoscope.recovery import Recovery
-from stethoscope.snapshots import Snapshot, SnapshotStore
+from stethoscope.recovery.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["Snapshots"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stethoscope.recovery import Recovery
+from stethoscope.recovery.settings import Recovery
 
 __all__ = ["Snapshot", "SnapshotStore"]
 

@@ -7,7 +7,7 @@ work has just emptied. A loss that none of those detectors could act on at once 
 finite, and below every bar that would stop the run, skip a step or raise a suspicion)
 can wait: :class:`WaitingLosses` keeps it, and the monitor judges the waiting steps at
 the next step that cannot wait, or after ``BATCH`` steps, together, with the outcome of
-judging them one by one (:func:`stethoscope.judging.judge_waiting`).
+judging them one by one (:meth:`stethoscope.engine.judge.Judge.judge`).
 
 Nothing is lost or reordered: every detector sees every observation, in order, and each
 finding keeps its step. What waits is the report of a finding no bar asked for at once
@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 
 from stethoscope.detectors.base import Detector
-from stethoscope.planning import Planner
+from stethoscope.engine.planner import Planner
 
 __all__ = ["WaitingLosses"]
 

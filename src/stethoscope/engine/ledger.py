@@ -7,17 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors.base import Detector
-from stethoscope.findings import Finding, Severity
+from stethoscope.findings import RECOVERY, SAMPLER, Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
 from stethoscope.summary import EpochSummary, SummaryRow, epoch_extent
 
-__all__ = ["RECOVERY", "SAMPLER", "Ledger"]
+__all__ = ["Ledger"]
 
-#: The ``detector`` field of the info findings the sampler reports.
-SAMPLER = "sampler"
-#: The ``detector`` field of the findings the recovery ladder reports.
-RECOVERY = "recovery"
 #: Whose findings are all sent, repeats too: each says what was done at that step.
 _ACTS = frozenset({SAMPLER, RECOVERY})
 
@@ -36,11 +32,6 @@ class Ledger:
     """
 
     def __init__(self, sinks: Sequence[Sink], *, repeat_after: int) -> None:
-        for s in sinks:
-            if not isinstance(s, Sink):
-                raise TypeError(f"sinks must be Sink instances, got {s!r}")
-        if not isinstance(repeat_after, int) or isinstance(repeat_after, bool) or repeat_after < 0:
-            raise ValueError(f"repeat_after={repeat_after!r} must be an integer >= 0 (steps)")
         self.sinks: list[Sink] = list(sinks)
         #: The sinks that see every observation (those that override ``Sink.observe``).
         self.observers: list[Sink] = [s for s in self.sinks if type(s).observe is not Sink.observe]
@@ -53,7 +44,7 @@ class Ledger:
         self.new_epoch(escalations=0)
 
     # -- findings ------------------------------------------------------------------------
-    def record(self, f: Finding, *, hold: list[Finding] | None = None) -> None:
+    def enter(self, f: Finding, *, hold: list[Finding] | None = None) -> None:
         """Count ``f`` in the epoch; send it to the sinks unless it repeats a recent one.
 
         Args:

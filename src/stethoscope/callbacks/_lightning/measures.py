@@ -9,12 +9,12 @@ import torch
 
 from stethoscope.statistics import EVERY_STEP
 
-__all__ = ["Reading", "StepRecord"]
+__all__ = ["Reading", "StepMeasures"]
 
 
 @dataclass(frozen=True)
 class Reading:
-    """What a record hands the host reader: where its numbers go, and the numbers.
+    """What a step's measures hand the host reader: where its numbers go, and the numbers.
 
     Args:
         step: The optimizer step measured.
@@ -35,7 +35,7 @@ class Reading:
 
 
 @dataclass
-class StepRecord:
+class StepMeasures:
     """What the hooks of one optimizer step measured, by statistic, still on the device.
 
     The hooks fill it (see :mod:`stethoscope.callbacks._lightning.reductions`); at each

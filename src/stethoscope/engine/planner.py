@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from stethoscope.detectors.base import Detector
-from stethoscope.sampling import AdaptiveSampler
+from stethoscope.engine.sampler import AdaptiveSampler
 from stethoscope.statistics import EVENT, EVERY_STEP, GATHERED, with_requirements
 
 __all__ = ["QUIET_HORIZON", "SINK_HOT_SHORTENING", "Planner"]
@@ -150,6 +150,11 @@ class Planner:
                 d for d in self.detectors if d.name not in self.idle and d.needs <= EVERY_STEP
             )
         return readers
+
+    def loss_readers_run_every_step(self) -> bool:
+        """Whether every one of the :meth:`loss_readers` runs on every step."""
+        base = self.sampler.base
+        return all(base[d.name] == 1 for d in self.loss_readers())
 
     def quiet_detectors(self, step: int) -> list[Detector]:
         """The :meth:`loss_readers` not finished at ``step``."""

@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from stethoscope.budget import LONGEST, OverheadBudget, parse_budget
-from stethoscope.detectors import DETECTORS, Detector, default_detectors
-from stethoscope.distributed import Held
-from stethoscope.findings import Finding, Severity
-from stethoscope.judging import judge, judge_waiting
-from stethoscope.ledger import SAMPLER, Ledger
+from stethoscope.detectors import Detector
+from stethoscope.engine.budget import OverheadBudget
+from stethoscope.engine.held import Held
+from stethoscope.engine.judge import Batch, Judge
+from stethoscope.engine.ledger import Ledger
+from stethoscope.engine.policy import NOTHING, Decision, Policy, first_to_act
+from stethoscope.engine.schedule import Schedule, warn_sitting_out
+from stethoscope.engine.settings import Settings
+from stethoscope.engine.waiting import WaitingLosses
+from stethoscope.findings import Finding
 from stethoscope.observation import Observation
-from stethoscope.planning import Planner
-from stethoscope.policy import NOTHING, Decision, Policy, StopOn, decide, first_to_act, parse_policy
-from stethoscope.sampling import AdaptiveSampler
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import GATHERED, PLANNED, REPLICATED
 from stethoscope.summary import EpochSummary
-from stethoscope.validation_window import LossesSinceValidation
-from stethoscope.waiting import WaitingLosses
 
-__all__ = ["SAMPLER", "Monitor"]
+__all__ = ["Monitor"]
 
 
 def _policy_text(policy: Policy) -> str | list[str] | None:
@@ -32,27 +29,6 @@ def _policy_text(policy: Policy) -> str | list[str] | None:
     if policy.detectors:
         return sorted(policy.detectors)
     return policy.min_severity.value if policy.min_severity is not None else None
-
-
-def _sink_wants(sinks: Sequence[Sink]) -> tuple[frozenset[str], int]:
-    """What the sinks want measured (see ``Sink.wants``), and how often: as often as the
-    most eager of them asks."""
-    wanting = [s for s in sinks if s.wants]
-    for s in wanting:
-        unknown = sorted(set(s.wants) - PLANNED)
-        if unknown:
-            raise ValueError(
-                f"{type(s).__name__}.wants names {unknown!r}; a sink may want any of "
-                f"{sorted(PLANNED)!r}"
-            )
-        every = s.wants_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(
-                f"{type(s).__name__}.wants_every={every!r} must be an integer >= 1 (steps)"
-            )
-    if not wanting:
-        return frozenset(), 0
-    return frozenset().union(*(s.wants for s in wanting)), min(s.wants_every for s in wanting)
 
 
 class Monitor:
@@ -71,81 +47,44 @@ class Monitor:
     everywhere, and acted on at once.
 
     Args:
-        detectors: Detector instances (default: every detector with defaults).
-            Names must be unique.
-        sinks: Where findings go.
-        stop_on: ``None``, ``"error"``, ``"warning"`` or a set of detector names.
-        raise_on: Same choices; a match raises instead of stopping gracefully.
-        intervals: Base sampling interval per detector name, overriding defaults.
-        escalate: Whether suspicion raises the sampling rate.
-        hot_steps: Length of the every-step window after an escalation.
-        overhead_budget: The share of step time the sampled steps may cost (0.01: 1%);
-            their detectors' intervals stretch to stay within it (see
-            :mod:`stethoscope.budget`). None: the declared intervals, whatever they cost.
-        repeat_after: Steps before an identical finding (same detector, where and
-            severity) is sent to the sinks again; repeats are still counted.
+        settings: What to watch and how, already checked (the callbacks pass theirs).
         writes: Whether this process writes findings to the sinks (``distribute`` sets it
             to False off rank zero).
+        **arguments: Without ``settings``, the arguments of :meth:`Settings.of
+            <stethoscope.engine.settings.Settings.of>`: ``detectors`` (default: every
+            detector with defaults), ``sinks``, ``stop_on``, ``raise_on``,
+            ``intervals``, ``escalate``, ``hot_steps``, ``overhead_budget`` (the share
+            of step time the sampled steps may cost; see
+            :mod:`stethoscope.engine.budget`) and ``repeat_after``.
 
     Raises:
         ValueError: On unknown detector names, duplicate detectors, or bad values.
     """
 
     def __init__(
-        self,
-        *,
-        detectors: Sequence[Detector] | None = None,
-        sinks: Sequence[Sink] = (),
-        stop_on: StopOn = "error",
-        raise_on: StopOn = None,
-        intervals: Mapping[str, int] | None = None,
-        escalate: bool = True,
-        hot_steps: int = 32,
-        overhead_budget: float | None = None,
-        repeat_after: int = 100,
-        writes: bool = True,
+        self, settings: Settings | None = None, *, writes: bool = True, **arguments: Any
     ) -> None:
-        self.detectors: list[Detector] = (
-            list(detectors) if detectors is not None else default_detectors()
-        )
-        for d in self.detectors:
-            if not isinstance(d, Detector):
-                raise TypeError(f"detectors must be Detector instances, got {d!r}")
-        names = [d.name for d in self.detectors]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"detectors lists {dupes!r} more than once")
-        known = set(DETECTORS) | set(names)
-        self.stop_on = parse_policy(stop_on, argument="stop_on", known=known)
-        self.raise_on = parse_policy(raise_on, argument="raise_on", known=known)
-        intervals = dict(intervals or {})
-        unknown = sorted(set(intervals) - set(names))
-        if unknown:
-            raise ValueError(
-                f"intervals names {unknown!r}, which are not among the detectors: {names!r}"
-            )
-        self.sampler = AdaptiveSampler(
-            {d.name: intervals.get(d.name, d.base_interval) for d in self.detectors},
-            escalate=escalate,
-            hot_steps=hot_steps,
-        )
-        #: Detectors whose warnings and errors a recovery ladder answers instead of the
-        #: policy (see ``Decision.spared``); set by the callbacks' ``recover=``.
-        self.spared: frozenset[str] = frozenset()
+        if settings is None:
+            settings = Settings.of(**arguments)
+        elif arguments:
+            raise TypeError(f"Monitor takes settings or arguments, not both: {sorted(arguments)}")
+        self.detectors: list[Detector] = list(settings.detectors)
         #: Every finding counted, sent to the sinks and summed up per epoch.
-        self.ledger = Ledger(sinks, repeat_after=repeat_after)
-        self.stopped_by: Finding | None = None
-        self.last_step = -1
+        self.ledger = Ledger(settings.sinks, repeat_after=settings.repeat_after)
         self._closed = False
-        #: Which detectors run at each step, and what they need measured.
-        self.planner = Planner(self.detectors, self.sampler)
-        self.losses = LossesSinceValidation()
-        #: Quiet steps waiting to be judged (see :mod:`stethoscope.waiting`).
+        #: What runs when: the sampler, the planner, the overhead budget.
+        self.schedule = Schedule(settings)
+        self.sampler, self.planner = self.schedule.sampler, self.schedule.planner
+        #: Runs the detectors and acts on what they raise.
+        self.judge = Judge(
+            self.planner,
+            self.sampler,
+            self.ledger,
+            stop_on=settings.stop_on,
+            raise_on=settings.raise_on,
+        )
+        #: Quiet steps waiting to be judged (see :mod:`stethoscope.engine.waiting`).
         self.waiting = WaitingLosses()
-        self._sink_wants = _sink_wants(self.ledger.sinks)
-        #: Statistics the sinks want measured (see ``Sink.wants``), beside the detectors'.
-        self.sinks_want: frozenset[str] = self._sink_wants[0]
-        self._budget_fraction = parse_budget(overhead_budget)
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
 
@@ -157,6 +96,18 @@ class Monitor:
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
         return self.planner.due(step)
+
+    def keeper_of(self, bar: str) -> Detector | None:
+        """The detector that keeps the bar of ``bar`` (see ``Detector.bars``) for the
+        recovery ladder, or None."""
+        return next((d for d in self.detectors if d.bars == bar), None)
+
+    def every(self, statistic: str) -> int | None:
+        """How often ``statistic`` is measured for the detectors now: the shortest
+        interval of those that need it (None: none does)."""
+        return min(
+            (self.interval(d.name) for d in self.detectors if statistic in d.needs), default=None
+        )
 
     def interval(self, name: str, step: int | None = None) -> int:
         """The current sampling interval of detector ``name``."""
@@ -202,23 +153,23 @@ class Monitor:
         """Whether quiet steps may wait to be judged. A distributed run meets on every
         rank's verdicts and a recovery ladder acts on each step's: there every step is
         judged at once."""
-        return self.world_size == 1 and not self.spared
+        return self.world_size == 1 and not self.judge.spared
 
     def _observe_now(self, obs: Observation, *, forced: bool) -> Decision:
         """Judge the waiting steps, then ``obs``; work out the bar for the next ones."""
         earlier = self.catch_up()
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
-        decision = judge(self, obs, hold=self.world_size > 1, forced=forced)
+        decision = self.judge.judge(Batch.of(obs), hold=self.world_size > 1, forced=forced)
         quiet = self.planner.quiet_detectors(obs.step + 1) if self._waits else None
         self.waiting.rebar(quiet)
         return first_to_act(earlier, decision)
 
     def catch_up(self) -> Decision:
-        """Judge the quiet steps still waiting (see :mod:`stethoscope.waiting`), in order:
+        """Judge the quiet steps still waiting (see :mod:`stethoscope.engine.waiting`), in order:
         before anything else is judged, summed up or saved."""
         steps = self.waiting.take()
-        return judge_waiting(self, steps) if steps else NOTHING
+        return self.judge.judge(Batch.of_waiting(steps, self.rank)) if steps else NOTHING
 
     def observe_shared(self, obs: Observation) -> Decision:
         """Judge an observation that every rank holds the same (gathered from all of them).
@@ -227,23 +178,72 @@ class Monitor:
         rank; only rank zero reports its findings (the others do not forward them).
         """
         self.catch_up()
-        return judge(self, obs, hold=False)
+        return self.judge.judge(Batch.of(obs))
 
     def clock(self, seconds: float, *, sampled: bool, steps: int = 1) -> None:
         """How long the last step took (the adapter's clock, from one step's start to the
         next; ``steps``: the training steps of an execution clocked as one), and whether it
         was sampled: the overhead budget's measure. Off while the sampler is hot: the
         budget governs the healthy steady state."""
-        if self.budget is None or self.sampler.hot:
-            return
-        stretch = self.budget.clock(seconds, sampled=sampled, steps=steps)
-        if stretch is not None:
-            _stretch(self, stretch)
+        self.schedule.clock(seconds, sampled=sampled, steps=steps)
+
+    @property
+    def budget(self) -> OverheadBudget | None:
+        """Keeps the sampled steps' cost within ``overhead_budget`` (None: no budget, as
+        in a distributed run)."""
+        return self.schedule.budget
+
+    @property
+    def sinks_want(self) -> frozenset[str]:
+        """Statistics the sinks want measured (see ``Sink.wants``), beside the
+        detectors'."""
+        return self.schedule.sinks_want
 
     def note_stop(self, reason: Finding | None) -> None:
         """Remember ``reason`` as what stopped the run, unless something already did."""
-        if self.stopped_by is None:
-            self.stopped_by = reason
+        self.judge.note_stop(reason)
+
+    @property
+    def stopped_by(self) -> Finding | None:
+        """The finding that stopped (or raised in) the run, if any."""
+        return self.judge.stopped_by
+
+    @property
+    def last_step(self) -> int:
+        """The latest step judged (-1: none yet)."""
+        return self.judge.last_step
+
+    @property
+    def held(self) -> Held:
+        """What this rank holds until the ranks next meet (a distributed run): the
+        meeting (:class:`~stethoscope.distributed.RankMeeting`) empties it."""
+        return self.judge.held
+
+    @property
+    def spared(self) -> frozenset[str]:
+        """The detectors whose warnings and errors a recovery ladder answers (see
+        :meth:`spare`)."""
+        return self.judge.spared
+
+    def spare(self, detectors: frozenset[str]) -> None:
+        """Leave the warnings and errors of ``detectors`` to a recovery ladder instead of
+        the policy (see ``Decision.spared``): then every step is judged at once."""
+        self.judge.spared = frozenset(detectors)
+
+    def raises_on(self, finding: Finding) -> bool:
+        """Whether ``finding`` matches ``raise_on``."""
+        return self.judge.raise_on.matches(finding)
+
+    def pooled_losses(self) -> dict[str, tuple[float, float]]:
+        """What this rank pools with the others' at a validation: the training losses
+        since the last one, and the first, each as a (sum, count) pair."""
+        return self.judge.losses.shared()
+
+    @property
+    def clocked(self) -> bool:
+        """Whether the steps' time is wanted (:meth:`clock`): there is an overhead
+        budget to keep."""
+        return self.budget is not None
 
     def observe_validation(self, step: int, epoch: int, val_loss: float) -> Decision:
         """Judge a validation loss against the mean training loss since the last one (a
@@ -254,8 +254,8 @@ class Monitor:
             epoch=epoch,
             rank=self.rank,
             val_loss=val_loss,
-            train_loss=self.losses.mean(),
-            start_loss=self.losses.start,
+            train_loss=self.judge.losses.mean(),
+            start_loss=self.judge.losses.start,
         )
         return self.observe(obs)
 
@@ -263,25 +263,25 @@ class Monitor:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,
         something they should judge at once (a non-finite gradient on an unsampled step)."""
         self.catch_up()
-        self.planner.changed()
-        msg = self.sampler.escalate(step, reason)
-        if msg:
-            self.ledger.record(self._sampler_finding(step, epoch, msg))
+        self.judge.escalate(step, epoch, reason)
 
     def report(self, findings: Iterable[Finding]) -> Decision:
         """Record findings produced outside the detectors (e.g. by an adapter)."""
         self.catch_up()
-        findings = list(findings)
+        return self.judge.report(list(findings))
+
+    def tell(self, findings: Iterable[Finding]) -> None:
+        """Record findings that ask for no decision: the recovery ladder's acts, each
+        of which the ladder has decided itself."""
         for f in findings:
-            self.ledger.record(f)
-        return decide(findings, self.stop_on, self.raise_on)
+            self.ledger.enter(f)
 
     def receive(self, findings: Iterable[Finding]) -> None:
         """Record findings that other ranks raised from their own data (rank zero writes
         them; the other ranks leave them to it)."""
         if self.ledger.writes:
             for f in findings:
-                self.ledger.record(f)
+                self.ledger.enter(f)
 
     # -- distributed runs -------------------------------------------------------------
     def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
@@ -304,25 +304,13 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
+        self.judge.rank = rank
         self.ledger.writes = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
         self.judges_replicated = world_size == 1 or rank == 0 or not replicated
-        if world_size == 1:
-            idle = {d.name for d in self.detectors if d.needs & GATHERED}
-        elif rank != 0 and replicated:
-            idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
-        else:
-            idle = set()
-        self.planner.set_idle(frozenset(idle))
-        # the sinks write on rank zero only: there alone is what they want measured
-        self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
-        #: Keeps the sampled steps' cost within ``overhead_budget`` (None: no budget). Only
-        #: in a single process: the ranks of a distributed run share one schedule, which
-        #: their own clocks would pull apart.
-        self.budget = _budget(self._budget_fraction if world_size == 1 else None, self.sampler)
-        #: What this rank holds until the ranks next meet (a distributed run only).
-        self.held = Held()
+        self.schedule.take_part(rank=rank, world_size=world_size, replicated=replicated)
+        self.judge.held = Held()
 
     @property
     def backlog(self) -> int:
@@ -341,11 +329,10 @@ class Monitor:
     def summary(self, epoch: int) -> EpochSummary:
         """The summary of the epoch so far, as plain data."""
         self.catch_up()
-        every = min((b for b in self.sampler.base.values() if b > 1), default=1)
         return self.ledger.summary(
             epoch,
-            budget=self.budget.note(every) if self.budget is not None else "",
-            detectors=[d for d in self.detectors if d.name not in self.planner.idle],
+            budget=self.schedule.budget_note(),
+            detectors=[d for d in self.detectors if not self.schedule.idle(d.name)],
             interval=self.interval,
             escalations=self.sampler.escalations,
             hot=self.sampler.hot,
@@ -361,18 +348,6 @@ class Monitor:
     def writes(self) -> bool:
         """Whether this process writes to the sinks (rank zero does)."""
         return self.ledger.writes
-
-    # -- findings -----------------------------------------------------------------
-    def _sampler_finding(self, step: int, epoch: int, message: str) -> Finding:
-        return Finding(
-            step=step,
-            epoch=epoch,
-            detector=SAMPLER,
-            severity=Severity.INFO,
-            message=message,
-            value=self.sampler.cap(step),  # the interval cap now: 1, or None at base
-            rank=self.rank,
-        )
 
     # -- lifecycle ------------------------------------------------------------------
     def flush(self) -> None:
@@ -402,11 +377,10 @@ class Monitor:
         for d in self.detectors:
             if d.name in state.get("detectors", {}):
                 d.load_state_dict(state["detectors"][d.name])
-        self.sampler.load_state_dict(state.get("sampler", {}))
-        _stretch(self, int(state.get("sampler", {}).get("stretch", 1)))
+        self.schedule.load_state_dict(state.get("sampler", {}))
         self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
         self.ledger.last_sent = dict(state.get("last_sent", {}))
-        self.last_step = int(state.get("last_step", -1))
+        self.judge.last_step = int(state.get("last_step", -1))
 
     def describe(self) -> dict[str, Any]:
         """The detectors and the sampler as plain data: each detector's base interval and
@@ -420,7 +394,13 @@ class Monitor:
         for d in self.detectors:
             d.setup = context.setup
         if context.setup.adversarial:
-            _sit_out_the_game(self)
+            # a game (several optimizers stepped by hand, as in a GAN): the detectors that
+            # assume the loss should fall take no part
+            off = sorted(d.name for d in self.detectors if d.assumes_falling_loss)
+            if off:
+                self.schedule.sit_out(frozenset(off))
+                if self.rank == 0:
+                    warn_sitting_out(off)
         self.ledger.call_sinks("start", context)
 
     def begin(self, *, fresh: bool) -> None:
@@ -433,22 +413,17 @@ class Monitor:
         """
         if fresh:
             self.reset()
-        self.stopped_by = None
+        self.judge.stopped_by = None
         self._closed = False
 
     def reset(self) -> None:
         """Forget every baseline and the schedule (a fresh run)."""
         for d in self.detectors:
             d.reset()
-        self.sampler.load_state_dict({})
-        _stretch(self, 1)
-        self.planner.forget()
-        self.losses = LossesSinceValidation()
+        self.schedule.forget()
+        self.judge.forget()
         self.waiting = WaitingLosses()
         self.ledger.last_sent.clear()
-        self.stopped_by = None
-        self.last_step = -1
-        self.held = Held()
         self.ledger.new_epoch(escalations=self.sampler.escalations)
 
 
@@ -460,55 +435,12 @@ def _description(monitor: Monitor) -> dict[str, Any]:
         detectors[d.name] = {
             "class": type(d).__name__,
             "every": monitor.sampler.base[d.name],
-            "idle": d.name in monitor.planner.idle,
+            "idle": monitor.schedule.idle(d.name),
             "arguments": {p: getattr(d, p) for p in params if p != "self" and hasattr(d, p)},
         }
     return {
         "detectors": detectors,
-        "sampler": {"escalate": monitor.sampler.escalation, "hot_steps": monitor.sampler.hot_steps},
-        "stop_on": _policy_text(monitor.stop_on),
-        "raise_on": _policy_text(monitor.raise_on),
+        "sampler": monitor.schedule.describe(),
+        "stop_on": _policy_text(monitor.judge.stop_on),
+        "raise_on": _policy_text(monitor.judge.raise_on),
     }
-
-
-def _budget(fraction: float | None, sampler: AdaptiveSampler) -> OverheadBudget | None:
-    """The overhead budget of ``fraction`` for ``sampler``'s sampled detectors."""
-    if fraction is None:
-        return None
-    sampled = [every for every in sampler.declared.values() if every > 1]
-    budget = OverheadBudget(fraction, shortest=min(sampled, default=16))
-    budget.stretch = sampler.stretch  # a run that goes on keeps the stretch it had
-    return budget
-
-
-def _stretch(monitor: Monitor, factor: int) -> None:
-    """Run the sampled detectors ``factor`` times less often than declared."""
-    if factor == monitor.sampler.stretch:
-        return
-    monitor.sampler.stretch_to(factor, LONGEST)
-    if monitor.budget is not None:
-        monitor.budget.stretch = factor
-    monitor.planner.set_idle(monitor.planner.idle)  # its caches follow the schedule
-
-
-def _listed(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
-
-
-def _sit_out_the_game(monitor: Monitor) -> None:
-    """A game (several optimizers stepped by hand, as in a GAN): the detectors that assume
-    the loss should fall take no part, and the user is told once."""
-    off = sorted(d.name for d in monitor.detectors if d.assumes_falling_loss)
-    if not off:
-        return
-    monitor.planner.set_idle(monitor.planner.idle | frozenset(off))
-    if monitor.rank == 0:
-        warnings.warn(
-            "stethoscope: the training step steps several optimizers by hand (a game such "
-            "as a GAN, whose players' losses are not meant to fall), so "
-            f"{_listed(off)} are off for this run; the other detectors (non-finite "
-            "values, spikes, gradients, updates) judge it as usual",
-            RuntimeWarning,
-            stacklevel=4,
-        )

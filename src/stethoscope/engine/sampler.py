@@ -49,13 +49,8 @@ class AdaptiveSampler:
         escalate: bool = True,
         hot_steps: int = 32,
     ) -> None:
-        for name, every in intervals.items():
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(
-                    f"interval for {name!r} is {every!r}; it must be an integer >= 1 (steps)"
-                )
-        if isinstance(hot_steps, bool) or not isinstance(hot_steps, int) or hot_steps < 1:
-            raise ValueError(f"hot_steps={hot_steps!r} must be an integer >= 1")
+        check_intervals(intervals)
+        check_hot_steps(hot_steps)
         #: The intervals asked for; ``base`` holds them as an overhead budget stretches them.
         self.declared: dict[str, int] = dict(intervals)
         self.base: dict[str, int] = dict(intervals)
@@ -184,3 +179,18 @@ class AdaptiveSampler:
 def _capped(base: int, cap: int | None) -> int:
     """A base interval under the escalation's cap (no cap: the base)."""
     return base if cap is None else min(base, cap)
+
+
+def check_intervals(intervals: Mapping[str, int]) -> None:
+    """Raise ValueError naming an interval that is not a whole number of steps >= 1."""
+    for name, every in intervals.items():
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"interval for {name!r} is {every!r}; it must be an integer >= 1 (steps)"
+            )
+
+
+def check_hot_steps(hot_steps: int) -> None:
+    """Raise ValueError unless ``hot_steps`` is an integer >= 1."""
+    if isinstance(hot_steps, bool) or not isinstance(hot_steps, int) or hot_steps < 1:
+        raise ValueError(f"hot_steps={hot_steps!r} must be an integer >= 1")

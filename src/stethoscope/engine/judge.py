@@ -1,0 +1,294 @@
+"""How steps are judged: the due detectors run on an observation, what they raise is
+recorded and told to the sampler, and a decision is made.
+
+:meth:`Judge.step` takes one observation. :meth:`Judge.waited` takes the quiet steps that
+waited (see :mod:`stethoscope.engine.waiting`) and judges them together, with the outcome
+of judging them one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stethoscope.detectors.base import Detector
+from stethoscope.engine.held import Held
+from stethoscope.engine.ledger import Ledger
+from stethoscope.engine.planner import Planner
+from stethoscope.engine.policy import NOTHING, Decision, Policy, decide, first_to_act
+from stethoscope.engine.sampler import AdaptiveSampler
+from stethoscope.engine.validation_window import LossesSinceValidation
+from stethoscope.findings import SAMPLER, Finding, Severity
+from stethoscope.observation import Observation
+
+__all__ = ["Batch", "Judge"]
+
+#: A quiet step that waited: ``(step, epoch, loss, learning rate)``.
+Waiting = tuple[int, int, float, float | None]
+
+
+class Judge:
+    """Runs the detectors on steps and acts on what they raise: the sampler escalates on
+    an alarm or a suspicion, the ledger records the findings, the policy decides.
+
+    It keeps what judging leaves behind: the last step judged, the finding that stopped
+    the run, the training losses since the last validation, and, in a distributed run,
+    what this rank holds until the ranks next meet.
+
+    Args:
+        planner: Which detectors run at each step.
+        sampler: The schedule the detectors' suspicions escalate.
+        ledger: Where findings are counted and sent.
+        stop_on, raise_on: The policy.
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        sampler: AdaptiveSampler,
+        ledger: Ledger,
+        *,
+        stop_on: Policy,
+        raise_on: Policy,
+    ) -> None:
+        self.planner, self.sampler, self.ledger = planner, sampler, ledger
+        self.stop_on, self.raise_on = stop_on, raise_on
+        #: Detectors whose warnings and errors a recovery ladder answers instead of the
+        #: policy (see ``Decision.spared``).
+        self.spared: frozenset[str] = frozenset()
+        self.rank = 0
+        self.forget()
+
+    def forget(self) -> None:
+        """A fresh run: nothing judged yet."""
+        self.last_step = -1
+        self.stopped_by: Finding | None = None
+        #: The training losses since the last validation.
+        self.losses = LossesSinceValidation()
+        #: What this rank holds until the ranks next meet (a distributed run only).
+        self.held = Held()
+
+    def note_stop(self, reason: Finding | None) -> None:
+        """Remember ``reason`` as what stopped the run, unless something already did."""
+        if self.stopped_by is None:
+            self.stopped_by = reason
+
+    def escalate(self, step: int, epoch: int, reason: str) -> None:
+        """Run every detector from ``step`` on, and say so."""
+        self.planner.changed()
+        msg = self.sampler.escalate(step, reason)
+        if msg:
+            self.ledger.enter(self._sampler_finding(step, epoch, msg))
+
+    def report(self, findings: list[Finding]) -> Decision:
+        """Record findings made outside the detectors and decide on them."""
+        for f in findings:
+            self.ledger.enter(f)
+        return decide(findings, self.stop_on, self.raise_on)
+
+    def judge(self, batch: Batch, *, hold: bool = False, forced: bool = False) -> Decision:
+        """Judge ``batch``, its steps in order, with the outcome of judging them one by
+        one: the same findings, at the same steps, in the same order, and the same state
+        after. This is the one path by which steps are judged.
+
+        A step that cannot wait is a batch of one: the detectors due there run on its
+        observation (``forced``: every detector whose statistics it carries), and what
+        they raise is decided on at once (held until the ranks meet when ``hold``).
+
+        Quiet steps that waited (see :mod:`stethoscope.engine.waiting`) come as a batch
+        of many. One by one, each would pay for the schedule, the ledger and every
+        detector's bookkeeping, from caches its training step has just emptied.
+        Together, each detector that reads the loss alone goes over all of the steps in
+        turn (taking in at once those its rule finds healthy, see
+        :meth:`Detector.absorb`), the bookkeeping is done once, and what a detector
+        raised (a finding, a suspicion, a request) is acted on step by step, where it
+        would have been. That is the same outcome when the sampler is not hot, so its
+        schedule does not move within the steps, and those detectors all run every
+        step, so that an escalation on one of the steps changes none of them; otherwise
+        the steps are judged as batches of one.
+        """
+        planner, sampler = self.planner, self.sampler
+        waited = batch.waited
+        if waited and (sampler.hot or not planner.loss_readers_run_every_step()):
+            decision = NOTHING
+            for i in range(len(batch)):
+                decision = first_to_act(decision, self.judge(batch.alone(i)))
+            return decision
+        planner.changed()  # the detectors and the sampler may change as they judge
+        notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
+        if waited:
+            detectors = planner.loss_readers()
+            numbers = batch.numbers
+        else:
+            obs = batch[0]
+            back = sampler.tick(obs.step)
+            if back:
+                notes.append(self._sampler_finding(obs.step, obs.epoch, back))
+            detectors = planner.runnable(obs.step, every=forced)
+            numbers = (obs.step,)
+        # what each step raised, by its place in the batch, in the detectors' order
+        raised: dict[int, list[_Raised]] = {}
+        n = len(numbers)
+        for d in detectors:
+            finishes = type(d).finished is not Detector.finished
+            i = 0
+            while i < n:
+                if finishes and d.finished(numbers[i]):
+                    i += 1
+                    continue
+                if waited:
+                    taken = d.absorb(numbers, batch.losses, batch.lrs, i)
+                    if taken > i:  # the steps its rule found healthy, taken in at once
+                        i = taken
+                        continue
+                elif not batch.carries(d.needs):
+                    break
+                found = d.update(batch[i])
+                if found or d.suspect or d.request:
+                    raised.setdefault(i, []).append(_Raised(d, found))
+                i += 1
+        ledger = self.ledger
+        if waited:
+            self.losses.saw_losses(batch.losses)
+            ledger.saw_steps(numbers)
+        else:
+            planner.fulfilled(obs.has)
+            self.losses.saw(obs)
+            ledger.saw_step(obs.step, grads=obs.grad_norm is not None, loss=obs.loss is not None)
+        observers = ledger.observers
+        decision = NOTHING
+        if observers or raised or notes:  # step by step, each where it was
+            for i in range(n):
+                step_obs = batch[i]
+                if observers:
+                    ledger.observe(step_obs, planner.sampled_interval(step_obs.step))
+                self.last_step = max(self.last_step, step_obs.step)
+                if i in raised or notes:  # notes: a batch of one's (the sampler's tick)
+                    found = self._conclude(step_obs, raised.get(i, ()), notes, hold=hold)
+                    notes = []  # each step's own: an escalation's note is its step's
+                    decision = first_to_act(decision, found)
+        self.last_step = max(self.last_step, numbers[-1])
+        return decision
+
+    def _conclude(
+        self,
+        obs: Observation,
+        raised: Sequence[_Raised],
+        notes: list[Finding],
+        *,
+        hold: bool,
+    ) -> Decision:
+        """Act on what the detectors raised at ``obs``'s step: pass on their requests,
+        escalate on an alarm or a suspicion, record the findings and the sampler's notes,
+        decide."""
+        findings: list[Finding] = []
+        suspects: list[str] = []
+        for r in raised:
+            findings.extend(r.findings)
+            if r.suspect:
+                suspects.append(f"{r.detector.name}: {r.suspect}")
+            if r.request:
+                self.planner.requested |= r.request
+        if raised:
+            self.planner.fulfilled(obs.has)
+        if not findings and not suspects and not notes:  # the healthy step: nothing to do
+            return NOTHING
+        held = self.held
+        alarming = [f for f in findings if f.severity >= Severity.WARNING]
+        if alarming or suspects:
+            reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
+            if hold:
+                held.why = held.why or reason
+            else:
+                msg = self.sampler.escalate(obs.step, reason)
+                if msg:
+                    notes.append(self._sampler_finding(obs.step, obs.epoch, msg))
+        for f in findings:
+            self.ledger.enter(f, hold=held.findings if hold else None)
+        for f in notes:
+            self.ledger.enter(f)
+        decision = decide(findings, self.stop_on, self.raise_on, self.spared)
+        if hold:
+            if decision.stop and (
+                held.decision is None or (decision.raise_ and not held.decision.raise_)
+            ):
+                held.decision = decision
+            held.spared.extend(decision.spared)  # for the ranks to agree on
+            return Decision()
+        if decision.stop:
+            self.note_stop(decision.reason)
+        return decision
+
+    def _sampler_finding(self, step: int, epoch: int, message: str) -> Finding:
+        return Finding(
+            step=step,
+            epoch=epoch,
+            detector=SAMPLER,
+            severity=Severity.INFO,
+            message=message,
+            value=self.sampler.cap(step),  # the interval cap now: 1, or None at base
+            rank=self.rank,
+        )
+
+
+class Batch:
+    """Steps judged together, oldest first: one step's observation (a step that cannot
+    wait), or the quiet steps that waited, kept as their numbers, ``(step, epoch, loss,
+    lr)``, each made an :class:`Observation` only when asked for (a step every loss
+    reader took in at once, and no sink observes, needs none).
+
+    Make one with :meth:`of` or :meth:`of_waiting`.
+    """
+
+    __slots__ = ("_made", "_rank", "_steps", "losses", "lrs", "numbers", "waited")
+
+    def __init__(self, steps: Sequence[Waiting], rank: int, made: dict[int, Observation]) -> None:
+        self._steps, self._rank, self._made = steps, rank, made
+        #: Whether these are quiet steps that waited (their losses finite, each under the
+        #: detectors' bars: see ``Detector.waits_below``).
+        self.waited = not made
+        self.numbers = [step for step, _, _, _ in steps]
+        self.losses = [loss for _, _, loss, _ in steps] if self.waited else []
+        self.lrs = [lr for _, _, _, lr in steps] if self.waited else []
+
+    @classmethod
+    def of(cls, obs: Observation) -> Batch:
+        """A batch of one: a step that cannot wait."""
+        return cls((), obs.rank, {0: obs})
+
+    @classmethod
+    def of_waiting(cls, steps: Sequence[Waiting], rank: int) -> Batch:
+        """The quiet steps that waited, ``(step, epoch, loss, lr)`` oldest first."""
+        return cls(steps, rank, {})
+
+    def __len__(self) -> int:
+        return len(self._steps) or len(self._made)
+
+    def __getitem__(self, i: int) -> Observation:
+        obs = self._made.get(i)
+        if obs is None:
+            step, epoch, loss, lr = self._steps[i]
+            obs = self._made[i] = Observation.of_loss(step, epoch, self._rank, lr, loss)
+        return obs
+
+    def alone(self, i: int) -> Batch:
+        """Step ``i`` as a batch of one."""
+        return Batch.of(self[i])
+
+    def carries(self, statistics: frozenset[str]) -> bool:
+        """Whether the one step's observation carries every one of ``statistics``."""
+        has = self._made[0].has
+        for s in statistics:  # noqa: SIM110 (a loop, not all(): it runs for every due detector)
+            if not has(s):
+                return False
+        return True
+
+
+class _Raised:
+    """What a detector raised at one step while judging steps together: its findings, and
+    its suspicion and request as they stood after that step."""
+
+    __slots__ = ("detector", "findings", "request", "suspect")
+
+    def __init__(self, detector: Detector, findings: list[Finding]) -> None:
+        self.detector, self.findings = detector, findings
+        self.suspect, self.request = detector.suspect, detector.request

@@ -1,0 +1,143 @@
+"""What runs when, at what cost: the sampler (how often each detector runs), the planner
+(what a step measures for the detectors due there and for the sinks) and the overhead
+budget (how far the sampled detectors' intervals stretch to stay within it)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stethoscope.engine.budget import LONGEST, OverheadBudget
+from stethoscope.engine.planner import Planner
+from stethoscope.engine.sampler import AdaptiveSampler
+from stethoscope.engine.settings import Settings
+from stethoscope.sinks.base import Sink
+from stethoscope.statistics import GATHERED, REPLICATED
+
+__all__ = ["Schedule"]
+
+
+class Schedule:
+    """The schedule of one monitor's detectors.
+
+    Args:
+        settings: The detectors, their intervals, the escalation, the sinks (for the
+            statistics they want measured, ``Sink.wants``) and the overhead budget.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.detectors = settings.detectors
+        self.sampler = AdaptiveSampler(
+            settings.intervals, escalate=settings.escalate, hot_steps=settings.hot_steps
+        )
+        #: Which detectors run at each step, and what they need measured.
+        self.planner = Planner(self.detectors, self.sampler)
+        self._sink_wants = _sink_wants(settings.sinks)
+        self._budget_fraction = settings.overhead_budget
+        #: Keeps the sampled steps' cost within the budget (None: no budget).
+        self.budget: OverheadBudget | None = None
+
+    @property
+    def sinks_want(self) -> frozenset[str]:
+        """The statistics the sinks want measured, beside the detectors'."""
+        return self._sink_wants[0]
+
+    def take_part(self, *, rank: int, world_size: int, replicated: bool) -> None:
+        """Plan for ``rank`` of ``world_size`` (see ``Monitor.distribute``): in a single
+        process the detectors that compare ranks do not run; off rank zero of a replicated
+        run, those that judge only what every rank holds alike do not either (rank zero
+        judges them). Only rank zero measures what the sinks want (it alone writes), and
+        only a single process keeps a budget: the ranks of a distributed run share one
+        schedule, which their own clocks would pull apart."""
+        if world_size == 1:
+            idle = {d.name for d in self.detectors if d.needs & GATHERED}
+        elif rank != 0 and replicated:
+            idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
+        else:
+            idle = set()
+        self.planner.set_idle(frozenset(idle))
+        self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
+        fraction = self._budget_fraction if world_size == 1 else None
+        self.budget = _budget(fraction, self.sampler)
+
+    def sit_out(self, names: frozenset[str]) -> None:
+        """Detectors that take no part in this run from now on."""
+        self.planner.set_idle(self.planner.idle | names)
+
+    def idle(self, name: str) -> bool:
+        """Whether the detector ``name`` takes no part in this run."""
+        return name in self.planner.idle
+
+    def clock(self, seconds: float, *, sampled: bool, steps: int = 1) -> None:
+        """The budget's measure of the last step (see ``Monitor.clock``); off while the
+        sampler is hot: the budget governs the healthy steady state."""
+        if self.budget is None or self.sampler.hot:
+            return
+        stretch = self.budget.clock(seconds, sampled=sampled, steps=steps)
+        if stretch is not None:
+            self.stretch(stretch)
+
+    def stretch(self, factor: int) -> None:
+        """Run the sampled detectors ``factor`` times less often than declared."""
+        if factor == self.sampler.stretch:
+            return
+        self.sampler.stretch_to(factor, LONGEST)
+        if self.budget is not None:
+            self.budget.stretch = factor
+        self.planner.set_idle(self.planner.idle)  # its caches follow the schedule
+
+    def budget_note(self) -> str:
+        """What the budget did, for the epoch's summary ("" without a budget)."""
+        if self.budget is None:
+            return ""
+        every = min((b for b in self.sampler.base.values() if b > 1), default=1)
+        return self.budget.note(every)
+
+    def forget(self) -> None:
+        """A fresh run: the declared schedule, nothing planned ahead."""
+        self.sampler.load_state_dict({})
+        self.stretch(1)
+        self.planner.forget()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the sampler's schedule (and its stretch) from a checkpoint."""
+        self.sampler.load_state_dict(state)
+        self.stretch(int(state.get("stretch", 1)))
+
+    def describe(self) -> dict[str, Any]:
+        """The escalation's settings, for the run's record."""
+        return {"escalate": self.sampler.escalation, "hot_steps": self.sampler.hot_steps}
+
+
+def _sink_wants(sinks: Sequence[Sink]) -> tuple[frozenset[str], int]:
+    """What the sinks want measured (see ``Sink.wants``), and how often: as often as the
+    most eager of them asks."""
+    wanting = [s for s in sinks if s.wants]
+    if not wanting:
+        return frozenset(), 0
+    return frozenset().union(*(s.wants for s in wanting)), min(s.wants_every for s in wanting)
+
+
+def _budget(fraction: float | None, sampler: AdaptiveSampler) -> OverheadBudget | None:
+    """The overhead budget of ``fraction`` for ``sampler``'s sampled detectors."""
+    if fraction is None:
+        return None
+    sampled = [every for every in sampler.declared.values() if every > 1]
+    budget = OverheadBudget(fraction, shortest=min(sampled, default=16))
+    budget.stretch = sampler.stretch  # a run that goes on keeps the stretch it had
+    return budget
+
+
+def warn_sitting_out(off: list[str]) -> None:
+    """Tell the user once which detectors a game (several optimizers stepped by hand, as
+    in a GAN) turns off."""
+    listed = " and ".join([", ".join(off[:-1]), off[-1]] if len(off) > 2 else off)
+    warnings.warn(
+        "stethoscope: the training step steps several optimizers by hand (a game such "
+        "as a GAN, whose players' losses are not meant to fall), so "
+        f"{listed} are off for this run; the other detectors (non-finite "
+        "values, spikes, gradients, updates) judge it as usual",
+        RuntimeWarning,
+        stacklevel=4,
+    )

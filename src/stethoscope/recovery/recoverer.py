@@ -1,0 +1,153 @@
+"""The recovery ladder's one hook into the engine: the findings the policy spares
+become rungs, and the ladder's acts are reported through the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from stethoscope.engine import Decision
+from stethoscope.findings import Finding, Severity
+from stethoscope.recovery.ladder import Ladder
+from stethoscope.recovery.settings import DAMAGE, RECOVERABLE, Recovery
+from stethoscope.recovery.snapshots import SnapshotStore
+
+__all__ = ["Recoverer"]
+
+
+def _why(finding: Finding) -> str:
+    return f"{finding.detector} ({finding.severity}) at step {finding.step}"
+
+
+#: A decision that changes nothing (shared: a Decision is immutable).
+_CARRY_ON = Decision()
+
+
+class Recoverer:
+    """A monitor's ladder, for the adapters: it reports the ladder's acts through the
+    monitor's ledger (to every sink, the record and the epoch summary), turns the errors
+    the ladder answers into its rungs instead of a stop, and keeps the roll back the
+    adapter owes (:attr:`rollback_due`).
+
+    Args:
+        monitor: The callback's monitor; its policy spares :data:`RECOVERABLE` from now.
+        settings: The ladder's thresholds.
+    """
+
+    def __init__(self, monitor: Any, settings: Recovery) -> None:
+        self.monitor = monitor
+        self.ladder = Ladder(settings)
+        monitor.spare(RECOVERABLE)
+        #: A roll back the adapter owes, at the end of the step that asked for it.
+        self.rollback_due: str | None = None
+        #: The last step whose optimizer step was applied or skipped (see :meth:`settle`).
+        self.settled = -1
+        self._pending: list[Finding] = []  # errors judged before their step was settled
+
+    def skipped(self, step: int, epoch: int, why: str) -> Decision:
+        """The adapter did not apply step ``step``, because ``why``."""
+        found, action = self.ladder.skipped(step, epoch, why)
+        return self._act(found, action, why)
+
+    def review(self, decision: Decision) -> Decision:
+        """The monitor judged a step: answer its spared findings (an error on a step
+        that was applied asks for a roll back)."""
+        if not decision.spared:
+            return decision
+        step, epoch = decision.spared[-1].step, decision.spared[-1].epoch
+        # an error of a step not settled yet (a micro-batch before the optimizer step)
+        # waits for the gate's verdict on that step
+        self._pending += [f for f in decision.spared if f.step > self.settled]
+        # a warning on a step that was applied makes the run unhealthy for snapshots; on a
+        # skipped one it did no harm
+        settled = [f for f in decision.spared if f.step <= self.settled]
+        troubled = any(not self.ladder.was_skipped(f.step) for f in settled)
+        found = self.ladder.saw(step, epoch, troubled=troubled)
+        out = self._answer([f for f in decision.spared if f.step <= self.settled], found)
+        return out if out.stop or not decision.stop else decision
+
+    def settle(self, step: int) -> Decision:
+        """The optimizer step of ``step`` was applied or skipped: answer the errors that
+        waited for it."""
+        self.settled = step
+        if not self._pending:  # every step of a healthy run: nothing waited
+            return _CARRY_ON
+        ready = [f for f in self._pending if f.step <= step]
+        self._pending = [f for f in self._pending if f.step > step]
+        if any(not self.ladder.was_skipped(f.step) for f in ready):
+            self.ladder.saw(step, ready[-1].epoch, troubled=True)
+        return self._answer(ready, [])
+
+    def _answer(self, spared: list[Finding], found: list[Finding]) -> Decision:
+        """Answer ``spared`` (see :meth:`rollback_asked`); ``found``: the ladder's own
+        findings so far."""
+        asking = self.rollback_asked(spared)
+        if asking is None:
+            return self._act(found, None, "")
+        more, action = self.ladder.failed(asking.step, asking.epoch, asking)
+        return self._act(found + more, action, _why(asking))
+
+    def rollback_asked(self, spared: list[Finding]) -> Finding | None:
+        """The first of ``spared`` that asks for a roll back: an error on a step that was
+        applied (not skipped), or a warning that the weights have already drifted
+        (:data:`DAMAGE`)."""
+        for f in spared:
+            if self.ladder.was_skipped(f.step):
+                continue
+            if f.severity < Severity.ERROR and f.detector not in DAMAGE:
+                continue
+            return f
+        return None
+
+    def rollback_agreed(self, finding: Finding) -> Decision:
+        """In a distributed run, the ranks agreed that ``finding`` (one rank's, held until
+        they met) asks for a roll back: every rank climbs the same rung, so every rank
+        rolls back (or stops) alike."""
+        found, action = self.ladder.failed(finding.step, finding.epoch, finding)
+        return self._act(found, action, _why(finding))
+
+    def carried_on(self, step: int, epoch: int) -> None:
+        """Step ``step`` went by with no trouble of its own: a cool-down may end."""
+        self.monitor.tell(self.ladder.saw(step, epoch, troubled=False))
+
+    def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> None:
+        """The adapter restored the snapshot of ``to_step``."""
+        self.rollback_due = None
+        self.monitor.tell(self.ladder.rolled_back(step, epoch, to_step, what))
+
+    def roll_back(
+        self,
+        step: int,
+        epoch: int,
+        snapshots: SnapshotStore,
+        put_back: Callable[[dict[str, Any]], None],
+        what: str,
+    ) -> Decision:
+        """Pay the roll back owed at ``step``: ``put_back`` restores the newest snapshot's
+        state (``what`` says what that holds). The newest is passed over when the last roll
+        back went to it only lately (see :meth:`Ladder.newest_suspect`); with none left,
+        training stops."""
+        if self.ladder.newest_suspect(step):
+            snapshots.discard_newest()
+        newest = snapshots.newest()
+        if newest is None:
+            return self.no_snapshot(step, epoch)
+        snap, state = newest
+        put_back(state)
+        self.rolled_back(step, epoch, snap.step, what)
+        return _CARRY_ON
+
+    def no_snapshot(self, step: int, epoch: int) -> Decision:
+        """The roll back owed has nowhere to go: stop."""
+        why, self.rollback_due = self.rollback_due or "a roll back was needed", None
+        return self._act([self.ladder.stop_without_snapshot(step, epoch, why)], "stop", why)
+
+    def _act(self, found: list[Finding], action: str | None, why: str) -> Decision:
+        self.monitor.tell(found)
+        if action == "rollback":
+            self.rollback_due = why
+        if action != "stop":
+            return Decision()
+        reason = found[-1]
+        self.monitor.note_stop(reason)
+        return Decision(stop=True, raise_=self.monitor.raises_on(reason), reason=reason)
