@@ -42,7 +42,7 @@ from benchmarks.faults.data import DataSpec, make_data
 from benchmarks.faults.lightning_suite import SuiteModule, configure, make_loader, quiet
 from benchmarks.faults.scenarios import Scenario, TrainSpec
 from stethoscope import LightningStethoscope
-from stethoscope.recovery import RECOVERY
+from stethoscope.findings import RECOVERY
 from stethoscope.testing import CapturingSink
 
 ONSET = 150
