@@ -54,9 +54,9 @@ def test_quiet_steps_wait_and_are_judged_in_order():
     before = len(spike.state["window"])
     for step in range(600, 605):  # quiet steps (not on the 1-in-16 grid): they wait
         monitor.observe(Observation(step=step, epoch=0, loss=0.3))
-    assert len(monitor.waiting.steps) == 5 and len(spike.state["window"]) == before
+    assert len(monitor.judge.waiting.steps) == 5 and len(spike.state["window"]) == before
     state = monitor.state_dict()  # saving catches up first
-    assert monitor.waiting.steps == [] and monitor.last_step == 604
+    assert monitor.judge.waiting.steps == [] and monitor.last_step == 604
     assert state["last_step"] == 604
 
 
@@ -64,7 +64,7 @@ def test_a_nan_is_judged_at_once_after_the_steps_that_waited():
     losses = list(_curve(600)) + [0.3] * 5 + [math.nan]
     monitor, _, decisions = _run(losses)
     assert decisions[-1].stop and decisions[-1].reason.detector == "nonfinite_loss"
-    assert monitor.last_step == 605 and monitor.waiting.steps == []
+    assert monitor.last_step == 605 and monitor.judge.waiting.steps == []
 
 
 def test_a_spike_is_judged_at_once():
@@ -81,14 +81,14 @@ def test_nothing_waits_in_a_distributed_run_or_under_recovery(world_size):
     monitor = Monitor(detectors=default_detectors(), sinks=[])
     for step, loss in enumerate(_curve(300)):
         monitor.observe(Observation(step=step, epoch=0, loss=float(loss)))
-    assert monitor.waiting.bar > 0  # a single process: quiet steps may wait
+    assert monitor.judge.waiting.bar > 0  # a single process: quiet steps may wait
     monitor.spare(frozenset({"loss_spike"}))  # a recovery ladder acts on every step
     monitor.observe(Observation(step=300, epoch=0, loss=0.3))
-    assert monitor.waiting.bar == -math.inf
+    assert monitor.judge.waiting.bar == -math.inf
     monitor.spare(frozenset())
     monitor.distribute(rank=0, world_size=world_size)
     monitor.observe(Observation(step=301, epoch=0, loss=0.3))
-    assert monitor.waiting.bar == -math.inf and monitor.waiting.steps == []
+    assert monitor.judge.waiting.bar == -math.inf and monitor.judge.waiting.steps == []
 
 
 def test_a_validation_counts_the_training_losses_that_waited():
@@ -96,7 +96,7 @@ def test_a_validation_counts_the_training_losses_that_waited():
     monitor.observe_validation(599, 0, 1.0)  # closes the window so far
     for step in range(600, 605):
         monitor.observe(Observation(step=step, epoch=0, loss=0.25))
-    assert len(monitor.waiting.steps) == 5
+    assert len(monitor.judge.waiting.steps) == 5
     spy = []
     original = monitor.observe
     monitor.observe = lambda obs, **kw: spy.append(obs) or original(obs, **kw)
@@ -127,10 +127,10 @@ def test_quiet_steps_planned_ahead_are_the_schedule_step_by_step():
 def test_observe_loss_keeps_a_quiet_step_as_numbers_until_it_cannot_wait():
     monitor, sink, _ = _run(_curve(600))
     assert monitor.observe_loss(601, 0, 0.3, lr=0.1) is None  # waits
-    assert monitor.waiting.steps == [(601, 0, 0.3, 0.1)]
+    assert monitor.judge.waiting.steps == [(601, 0, 0.3, 0.1)]
     decision = monitor.observe_loss(602, 0, math.nan)  # judged at once, after 601
     assert decision.stop and decision.reason.detector == "nonfinite_loss"
-    assert monitor.waiting.steps == [] and monitor.last_step == 602
+    assert monitor.judge.waiting.steps == [] and monitor.last_step == 602
     assert sink.findings[-1].step == 602
 
 

@@ -33,7 +33,7 @@ class StepClock:
     def start(self, monitor: Monitor, *, sampled: bool, steps: int = 1) -> None:
         """A step starts (``steps``: an execution of that many): the last one's time goes
         to ``monitor`` (with no budget to measure for, nothing is clocked)."""
-        if not monitor.clocked:
+        if monitor.budget is None:
             return
         now = time.perf_counter()
         if self._start is not None:

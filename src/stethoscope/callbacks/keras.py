@@ -30,7 +30,6 @@ from stethoscope.engine import Settings, StopOn
 from stethoscope.observation import Observation
 from stethoscope.recovery import Recovery
 from stethoscope.sinks import ConsoleSink, RunContext, Sink
-from stethoscope.statistics import EVERY_STEP
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
 
@@ -248,12 +247,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         probe = self._probe
         if probe is None:
             return
-        chosen, plan = -1, frozenset()
-        for step in range(self._next, self._next + probe.regime.steps):
-            planned = self.monitor.plan(step)
-            if not planned <= EVERY_STEP:  # more than the every-step loss: a sampled step
-                chosen, plan = step, planned
-                break
+        chosen, plan = self.monitor.first_sampled(self._next, probe.regime.steps)
         probe.schedule(chosen, plan)
         self._pending = (self._next, chosen, plan)
         self._clock.start(self.monitor, sampled=chosen >= 0, steps=probe.regime.steps)

@@ -8,6 +8,7 @@ of judging them one by one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from stethoscope.detectors.base import Detector
@@ -17,6 +18,7 @@ from stethoscope.engine.planner import Planner
 from stethoscope.engine.policy import NOTHING, Decision, Policy, decide, first_to_act
 from stethoscope.engine.sampler import AdaptiveSampler
 from stethoscope.engine.validation_window import LossesSinceValidation
+from stethoscope.engine.waiting import WaitingLosses
 from stethoscope.findings import SAMPLER, Finding, Severity
 from stethoscope.observation import Observation
 
@@ -55,7 +57,7 @@ class Judge:
         #: Detectors whose warnings and errors a recovery ladder answers instead of the
         #: policy (see ``Decision.spared``).
         self.spared: frozenset[str] = frozenset()
-        self.rank = 0
+        self.rank, self.world_size = 0, 1
         self.forget()
 
     def forget(self) -> None:
@@ -66,6 +68,38 @@ class Judge:
         self.losses = LossesSinceValidation()
         #: What this rank holds until the ranks next meet (a distributed run only).
         self.held = Held()
+        #: Quiet steps waiting to be judged (see :mod:`stethoscope.engine.waiting`).
+        self.waiting = WaitingLosses()
+
+    # -- when a step is judged ------------------------------------------------------------
+    @property
+    def waits(self) -> bool:
+        """Whether quiet steps may wait to be judged. A distributed run meets on every
+        rank's verdicts and a recovery ladder acts on each step's: there every step is
+        judged at once."""
+        return self.world_size == 1 and not self.spared
+
+    def keep(self, step: int, epoch: int, loss: float | None, lr: float | None) -> bool:
+        """Keep a quiet step's loss to be judged later, if it may wait (see
+        :meth:`WaitingLosses.keep`). False: judge it now (:meth:`now`)."""
+        return self.waits and self.waiting.keep(step, epoch, loss, lr, self.planner)
+
+    def now(self, obs: Observation, *, forced: bool = False) -> Decision:
+        """Judge the waiting steps, then ``obs`` (held until the ranks meet in a
+        distributed run; ``forced``, or a non-finite loss: by every detector whose
+        statistics it carries); work out the bar for the next steps."""
+        earlier = self.catch_up()
+        loss = obs.loss
+        forced = forced or (loss is not None and not math.isfinite(loss))
+        decision = self.judge(Batch.of(obs), hold=self.world_size > 1, forced=forced)
+        quiet = self.planner.quiet_detectors(obs.step + 1) if self.waits else None
+        self.waiting.rebar(quiet)
+        return first_to_act(earlier, decision)
+
+    def catch_up(self) -> Decision:
+        """Judge the quiet steps still waiting, in order."""
+        steps = self.waiting.take()
+        return self.judge(Batch.of_waiting(steps, self.rank)) if steps else NOTHING
 
     def note_stop(self, reason: Finding | None) -> None:
         """Remember ``reason`` as what stopped the run, unless something already did."""

@@ -1,9 +1,10 @@
-"""The framework-free core: detectors + sampler + policy + sinks."""
+"""The engine's façade: what an adapter calls, and all it calls. Behind it, the schedule
+says what each step measures, the judge runs the detectors and acts on what they raise,
+the ledger counts and sends the findings, the policy decides."""
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -12,13 +13,13 @@ from stethoscope.engine.budget import OverheadBudget
 from stethoscope.engine.held import Held
 from stethoscope.engine.judge import Batch, Judge
 from stethoscope.engine.ledger import Ledger
-from stethoscope.engine.policy import NOTHING, Decision, Policy, first_to_act
+from stethoscope.engine.policy import NOTHING, Decision, Policy
 from stethoscope.engine.schedule import Schedule, warn_sitting_out
 from stethoscope.engine.settings import Settings
-from stethoscope.engine.waiting import WaitingLosses
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import RunContext, Sink
+from stethoscope.statistics import EVERY_STEP
 from stethoscope.summary import EpochSummary
 
 __all__ = ["Monitor"]
@@ -35,8 +36,10 @@ class Monitor:
     """Runs the detectors the sampler selects on each observation and acts on findings.
 
     Adapters call :meth:`plan` at the start of a step to learn which statistics to
-    compute, :meth:`observe` with the resulting host-side observation, and
-    :meth:`end_epoch` at each training epoch end.
+    compute, :meth:`observe` with the resulting host-side observation (or
+    :meth:`observe_loss` on a quiet step), :meth:`observe_validation` after each
+    validation, and :meth:`end_epoch` at each training epoch end; :meth:`state_dict`
+    and :meth:`close` at a checkpoint and at the end.
 
     In a distributed run (:meth:`distribute`) each rank judges its own observations,
     but holds what it decides (stop, raise, sample faster) and, off rank zero, the
@@ -83,8 +86,6 @@ class Monitor:
             stop_on=settings.stop_on,
             raise_on=settings.raise_on,
         )
-        #: Quiet steps waiting to be judged (see :mod:`stethoscope.engine.waiting`).
-        self.waiting = WaitingLosses()
         self.distribute(rank=0, world_size=1)
         self.ledger.writes = writes
 
@@ -92,6 +93,16 @@ class Monitor:
     def plan(self, step: int) -> frozenset[str]:
         """The statistics the adapter should measure at ``step``."""
         return self.planner.plan(step)
+
+    def first_sampled(self, start: int, steps: int) -> tuple[int, frozenset[str]]:
+        """The first of ``steps`` steps from ``start`` that measures more than the
+        every-step statistics, and its plan; ``(-1, frozenset())`` if none does (an
+        execution of several steps measures at most one of them)."""
+        for step in range(start, start + steps):
+            planned = self.planner.plan(step)
+            if not planned <= EVERY_STEP:
+                return step, planned
+        return -1, frozenset()
 
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
@@ -126,13 +137,9 @@ class Monitor:
             forced: The adapter measured this step off the schedule because something
                 was wrong (a non-finite loss or gradient): judge it likewise.
         """
-        if (
-            not forced
-            and self._waits
-            and self.waiting.keep(obs.step, obs.epoch, obs.loss, obs.lr, self.planner)
-        ):
+        if not forced and self.judge.keep(obs.step, obs.epoch, obs.loss, obs.lr):
             return NOTHING  # a quiet step: judged with the next one that cannot wait
-        return self._observe_now(obs, forced=forced)
+        return self.judge.now(obs, forced=forced)
 
     def observe_loss(
         self, step: int, epoch: int, loss: float, lr: float | None = None
@@ -143,33 +150,14 @@ class Monitor:
         Returns:
             None while the step waits, else what :meth:`observe` returns.
         """
-        if self._waits and self.waiting.keep(step, epoch, loss, lr, self.planner):
+        if self.judge.keep(step, epoch, loss, lr):
             return None
-        obs = Observation.of_loss(step, epoch, self.rank, lr, loss)
-        return self._observe_now(obs, forced=False)
-
-    @property
-    def _waits(self) -> bool:
-        """Whether quiet steps may wait to be judged. A distributed run meets on every
-        rank's verdicts and a recovery ladder acts on each step's: there every step is
-        judged at once."""
-        return self.world_size == 1 and not self.judge.spared
-
-    def _observe_now(self, obs: Observation, *, forced: bool) -> Decision:
-        """Judge the waiting steps, then ``obs``; work out the bar for the next ones."""
-        earlier = self.catch_up()
-        loss = obs.loss
-        forced = forced or (loss is not None and not math.isfinite(loss))
-        decision = self.judge.judge(Batch.of(obs), hold=self.world_size > 1, forced=forced)
-        quiet = self.planner.quiet_detectors(obs.step + 1) if self._waits else None
-        self.waiting.rebar(quiet)
-        return first_to_act(earlier, decision)
+        return self.judge.now(Observation.of_loss(step, epoch, self.rank, lr, loss))
 
     def catch_up(self) -> Decision:
-        """Judge the quiet steps still waiting (see :mod:`stethoscope.engine.waiting`), in order:
-        before anything else is judged, summed up or saved."""
-        steps = self.waiting.take()
-        return self.judge.judge(Batch.of_waiting(steps, self.rank)) if steps else NOTHING
+        """Judge the quiet steps still waiting (see :mod:`stethoscope.engine.waiting`),
+        in order: before anything else is judged, summed up or saved."""
+        return self.judge.catch_up()
 
     def observe_shared(self, obs: Observation) -> Decision:
         """Judge an observation that every rank holds the same (gathered from all of them).
@@ -219,12 +207,6 @@ class Monitor:
         meeting (:class:`~stethoscope.distributed.RankMeeting`) empties it."""
         return self.judge.held
 
-    @property
-    def spared(self) -> frozenset[str]:
-        """The detectors whose warnings and errors a recovery ladder answers (see
-        :meth:`spare`)."""
-        return self.judge.spared
-
     def spare(self, detectors: frozenset[str]) -> None:
         """Leave the warnings and errors of ``detectors`` to a recovery ladder instead of
         the policy (see ``Decision.spared``): then every step is judged at once."""
@@ -238,12 +220,6 @@ class Monitor:
         """What this rank pools with the others' at a validation: the training losses
         since the last one, and the first, each as a (sum, count) pair."""
         return self.judge.losses.shared()
-
-    @property
-    def clocked(self) -> bool:
-        """Whether the steps' time is wanted (:meth:`clock`): there is an overhead
-        budget to keep."""
-        return self.budget is not None
 
     def observe_validation(self, step: int, epoch: int, val_loss: float) -> Decision:
         """Judge a validation loss against the mean training loss since the last one (a
@@ -304,7 +280,7 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
-        self.judge.rank = rank
+        self.judge.rank, self.judge.world_size = rank, world_size
         self.ledger.writes = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
@@ -422,7 +398,6 @@ class Monitor:
             d.reset()
         self.schedule.forget()
         self.judge.forget()
-        self.waiting = WaitingLosses()
         self.ledger.last_sent.clear()
         self.ledger.new_epoch(escalations=self.sampler.escalations)
 

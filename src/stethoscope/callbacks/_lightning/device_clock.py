@@ -60,7 +60,7 @@ class DeviceStepClock:
     def start(self, monitor: Any, *, sampled: bool, steps: int = 1) -> None:
         """A step starts: mark it on the device, and hand ``monitor`` the device's time of
         every step whose end has passed (with no budget to measure for, nothing is)."""
-        if not monitor.clocked:
+        if monitor.budget is None:
             return
         marks = self._marks
         marks.append(_Mark(self.accelerator.mark(self.device, timing=True), sampled, steps))
