@@ -315,7 +315,7 @@ def test_report_records_outside_findings():
     sink = CapturingSink()
     m = Monitor(sinks=[sink])
     f = Finding(step=2, epoch=0, detector="nonfinite_loss", severity="error", message="x.")
-    assert m.report([f]).stop
+    assert m.submit([f]).stop
     assert sink.findings == [f]
     assert m.summary(0).rows[0].detector == "nonfinite_loss"
 

@@ -89,7 +89,7 @@ def test_full_disk_is_reported_in_the_epoch_summary() -> None:
         monitor = Monitor(
             detectors=[], repeat_after=0, sinks=[full, good, JSONLSink("/dev/full", max_buffer=0)]
         )
-        monitor.report([finding(step) for step in range(5)])
+        monitor.submit([finding(step) for step in range(5)])
         summary = monitor.end_epoch(0)
     assert [f.step for f in good.findings] == [0, 1, 2, 3, 4]  # the other sinks go on
     assert summary.dropped == {"JSONLSink[0]": 3, "JSONLSink[2]": 5}
@@ -104,7 +104,7 @@ def test_full_disk_is_reported_in_the_epoch_summary() -> None:
 
 def test_summary_lists_no_drops_when_nothing_was_dropped(tmp_path: Path) -> None:
     monitor = Monitor(detectors=[], repeat_after=0, sinks=[JSONLSink(tmp_path / "f.jsonl")])
-    monitor.report([finding(1)])
+    monitor.submit([finding(1)])
     summary = monitor.end_epoch(0)
     assert summary.dropped == {}
     console = Console(file=io.StringIO(), width=100, color_system=None)
@@ -120,7 +120,7 @@ def test_a_sink_whose_dropped_count_raises_does_not_cost_the_summary() -> None:
             raise RuntimeError("broken counter")
 
     monitor = Monitor(detectors=[], repeat_after=0, sinks=[Odd()])
-    monitor.report([finding(1)])
+    monitor.submit([finding(1)])
     assert monitor.end_epoch(0).dropped == {}
 
 
@@ -246,7 +246,7 @@ def test_a_sink_that_raises_on_every_call_costs_nothing_and_is_warned_about_once
     good = CapturingSink()
     monitor = Monitor(detectors=[], repeat_after=0, sinks=[Raising(), good])
     with pytest.warns(RuntimeWarning) as record:
-        monitor.report([finding(1), finding(2)])
+        monitor.submit([finding(1), finding(2)])
         summary = monitor.end_epoch(0)
         monitor.close()
     assert [str(w.message) for w in record if "Raising" in str(w.message)] == [
@@ -278,7 +278,7 @@ def test_mlflow_server_down_bounds_the_buffer_and_the_summary_counts_drops(
     monitor = Monitor(detectors=[], repeat_after=0, sinks=[sink])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        monitor.report([finding(step) for step in range(20)])
+        monitor.submit([finding(step) for step in range(20)])
         summary = monitor.end_epoch(0)
         assert summary.dropped == {"MLflowSink": 15}  # the 5 first wait, the rest are counted
         monitor.close()

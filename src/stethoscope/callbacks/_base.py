@@ -79,7 +79,7 @@ class StethoscopeBase:
         return {**framework, **self.monitor.describe()}
 
     @property
-    def report(self) -> Callable[[Path], None] | None:
+    def _report_writer(self) -> Callable[[Path], None] | None:
         """Writes the report of the run's record into a folder (the sinks' way to it,
         see ``RunContext.report``), or ``None`` without a record."""
         return self._report_into if self.recorder is not None else None

@@ -209,7 +209,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 first_epoch=self._epoch if step0 else 0,
                 describe=lambda: self._describe(describe_run(model, self.params)),
                 record=self.record,
-                report=self.report,
+                report=self._report_writer,
                 setup=training_setup(model),
             )
         )

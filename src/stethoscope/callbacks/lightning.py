@@ -206,7 +206,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         context = run_context(
             trainer,
             record=self.record,
-            report=self.report,
+            report=self._report_writer,
             describe=lambda: self._describe(describe_run(trainer, pl_module)),
         )
         self._printer = context.printer

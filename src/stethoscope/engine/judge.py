@@ -113,7 +113,7 @@ class Judge:
         if msg:
             self.ledger.enter(self._sampler_finding(step, epoch, msg))
 
-    def report(self, findings: list[Finding]) -> Decision:
+    def submit(self, findings: list[Finding]) -> Decision:
         """Record findings made outside the detectors and decide on them."""
         for f in findings:
             self.ledger.enter(f)

@@ -241,10 +241,11 @@ class Monitor:
         self.catch_up()
         self.judge.escalate(step, epoch, reason)
 
-    def report(self, findings: Iterable[Finding]) -> Decision:
-        """Record findings produced outside the detectors (e.g. by an adapter)."""
+    def submit(self, findings: Iterable[Finding]) -> Decision:
+        """Record findings made outside the detectors (by an adapter, say) and decide on
+        them as on the detectors' own."""
         self.catch_up()
-        return self.judge.report(list(findings))
+        return self.judge.submit(list(findings))
 
     def tell(self, findings: Iterable[Finding]) -> None:
         """Record findings that ask for no decision: the recovery ladder's acts, each
