@@ -36,6 +36,8 @@ STABLE_NAMES = (
     "poor_initialization",
     "class_imbalance",
     "unnormalized_input",
+    "unshuffled_data",
+    "collapsed_lr",
     "all_zero",
     "replica_divergence",
     "straggler",
@@ -176,8 +178,10 @@ def random_run(
 def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> list[Observation]:
     """``n`` steps after a random run: a spike, NaNs, an explosion, starved gradients, a
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
-    a zero gradient, and a validation loss that rises while training improves. Rank 3's
-    replica differs throughout; rank 2 is three times slower from step 20 to 40."""
+    a zero gradient, and a validation loss that rises while training improves; from step
+    48, batches of one class at a time (unshuffled labels); from step 120, a learning rate
+    collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
+    times slower from step 20 to 40."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -206,6 +210,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
         if 75 <= i < 80:
             grads[2] = 0.0  # no gradient reaches layer1.weight
         val = (1.0 + 0.1 * i / 10, 0.5 - 0.01 * i / 10) if i % 10 == 9 else None
+        labels = np.full(32, (i // 4) % 4) if i >= 48 else None
         out.append(
             obs(
                 start + i,
@@ -213,7 +218,9 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 grads,
                 weights,
                 updates,
+                1e-7 if i >= 120 else 1e-3,
                 rng=rng,
+                labels=labels,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,
@@ -229,7 +236,7 @@ def fault_run() -> list[Observation]:
     # the loss is flat (loss_not_decreasing at 200) at the chance level of the skewed
     # labels counted at the start (loss_at_chance at 304)
     flat = random_run(300, seed=2, bad_start=True, level=SKEWED_CHANCE)
-    tail = fault_tail(300, 100, level=SKEWED_CHANCE)  # it climbs 3x and stays: unstable_loss
+    tail = fault_tail(300, 130, level=SKEWED_CHANCE)  # it climbs 3x and stays: unstable_loss
     return [*flat, *tail]
 
 

@@ -172,7 +172,11 @@ def _everything(losses, labels_seed: int = 0) -> tuple[Monitor, _Observing]:
     class_imbalance want them, and validations."""
     rng = np.random.default_rng(labels_seed)
     sink = _Observing()
-    detectors = [*default_detectors(), _Clockwork()]
+    # unshuffled_data reads labels all run long, so its state follows which steps the
+    # plan measured them on; the clockwork's alarms on steps that wait (which no real
+    # detector raises there: see waits_below) escalate a few steps later than at once,
+    # and move those plans
+    detectors = [*default_detectors(unshuffled_data=None), _Clockwork()]
     monitor = Monitor(detectors=detectors, sinks=[sink], stop_on=None)
     for step, loss in enumerate(losses):
         plan = monitor.plan(step)

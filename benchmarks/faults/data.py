@@ -47,6 +47,8 @@ class DataSpec:
         scale: Multiply every input feature by this (1.0: standardised).
         raw: ``digits`` only: keep pixel values 0..16 instead of standardising.
         images: ``digits`` only: shape inputs as 1x8x8 images (for a CNN).
+        order: ``"shuffled"`` (reshuffled every epoch) or ``"sorted"``: the training set
+            sorted by label and served in that order every epoch (a pipeline bug).
     """
 
     source: str = "gaussian"
@@ -58,6 +60,16 @@ class DataSpec:
     scale: float = 1.0
     raw: bool = False
     images: bool = False
+    order: str = "shuffled"
+
+    def __post_init__(self) -> None:
+        if self.order not in ("shuffled", "sorted"):
+            raise ValueError(f"order={self.order!r}; use 'shuffled' or 'sorted'")
+
+    @property
+    def shuffled(self) -> bool:
+        """Whether the training set is reshuffled every epoch."""
+        return self.order == "shuffled"
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,9 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
         y_tr[flip] = rng.integers(0, classes, int(flip.sum()))
     if spec.majority is not None:
         x_tr, y_tr = _resample_majority(x_tr, y_tr, spec.majority, classes, rng)
+    if not spec.shuffled:
+        by_label = np.argsort(y_tr, kind="stable")
+        x_tr, y_tr = x_tr[by_label], y_tr[by_label]
     x_tr = x_tr * spec.scale
     x_va = x_va * spec.scale
     if spec.images:

@@ -193,13 +193,18 @@ def make_dataset(
     fault: FaultSpec | None = None,
     onset: int = -1,
     classes: int = 0,
+    shuffle: bool = True,
 ) -> tf.data.Dataset:
     """``epochs`` reshuffled epochs end to end, the batch at global step ``onset`` corrupted.
 
-    Every epoch is a fresh permutation from ``seed``; its last batch may be smaller.
+    Every epoch is a fresh permutation from ``seed`` (``shuffle=False``: the arrays'
+    order, every epoch); its last batch may be smaller.
     """
     rng = np.random.default_rng(20_000 + seed)
-    order = np.stack([rng.permutation(len(x)) for _ in range(epochs)])
+    if shuffle:
+        order = np.stack([rng.permutation(len(x)) for _ in range(epochs)])
+    else:
+        order = np.tile(np.arange(len(x)), (epochs, 1))
     xs, ys = x[order], y[order]  # (epochs, n, ...): a copy, safe to corrupt
     per_epoch = -(-len(x) // batch_size)
     if fault is not None and fault.kind in _BATCH_FAULTS and 0 <= onset < epochs * per_epoch:
@@ -462,6 +467,8 @@ class _Schedule(keras.optimizers.schedules.LearningRateSchedule):
         elif t.schedule == "cosine":
             last = float(t.max_steps - 1)
             lr = lr * 0.5 * (1.0 + ops.cos(math.pi * ops.minimum(s, last) / last))
+        elif t.schedule == "step_decay":
+            lr = lr * ops.power(t.decay, ops.floor(s / t.decay_every))
         if self.kind == "lr_scale":
             lr = ops.where(s >= self.onset, lr * self.factor, lr)
         elif self.kind == "lr_growth":  # x factor at every step from the onset on
@@ -535,8 +542,10 @@ def make_optimizer(
     kind = fault.kind if fault is not None else None
     lr: Any = train.lr
     if train.schedule is not None or kind in ("lr_scale", "lr_growth"):
-        if train.schedule not in (None, "warmup", "cosine"):
-            raise ValueError(f"schedule={train.schedule!r}; use None, 'warmup' or 'cosine'")
+        if train.schedule not in (None, "warmup", "cosine", "step_decay"):
+            raise ValueError(
+                f"schedule={train.schedule!r}; use None, 'warmup', 'cosine' or 'step_decay'"
+            )
         lr = _Schedule(train, fault, onset)
     # named as Keras names its own: a subclass's default name (_NaNAdam -> "__na_n_adam")
     # is not a valid name scope
@@ -771,7 +780,15 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
     if t.max_epochs is not None:
         epochs = min(epochs, t.max_epochs)
     data = make_dataset(
-        x, arrays.y, t.batch_size, seed, epochs, fault=f, onset=onset, classes=arrays.classes
+        x,
+        arrays.y,
+        t.batch_size,
+        seed,
+        epochs,
+        fault=f,
+        onset=onset,
+        classes=arrays.classes,
+        shuffle=sc.data.shuffled,
     )
     val = None
     if t.validate:

@@ -316,8 +316,15 @@ class SuiteModule(L.LightningModule):
             def factor(s: int) -> float:
                 return 0.5 * (1.0 + math.cos(math.pi * min(s, last) / last))  # 0 at the last step
 
+        elif t.schedule == "step_decay":
+
+            def factor(s: int) -> float:
+                return t.decay ** (s // t.decay_every)
+
         else:
-            raise ValueError(f"schedule={t.schedule!r}; use None, 'warmup' or 'cosine'")
+            raise ValueError(
+                f"schedule={t.schedule!r}; use None, 'warmup', 'cosine' or 'step_decay'"
+            )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -539,7 +546,7 @@ def run_scenario(
     arrays = make_data(sc.data, seed)
     model = GanModule(sc, arrays) if sc.model.arch == "gan" else SuiteModule(sc, arrays)
     t = sc.train
-    train = make_loader(arrays.x, arrays.y, t.batch_size, seed, shuffle=True)
+    train = make_loader(arrays.x, arrays.y, t.batch_size, seed, shuffle=sc.data.shuffled)
     val = None
     if t.validate:
         if arrays.x_val is None:

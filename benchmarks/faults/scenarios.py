@@ -143,10 +143,18 @@ FAMILIES: dict[str, str] = {
     "spike": "a single bad batch",
     "divergence": "the learning rate drives training to diverge",
     "silent": "training goes on with finite, unspiky losses, but learns badly",
+    "pipeline": "the training is wired wrong (data order, a schedule's cadence): the loss "
+    "stays finite and quiet, and the model learns less than it should",
 }
 
 #: Median latency targets of issue 3, in steps, by family.
-TARGET_LATENCY: dict[str, int] = {"nonfinite": 1, "spike": 1, "divergence": 20, "silent": 20}
+TARGET_LATENCY: dict[str, int] = {
+    "nonfinite": 1,
+    "spike": 1,
+    "divergence": 20,
+    "silent": 20,
+    "pipeline": 50,
+}
 TARGET_RECALL = 0.95
 
 
@@ -201,9 +209,11 @@ class TrainSpec:
             ``max_epochs``.
         max_epochs: Epochs to train, or None for no limit.
         schedule: None, ``"warmup"`` (linear from exactly 0 to ``lr`` over
-            ``warmup_steps``, then constant) or ``"cosine"`` (from ``lr`` down to
-            exactly 0 at ``max_steps``), stepped every step.
+            ``warmup_steps``, then constant), ``"cosine"`` (from ``lr`` down to
+            exactly 0 at ``max_steps``) or ``"step_decay"`` (``lr`` times ``decay``
+            every ``decay_every`` steps), stepped every step.
         warmup_steps: Length of the warm-up.
+        decay_every, decay: The step decay's period in steps and its factor.
         clip: Clip the global gradient norm to this (None: no clipping).
         validate: Run a validation epoch after every training epoch (needs
             ``DataSpec.n_val``); its mean loss is logged as ``val_loss``.
@@ -217,6 +227,8 @@ class TrainSpec:
     max_epochs: int | None = None
     schedule: str | None = None
     warmup_steps: int = 0
+    decay_every: int = 0
+    decay: float = 0.1
     clip: float | None = None
     validate: bool = False
 
@@ -688,6 +700,43 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=("overfitting",),
         window=100,
     ),
+    # -- pipeline bugs: each has a healthy twin below ----------------------------------------
+    Scenario(
+        "labels_sorted",
+        "pipeline",
+        "the training set sorted by label and never shuffled: each batch holds one class",
+        data=DataSpec(order="sorted"),
+        train=ADAM,
+        onset=0,
+        expect=("unshuffled_data",),
+        window=64,
+        # the loss jumps at each class boundary, and the model chases one class at a time:
+        # fitted to a batch of one class by its output bias, its ReLUs die and the
+        # gradients behind them are all zero (measured); the first labels read are one
+        # or two classes, imbalanced as they come
+        collateral=(
+            "loss_spike",
+            "unstable_loss",
+            "exploding_gradients",
+            "dead_relu",
+            "all_zero",
+            "class_imbalance",
+        ),
+    ),
+    Scenario(
+        "lr_decay_per_batch",
+        "pipeline",
+        "a decay meant per epoch (x0.1 every 8 epochs) stepped every batch: the learning "
+        "rate is a thousandth of its start by step 24",
+        train=TrainSpec(
+            optimizer="adam", lr=1e-2, max_steps=250, schedule="step_decay", decay_every=8
+        ),
+        onset=0,
+        expect=("collapsed_lr",),
+        window=64,
+        # the weights all but stop: that is what the collapse does
+        collateral=("small_updates", "frozen_weights", "loss_not_decreasing"),
+    ),
     # -- healthy controls: each sets a trap ----------------------------------------------
     Scenario(
         "healthy_standardized",
@@ -770,6 +819,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         model=ModelSpec(arch="gan", width=32),
         data=DataSpec(n_train=4096),
         train=TrainSpec(optimizer="adam", lr=2e-4, batch_size=64, max_steps=1200),
+    ),
+    Scenario(
+        "healthy_skewed_labels",
+        "healthy",
+        "70% of the labels are class 0, shuffled (the twin of labels_sorted): skew is no "
+        "sign of order",
+        data=DataSpec(majority=0.7),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
+    ),
+    Scenario(
+        "healthy_step_decay",
+        "healthy",
+        "Adam 1e-2 decayed x0.1 every 60 steps (the twin of lr_decay_per_batch): a "
+        "thousandth of its start from step 180, after the loss has fallen",
+        train=TrainSpec(
+            optimizer="adam", lr=1e-2, max_steps=400, schedule="step_decay", decay_every=60
+        ),
     ),
     Scenario(
         "healthy_digits_validated",

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stethoscope.detectors import (
+    CollapsedLearningRate,
     LossAtChance,
     LossNotDecreasing,
     LossSpike,
@@ -39,6 +40,7 @@ def _detectors() -> list[Detector]:
         chance,
         NonfiniteLoss(),
         tracing,
+        CollapsedLearningRate(window=5),
     ]
 
 
@@ -80,7 +82,9 @@ losses_st = st.lists(
     min_size=60,
     max_size=120,
 )
-lrs_st = st.lists(st.sampled_from([None, 1e-3, 1e-3, 1e-3, 3e-3, 1e-2]), min_size=1, max_size=8)
+lrs_st = st.lists(
+    st.sampled_from([None, 1e-3, 1e-3, 1e-3, 3e-3, 1e-2, 1e-7]), min_size=1, max_size=8
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -131,10 +135,12 @@ def _shape(name: str, n: int = 300) -> tuple[list[float], list[float | None]]:
         level = [math.log(3)] * n
     elif name == "warm_up":  # the learning rate doubling: the clocks start again
         lrs = [1e-5 * 2 ** (t // 20) for t in range(n)]
+    elif name == "collapse":  # collapsed_lr: a per-epoch decay stepped every batch
+        lrs = [1e-2 * 0.1 ** (t // 30) for t in range(n)]
     return [lv + e for lv, e in zip(level, noise, strict=True)], lrs
 
 
-@pytest.mark.parametrize("shape", ["rise", "diverge", "spike", "at_chance", "warm_up"])
+@pytest.mark.parametrize("shape", ["rise", "diverge", "spike", "at_chance", "warm_up", "collapse"])
 def test_absorb_hands_back_each_step_that_raises(shape):
     losses, lrs = _shape(shape)
     steps = list(range(len(losses)))

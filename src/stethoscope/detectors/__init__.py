@@ -12,11 +12,12 @@ from typing import Any
 from stethoscope.detectors.activations import DeadRelu, SaturatedActivation
 from stethoscope.detectors.base import Detector
 from stethoscope.detectors.chance import LossAtChance
-from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput
+from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput, UnshuffledData
 from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
+from stethoscope.detectors.pipeline import CollapsedLearningRate
 from stethoscope.detectors.weights import (
     AllZero,
     FrozenWeights,
@@ -29,6 +30,7 @@ __all__ = [
     "DETECTORS",
     "AllZero",
     "ClassImbalance",
+    "CollapsedLearningRate",
     "DeadRelu",
     "Detector",
     "ExplodingGradients",
@@ -47,6 +49,7 @@ __all__ = [
     "SmallUpdates",
     "Straggler",
     "UnnormalizedInput",
+    "UnshuffledData",
     "UnstableLoss",
     "VanishingGradients",
     "default_detectors",
@@ -65,6 +68,7 @@ DETECTORS: dict[str, type[Detector]] = {
         LossNotDecreasing,
         LossAtChance,
         UnstableLoss,
+        CollapsedLearningRate,
         Overfitting,
         DeadRelu,
         SaturatedActivation,
@@ -75,6 +79,7 @@ DETECTORS: dict[str, type[Detector]] = {
         AllZero,
         ClassImbalance,
         UnnormalizedInput,
+        UnshuffledData,
         ReplicaDivergence,
         Straggler,
     )

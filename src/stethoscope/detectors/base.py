@@ -55,6 +55,10 @@ class Detector:
     #: Deeper statistics it may ask for (:attr:`request`) when something goes wrong, so
     #: that an adapter prepares their probes (the forward trace, say).
     requests: ClassVar[frozenset[str]] = frozenset()
+    #: What the run lacks when the detector's statistics never arrive although they
+    #: were asked for (no integer class labels in the batches, say): then it stays
+    #: silent and the summary says so, in these words. Empty: it says nothing.
+    blind_to: ClassVar[str] = ""
     #: The number whose bar it keeps for the recovery ladder, which skips a step past it
     #: before its update (:data:`BARS`), or None. See :meth:`threshold`.
     bars: ClassVar[str | None] = None

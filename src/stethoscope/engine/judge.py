@@ -27,6 +27,10 @@ __all__ = ["Batch", "Judge"]
 #: A quiet step that waited: ``(step, epoch, loss, learning rate)``.
 Waiting = tuple[int, int, float, float | None]
 
+#: Due steps in a row whose observation lacked what a detector needs, although it was
+#: asked for, after which the detector is silent for want of it (``Detector.blind_to``).
+BLIND_AFTER = 8
+
 
 class Judge:
     """Runs the detectors on steps and acts on what they raise: the sampler escalates on
@@ -70,6 +74,14 @@ class Judge:
         self.held = Held()
         #: Quiet steps waiting to be judged (see :mod:`stethoscope.engine.waiting`).
         self.waiting = WaitingLosses()
+        #: By detector, the due steps in a row whose observation lacked what it needs
+        #: although the plan asked for it (only detectors that say so, see ``blind_to``).
+        self.unread: dict[str, int] = {}
+
+    def blind(self) -> dict[str, str]:
+        """The detectors silent for want of what they need, with what the run lacks."""
+        by_name = {d.name: d for d in self.planner.detectors}
+        return {n: by_name[n].blind_to for n, k in self.unread.items() if k >= BLIND_AFTER}
 
     # -- when a step is judged ------------------------------------------------------------
     @property
@@ -175,7 +187,11 @@ class Judge:
                         i = taken
                         continue
                 elif not batch.carries(d.needs):
+                    if d.blind_to:
+                        self._unread(d, numbers[i])
                     break
+                elif self.unread:
+                    self.unread.pop(d.name, None)
                 found = d.update(batch[i])
                 if found or d.suspect or d.request:
                     raised.setdefault(i, []).append(_Raised(d, found))
@@ -202,6 +218,12 @@ class Judge:
                     decision = first_to_act(decision, found)
         self.last_step = max(self.last_step, numbers[-1])
         return decision
+
+    def _unread(self, detector: Detector, step: int) -> None:
+        """``detector`` was due at ``step`` and the plan asked for what it needs, or
+        not: count the first."""
+        if detector.needs <= self.planner.plan(step):
+            self.unread[detector.name] = self.unread.get(detector.name, 0) + 1
 
     def _conclude(
         self,

@@ -132,6 +132,7 @@ class Ledger:
         hot: bool,
         stopped_by: Finding | None,
         budget: str = "",
+        blind: Mapping[str, str] | None = None,
     ) -> EpochSummary:
         """The summary of the epoch so far, as plain data.
 
@@ -143,11 +144,18 @@ class Ledger:
             stopped_by: The finding that stopped the run, if any.
             budget: What the overhead budget bought, a clause for a healthy verdict
                 (``"; every 64 steps ..."``), or empty.
+            blind: Detectors silent for want of what they need, with what the run
+                lacks (see ``Detector.blind_to``): a row each instead of "nothing found".
         """
         rows: list[SummaryRow] = []
         quiet: list[str] = []
+        blind = blind or {}
         for d in detectors:
             stats = self._epoch.get(d.name)
+            if stats is None and d.name in blind:
+                verdict = f"silent: {blind[d.name]}"
+                rows.append(SummaryRow(detector=d.name, status="info", verdict=verdict))
+                continue
             if stats is None:
                 quiet.append(d.name)
                 continue

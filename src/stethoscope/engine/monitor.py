@@ -314,6 +314,7 @@ class Monitor:
             escalations=self.sampler.escalations,
             hot=self.sampler.hot,
             stopped_by=self.stopped_by,
+            blind=self.judge.blind(),
         )
 
     @property

@@ -1,0 +1,77 @@
+"""Layer 1: collapsed_lr on sequences of losses and learning rates: a per-epoch decay
+stepped every batch, against warm-ups, cosine annealing and constant rates."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _helpers import assert_resumes, assert_sentence, make_obs, run
+
+from stethoscope.detectors import CollapsedLearningRate
+
+
+def losses(n: int, *, learns: bool, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    level = 2.3 * np.exp(-np.arange(n) / 60) + 0.1 if learns else np.full(n, 2.3)
+    return level * rng.lognormal(0.0, 0.05, n)
+
+
+def run_with(lrs, loss) -> list:
+    return run(
+        CollapsedLearningRate(),
+        [make_obs(t, loss=x, lr=lr) for t, (x, lr) in enumerate(zip(loss, lrs, strict=True))],
+    )
+
+
+def step_lr(n: int, every: int = 30) -> list[float]:
+    """StepLR(step_size=every, gamma=0.1) from 0.1, stepped every batch."""
+    return [0.1 * 0.1 ** (t // every) for t in range(n)]
+
+
+def test_a_per_epoch_decay_stepped_every_batch_collapses_the_rate():
+    n = 200
+    loss = losses(n, learns=False)  # a slow task: 90 batches teach it nothing yet
+    (found,) = run_with(step_lr(n), loss)
+    # a thousandth of the peak at step 90, under it from step 120
+    assert found.severity == "warning" and found.step == 120 and found.where == "lr"
+    assert found.value == pytest.approx(1e-5) and found.threshold == pytest.approx(1e-4)
+    assert_sentence(found, "cadence", names=["collapsed", "every batch"])
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(lambda t, n: 1e-3, id="constant"),
+        pytest.param(lambda t, n: 1e-3 * min(1.0, t / 50), id="warm-up-from-0"),
+        pytest.param(
+            lambda t, n: 1e-3 * 0.5 * (1 + math.cos(math.pi * t / (n - 1))), id="cosine-to-0"
+        ),
+        pytest.param(lambda t, n: 1e-3 * 0.1 ** (t // 100), id="a-decade-per-100"),
+    ],
+)
+def test_a_schedule_that_anneals_after_the_loss_fell_is_no_collapse(schedule):
+    n = 400
+    lrs = [schedule(t, n) for t in range(n)]
+    assert run_with(lrs, losses(n, learns=True)) == []
+
+
+def test_without_learning_rates_it_says_nothing():
+    assert run_with([None] * 200, losses(200, learns=False)) == []
+
+
+def test_it_judges_once_and_resumes():
+    n = 200
+    obs = [
+        make_obs(t, loss=x, lr=lr)
+        for t, (x, lr) in enumerate(zip(losses(n, learns=False), step_lr(n), strict=True))
+    ]
+    assert len(assert_resumes(CollapsedLearningRate, obs, at=50)) == 1
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="drop=2"):
+        CollapsedLearningRate(drop=2)
+    with pytest.raises(ValueError, match="window=0"):
+        CollapsedLearningRate(window=0)
