@@ -38,6 +38,7 @@ STABLE_NAMES = (
     "unnormalized_input",
     "unshuffled_data",
     "collapsed_lr",
+    "eval_mode",
     "all_zero",
     "replica_divergence",
     "straggler",
@@ -54,6 +55,7 @@ SHORT_MEMORY = {
     "all_zero",
     "straggler",  # the ratios of its last ``window`` samples
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
+    "eval_mode",  # a streak of steps in eval mode
 }
 NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])
@@ -102,6 +104,7 @@ def obs(
     val: tuple[float, float] | None = None,
     slow: int | None = None,
     diverged: int | None = None,
+    eval_modules: tuple[str, ...] = (),
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     and the facts gathered from every rank of a distributed run."""
@@ -131,6 +134,7 @@ def obs(
         labels=np.asarray(labels if labels is not None else rng.integers(0, 4, 32)),
         val_loss=None if val is None else val[0],
         train_loss=None if val is None else val[1],
+        eval_modules=eval_modules,
         **ranks(step, slow=slow, diverged=diverged),
     )
 
@@ -179,7 +183,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
     """``n`` steps after a random run: a spike, NaNs, an explosion, starved gradients, a
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
     a zero gradient, and a validation loss that rises while training improves; from step
-    48, batches of one class at a time (unshuffled labels); from step 120, a learning rate
+    48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
+    left in eval mode; from step 120, a learning rate
     collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
     times slower from step 20 to 40."""
     rng = np.random.default_rng(seed)
@@ -211,6 +216,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
             grads[2] = 0.0  # no gradient reaches layer1.weight
         val = (1.0 + 0.1 * i / 10, 0.5 - 0.01 * i / 10) if i % 10 == 9 else None
         labels = np.full(32, (i // 4) % 4) if i >= 48 else None
+        left_in_eval = ("<model>",) if 60 <= i < 70 else ()
         out.append(
             obs(
                 start + i,
@@ -221,6 +227,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 1e-7 if i >= 120 else 1e-3,
                 rng=rng,
                 labels=labels,
+                eval_modules=left_in_eval,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,

@@ -110,6 +110,30 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
     assert judge(sc, run, "adaptive").false_alarms == ()
 
 
+@pytest.mark.parametrize(
+    ("fault", "twin"),
+    [
+        ("labels_sorted", "healthy_skewed_labels"),
+        ("lr_decay_per_batch", "healthy_step_decay"),
+        ("left_in_eval", "healthy_frozen_bn"),
+    ],
+)
+def test_each_pipeline_bug_is_named_and_its_twin_is_quiet(fault, twin):
+    """The pipeline bugs in Lightning, each beside a healthy twin that does the same thing
+    right: the bug is named within its window, with no other cause blamed."""
+    bug, right = select([fault, twin])
+    runs = run_all([bug, right], [0], ("adaptive",), baselines=False)
+    v = judge(bug, runs[0], "adaptive")
+    assert v.detected and v.misdiagnoses == (), (v.first_alarm, v.misdiagnoses)
+    assert judge(right, runs[1], "adaptive").false_alarms == ()
+
+
+def test_a_framework_that_cannot_make_a_fault_does_not_train_it():
+    (sc,) = select(["left_in_eval"])
+    assert sc.frameworks == ("lightning",)
+    assert run_all([sc], [0], ("adaptive",), baselines=False, framework="keras") == []
+
+
 def test_a_confident_classifier_that_fell_to_chance_is_caught():
     """Random labels and a 4x initialisation: the loss falls from its confident start to
     ln 4, which loss_not_decreasing counts as progress; loss_at_chance names it."""

@@ -204,6 +204,22 @@ class SuiteModule(L.LightningModule):
         for i in scenario.model.frozen:
             for p in layers[i].parameters():
                 p.requires_grad_(False)
+        if scenario.model.frozen_bn:
+            for m in self._batch_norms():
+                for p in m.parameters():
+                    p.requires_grad_(False)
+
+    def _batch_norms(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def train(self, mode: bool = True) -> SuiteModule:
+        """Train mode, but frozen batch norms stay in eval mode (as fine-tuning keeps
+        them, on their running statistics)."""
+        super().train(mode)
+        if self.sc.model.frozen_bn:
+            for m in self._batch_norms():
+                m.eval()
+        return self
 
     def _init_faults(self) -> None:
         f = self.sc.fault
@@ -256,6 +272,8 @@ class SuiteModule(L.LightningModule):
             bias = self._layers[f["layer"]].bias
             with torch.no_grad():
                 bias[: round(f["fraction"] * bias.numel())] = f["bias"]
+        if f is not None and f.kind == "eval_mode" and step == self._onset:
+            self.eval()  # a side evaluation that never calls .train() again
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         step = self.global_step

@@ -131,6 +131,8 @@ def build_tables(
     ``baselines`` describes the baselines the runs' framework ran (their report order).
     """
     main = "adaptive" if "adaptive" in settings else settings[0]
+    trained = {r.scenario for r in runs}  # a framework that cannot make a fault skips it
+    scenarios = [s for s in scenarios if s.name in trained]
     faults = [s for s in scenarios if not s.healthy]
     controls = [s for s in scenarios if s.healthy]
     ours = verdicts_for(scenarios, runs, main, baseline=False)

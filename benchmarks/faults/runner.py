@@ -61,6 +61,8 @@ def run_all(
     separate = separate and framework not in ONE_FIT_PER_SETTING
     runs: list[RunResult] = []
     for sc in scenarios:
+        if framework not in sc.frameworks:
+            continue  # the fault cannot be made there
         for seed in seeds:
             if separate:
                 parts = [

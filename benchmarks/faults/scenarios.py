@@ -49,6 +49,9 @@ Fault kinds (``FaultSpec.kind``) and their parameters:
                      (they still require grad and still receive gradients).
 ``zero_lr_group``    layer ``layer``'s parameters are in their own parameter group
                      with learning rate 0.
+``eval_mode``        at ``onset``, before its forward pass, the model is put in eval
+                     mode and left there (a side evaluation that never calls
+                     ``.train()``); Lightning only: Keras' ``fit`` cannot.
 
 Data faults (random labels, label imbalance, unnormalized inputs) live in
 :class:`~.data.DataSpec`; configuration faults (an LR far too high or too low) in
@@ -92,6 +95,7 @@ FAULT_KINDS = (
     "zero_init",
     "exclude_layer",
     "zero_lr_group",
+    "eval_mode",
 )
 
 #: The detector names the library registers (the stable names of docs/detectors.md, which
@@ -183,6 +187,8 @@ class ModelSpec:
         dropout: Dropout probability before the classifier (0: none).
         hidden_bias: Whether hidden layers have biases.
         frozen: Layers whose parameters do not require grad (a frozen backbone).
+        frozen_bn: The batch norms frozen as fine-tuning does: their parameters do not
+            require grad and they stay in eval mode, on their running statistics.
     """
 
     arch: str = "mlp"
@@ -193,6 +199,7 @@ class ModelSpec:
     dropout: float = 0.0
     hidden_bias: bool = True
     frozen: tuple[int, ...] = ()
+    frozen_bn: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,8 @@ class Scenario:
             error, at a step in ``[onset, onset + window]`` is a detection.
         window: Steps after the onset within which a detection counts.
         collateral: Detectors whose warnings and errors are true consequences.
+        frameworks: Where the fault can be made (a Keras ``fit`` cannot leave its
+            model in eval mode, say); the others do not train it.
     """
 
     name: str
@@ -278,6 +287,7 @@ class Scenario:
     expect: tuple[str, ...] = ()
     window: int = 0
     collateral: tuple[str, ...] = ()
+    frameworks: tuple[str, ...] = ("lightning", "keras")
 
     def __post_init__(self) -> None:
         if self.family not in (*FAMILIES, "healthy"):
@@ -724,6 +734,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "left_in_eval",
+        "pipeline",
+        "at step 150, the model (batch norm and dropout 0.3) is put in eval mode and left "
+        "there, as a side evaluation that never calls .train() would",
+        model=ModelSpec(batchnorm=True, dropout=0.3),
+        train=ADAM,
+        fault=_fault("eval_mode"),
+        onset=ONSET,
+        expect=("eval_mode",),
+        window=64,
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "lr_decay_per_batch",
         "pipeline",
         "a decay meant per epoch (x0.1 every 8 epochs) stepped every batch: the learning "
@@ -836,6 +859,15 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="adam", lr=1e-2, max_steps=400, schedule="step_decay", decay_every=60
         ),
+    ),
+    Scenario(
+        "healthy_frozen_bn",
+        "healthy",
+        "batch norms frozen on purpose (parameters not trained, eval mode kept from the "
+        "start), dropout 0.3 training (the twin of left_in_eval)",
+        model=ModelSpec(batchnorm=True, dropout=0.3, frozen_bn=True),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
+        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_digits_validated",

@@ -322,6 +322,20 @@ STATISTICS: dict[str, Statistic] = {
             across_replicas=AcrossReplicas.COUNTS,
         ),
         Statistic(
+            "train_mode",
+            "The modules found in eval mode during a training step.",
+            (
+                Field(
+                    "eval_modules",
+                    "tuple[str, ...] | None",
+                    "The modules in eval mode at a training step's start: the model itself "
+                    "(``<model>``) when it is, then each dropout module, and each batch "
+                    "norm whose scale and shift still train (empty: none).",
+                ),
+            ),
+            across_ranks=AcrossRanks.REPLICATED,
+        ),
+        Statistic(
             "val",
             "A validation loss, with the mean training loss since the last one.",
             (

@@ -75,6 +75,8 @@ FAULTS = [
     pytest.param("init_std_1", id="poor-init"),
     pytest.param("overfitting", id="overfitting", marks=pytest.mark.slow),
     pytest.param("random_labels_confident", id="loss-at-chance-after-a-confident-start"),
+    pytest.param("labels_sorted", id="unshuffled-sorted-labels"),
+    pytest.param("lr_decay_per_batch", id="per-epoch-decay-stepped-per-batch"),
 ]
 
 
@@ -122,6 +124,8 @@ HEALTHY = [
     pytest.param("healthy_digits_validated", 200, id="digits-validated-each-epoch"),
     pytest.param("healthy_near_perfect_fit", 1536, id="near-perfect-fit-wobbling"),
     pytest.param("healthy_gan", 1200, id="gan-own-train-step-two-optimizers"),
+    pytest.param("healthy_skewed_labels", 300, id="skewed-labels-shuffled"),
+    pytest.param("healthy_step_decay", 400, id="step-decay-at-its-cadence"),
 ]
 
 

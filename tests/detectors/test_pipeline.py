@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _helpers import assert_resumes, assert_sentence, make_obs, run
 
-from stethoscope.detectors import CollapsedLearningRate
+from stethoscope.detectors import CollapsedLearningRate, EvalMode
 
 
 def losses(n: int, *, learns: bool, seed: int = 0) -> np.ndarray:
@@ -75,3 +75,37 @@ def test_bad_arguments_are_named():
         CollapsedLearningRate(drop=2)
     with pytest.raises(ValueError, match="window=0"):
         CollapsedLearningRate(window=0)
+
+
+# -- eval_mode --------------------------------------------------------------------------------
+def modes(pattern: list[tuple[str, ...]]) -> list:
+    obs = []
+    for t, off in enumerate(pattern):
+        o = make_obs(t * 16, loss=1.0)
+        o.eval_modules = off
+        obs.append(o)
+    return obs
+
+
+def test_two_sampled_steps_in_eval_mode_are_a_warning():
+    found = run(EvalMode(), modes([(), (), ("<model>", "net.3"), ("<model>", "net.3"), ()]))
+    (f,) = found
+    assert f.severity == "warning" and f.step == 48 and f.where == "<model>"
+    assert_sentence(f, "self.train()", names=["whole model", "eval mode"])
+
+
+def test_one_step_in_eval_mode_is_a_suspicion_only():
+    d = EvalMode()
+    assert run(d, modes([(), ("net.dropout",), ()])) == []
+    d.update(modes([("net.dropout",)])[0])
+    assert d.suspect and "net.dropout" in d.suspect
+
+
+def test_it_names_the_modules_and_warns_once():
+    off = tuple(f"net.{i}" for i in range(5))
+    (f,) = run(EvalMode(), modes([off] * 6))
+    assert "net.0, net.1, net.2 and 2 more" in f.message and f.where == "net.0"
+
+
+def test_eval_mode_resumes():
+    assert len(assert_resumes(EvalMode, modes([(), ("m",), ("m",)]), at=2)) == 1

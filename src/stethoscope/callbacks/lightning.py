@@ -188,7 +188,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._forward = ForwardProbe(pl_module, layers)
         # DDP averages the gradients over every rank's batch
         batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._reductions = make_reductions(probe, layers, self._forward, batch)
+        self._reductions = make_reductions(pl_module, probe, layers, self._forward, batch)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)

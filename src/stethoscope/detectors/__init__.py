@@ -17,7 +17,7 @@ from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
-from stethoscope.detectors.pipeline import CollapsedLearningRate
+from stethoscope.detectors.pipeline import CollapsedLearningRate, EvalMode
 from stethoscope.detectors.weights import (
     AllZero,
     FrozenWeights,
@@ -33,6 +33,7 @@ __all__ = [
     "CollapsedLearningRate",
     "DeadRelu",
     "Detector",
+    "EvalMode",
     "ExplodingGradients",
     "FrozenWeights",
     "LargeUpdates",
@@ -80,6 +81,7 @@ DETECTORS: dict[str, type[Detector]] = {
         ClassImbalance,
         UnnormalizedInput,
         UnshuffledData,
+        EvalMode,
         ReplicaDivergence,
         Straggler,
     )

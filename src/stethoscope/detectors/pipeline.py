@@ -10,7 +10,7 @@ from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
-__all__ = ["CollapsedLearningRate"]
+__all__ = ["CollapsedLearningRate", "EvalMode"]
 
 
 class CollapsedLearningRate(Detector):
@@ -101,5 +101,71 @@ class CollapsedLearningRate(Detector):
                 value=lr,
                 threshold=self.drop * st["peak"],
                 where="lr",
+            )
+        ]
+
+
+class EvalMode(Detector):
+    """The model trains in eval mode: dropout is off and batch norm normalises by its
+    running statistics, so the model trains as another model than the one it is.
+
+    Rule: on ``patience`` sampled steps in a row, the model itself, a dropout module or
+    a batch norm whose scale and shift still train was in eval mode at the start of the
+    training step: a warning, once. A batch norm frozen on purpose (its parameters not
+    trained, the usual way to keep its statistics while fine-tuning) is not counted.
+
+    Sources: a side evaluation inside the training step, or a hook that calls
+    ``.eval()`` and never ``.train()``; the framework puts the model back in train mode
+    only after its next validation. Keras passes ``training=True`` to every layer in
+    ``fit``, so there the mistake cannot be made (a ``BatchNormalization`` with
+    ``trainable=False`` runs in inference mode by design).
+
+    Args:
+        patience: Sampled steps in a row in eval mode.
+    """
+
+    name = "eval_mode"
+    needs = frozenset({"train_mode"})
+    base_interval = 16
+    advice = "call model.train() after an evaluation inside training"
+
+    def __init__(self, *, patience: int = 2) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streak": 0, "fired": False}
+
+    def finished(self, step: int) -> bool:
+        return self.state["fired"]
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        off = obs.eval_modules
+        st["streak"] = st["streak"] + 1 if off else 0
+        if not off or st["fired"]:
+            return []
+        if st["streak"] == 1:
+            self.suspect = f"{off[0]} in eval mode during training"
+        if st["streak"] < self.patience:
+            return []
+        st["fired"] = True
+        whole = off[0] == "<model>"
+        more = f" and {len(off) - 3} more" if len(off) > 3 else ""
+        what = "The whole model" if whole else f"The model with {', '.join(off[:3])}{more}"
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"{what} trained in eval mode on {st['streak']} "
+                f"sampled steps in a row (to step {obs.step}): dropout is off and batch "
+                "norm uses its running statistics, so the model that trains is not the one "
+                "you built; something called .eval() during training (a side evaluation in "
+                "the training step, or a hook) and never .train(); call self.train() after "
+                "it.",
+                value=float(len(off)),
+                threshold=0.0,
+                where="<model>" if whole else off[0],
             )
         ]

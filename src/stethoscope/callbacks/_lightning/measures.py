@@ -83,6 +83,12 @@ class StepMeasures:
         self._parts.setdefault(statistic, []).append(tensor.reshape(-1).float())
         self._contexts.setdefault(statistic, []).append(context)
 
+    def note(self, statistic: str, context: Any) -> None:
+        """Keep a fact seen on the host (no tensor) as a part of ``statistic``'s reading:
+        its decoding finds it among the contexts."""
+        self._parts.setdefault(statistic, [])
+        self._contexts.setdefault(statistic, []).append(context)
+
     def take(self, lr: float | None) -> Reading | None:
         """What was measured since the last take, as one reading (None: nothing)."""
         if not self._parts:
@@ -94,5 +100,7 @@ class StepMeasures:
             n = sum(t.numel() for t in parts)
             layout.append((name, n, tuple(self._contexts[name])))
         self._parts, self._contexts = {}, {}
+        if not tensors:  # facts seen on the host alone
+            tensors = [torch.zeros(0)]
         values = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         return Reading(self.step, self.epoch, lr, tuple(self.params), tuple(layout), values)

@@ -253,6 +253,35 @@ class ClassLabels(Reduction):
             obs.labels = values[:-1].astype(np.int64)
 
 
+class TrainMode(Reduction):
+    """The modules in eval mode at a training step's start, seen on the host: the model
+    itself, its dropout modules, and its batch norms whose scale and shift still train
+    (one frozen on purpose, the usual way to keep its statistics, is not listed)."""
+
+    statistics = frozenset({"train_mode"})
+    name = "train_mode"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.watched = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            or (
+                isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                and any(p.requires_grad for p in m.parameters(recurse=False))
+            )
+        ]
+
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        off = ["<model>"] if not self.model.training else []
+        off += [name for name, m in self.watched if not m.training]
+        measures.note("train_mode", tuple(off))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.eval_modules = contexts[0]
+
+
 class ForwardStatistics(Reduction):
     """Forward hooks for one step: the inputs of tanh and sigmoid activations
     (``activations``), the outputs of layers with units (``outputs``), and whether each
@@ -465,6 +494,7 @@ class ReductionSet:
 
 
 def make_reductions(
+    model: torch.nn.Module,
     probe: ParameterProbe,
     layers: Sequence[tuple[str, int, Any]],
     forward: ForwardProbe,
@@ -473,6 +503,7 @@ def make_reductions(
     """Every reduction of a Lightning run, in the order each hook runs them.
 
     Args:
+        model: The LightningModule.
         probe: The watched parameters.
         layers: ``(name, index of its weight, module)`` of each layer with units.
         forward: The forward hooks.
@@ -482,6 +513,7 @@ def make_reductions(
         Loss(),
         InputScale(batch.inputs),
         ClassLabels(batch.labels),
+        TrainMode(model),
         ForwardStatistics(forward),
         GradNorms(probe),
         UnitRows(probe, layers, batch.samples),
