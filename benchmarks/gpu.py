@@ -637,7 +637,7 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
             for cb in self.active:
                 call_hook(cb, "on_train_batch_start", trainer, batch, batch_idx)
             if key == STETHOSCOPE:
-                self.sampled[step] = steady._record.sampled
+                self.sampled[step] = steady._measures.sampled
 
         def step_times(self) -> tuple[dict[int, float], dict[int, float]]:
             """Each step's milliseconds on the device's timeline and the host's."""

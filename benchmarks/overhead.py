@@ -334,7 +334,7 @@ class Gate(Callback):
         for cb in self.active:
             call_hook(cb, "on_train_batch_start", trainer, batch, batch_idx)
         if key == STETHOSCOPE:
-            self.sampled[step] = self.steady._record.sampled
+            self.sampled[step] = self.steady._measures.sampled
             if self.steady.monitor.sampler.hot:
                 self.hot.add(step)
 

@@ -164,7 +164,7 @@ class BatchGate(Callback):
             t0 = time.perf_counter()
             call_hook(self.steady, "on_train_batch_start", trainer, *args[1:])
             self.host_us[-1] += 1e6 * (time.perf_counter() - t0)
-        self.sampled.append(self.active and self.steady._record.sampled)
+        self.sampled.append(self.active and self.steady._measures.sampled)
 
 
 def _forward(name: str, *, always: bool) -> Callable[..., None]:
