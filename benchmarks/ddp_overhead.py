@@ -25,6 +25,7 @@ Run (it starts its two ranks itself; ~1 min on 2 cores):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -78,6 +79,7 @@ def _rank(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, IterableDataset
 
     from stethoscope import LightningStethoscope
+    from stethoscope.callbacks._lightning.ranks import LightningRanks
 
     torch.set_num_threads(1)
 
@@ -118,22 +120,27 @@ def _rank(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self.start.t0)
 
-    class Alternating(LightningStethoscope):
-        """Skips the all-gather on every other meeting, agreeing with its own packet."""
+    class AlternatingRanks(LightningRanks):
+        """Skips the all-gather on every other meeting at a step, agreeing with its own
+        packet."""
 
-        def __init__(self, **kw: Any) -> None:
-            super().__init__(**kw)
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
             self.meetings: list[tuple[int, bool, float]] = []  # (step, gathered, seconds)
             self.gathers: list[float] = []  # seconds in the all-gather call itself
             self._skip = False
+            self._at_step = False
 
-        def _meet_at_step(self, trainer, step):
-            t0 = time.perf_counter()
-            super()._meet_at_step(trainer, step)
-            self.meetings.append((step, not self._skip, time.perf_counter() - t0))
-            self._skip = not self._skip
+        def batch_done(self, trainer, step):
+            self._at_step = True
+            try:
+                super().batch_done(trainer, step)
+            finally:
+                self._at_step = False
 
-        def _meet(self, trainer, step, shared=None):
+        def meet(self, trainer, step, shared=None):
+            if not self._at_step:  # a validation's or an epoch end's meeting: as it is
+                return super().meet(trainer, step, shared)
             strategy = trainer.strategy
             real = strategy.all_gather
 
@@ -147,10 +154,24 @@ def _rank(args: argparse.Namespace) -> None:
                 return torch.stack([t] * trainer.world_size)
 
             strategy.all_gather = own if self._skip else timed
+            t0 = time.perf_counter()
             try:
-                return super()._meet(trainer, step, shared)
+                super().meet(trainer, step, shared)
             finally:
                 strategy.all_gather = real
+            self.meetings.append((step, not self._skip, time.perf_counter() - t0))
+            self._skip = not self._skip
+
+    class Alternating(LightningStethoscope):
+        """The callback, its ranks meeting as :class:`AlternatingRanks` do."""
+
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            if self._ranks is not None:
+                drain = functools.partial(self._drain, trainer, wait=True)
+                self._ranks = AlternatingRanks(
+                    trainer, self.monitor, self.recoverer, drain, self._act
+                )
 
     def run(callbacks: list) -> None:
         start = Start()
@@ -174,11 +195,12 @@ def _rank(args: argparse.Namespace) -> None:
     steth = Alternating(sinks=[], escalate=False)
     trainer, times = run([steth])
     trainer, plain_after = run([])
-    met = {step: gathered for step, gathered, _ in steth.meetings}
+    ranks = steth._ranks
+    met = {step: gathered for step, gathered, _ in ranks.meetings}
     kept = [(t, s) for t, s in enumerate(times) if t >= WARMUP]
     ms = lambda xs: round(1e3 * median(xs), 3) if xs else None  # noqa: E731
     found = sum(s.count for summary in steth.summaries for s in summary.rows)
-    inside = [(g, s) for step, g, s in steth.meetings if step >= WARMUP]
+    inside = [(g, s) for step, g, s in ranks.meetings if step >= WARMUP]
     report = {
         "steps": args.steps,
         "warmup_dropped": WARMUP,
@@ -189,9 +211,9 @@ def _rank(args: argparse.Namespace) -> None:
         "sampled_without_collective_ms": ms([s for t, s in kept if met.get(t) is False]),
         "meeting_with_collective_ms": ms([s for g, s in inside if g]),
         "meeting_without_collective_ms": ms([s for g, s in inside if not g]),
-        "meeting_all_gather_call_ms": ms(steth.gathers[len(steth.gathers) // 8 :]),
+        "meeting_all_gather_call_ms": ms(ranks.gathers[len(ranks.gathers) // 8 :]),
         "sampled_steps_each": sum(1 for t, _ in kept if met.get(t) is True),
-        "packet_bytes": max(p.nbytes for p in steth._meeting._packets.values()),
+        "packet_bytes": max(p.nbytes for p in ranks.meeting._packets.values()),
         "findings": found,
         "torch": torch.__version__,
         "lightning": L.__version__,

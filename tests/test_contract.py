@@ -39,6 +39,7 @@ STABLE_NAMES = (
     "unshuffled_data",
     "collapsed_lr",
     "eval_mode",
+    "unzeroed_gradients",
     "all_zero",
     "replica_divergence",
     "straggler",
@@ -56,6 +57,7 @@ SHORT_MEMORY = {
     "straggler",  # the ratios of its last ``window`` samples
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
     "eval_mode",  # a streak of steps in eval mode
+    "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
 }
 NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])
@@ -105,6 +107,7 @@ def obs(
     slow: int | None = None,
     diverged: int | None = None,
     eval_modules: tuple[str, ...] = (),
+    stale: float = 0.0,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     and the facts gathered from every rank of a distributed run."""
@@ -135,6 +138,7 @@ def obs(
         val_loss=None if val is None else val[0],
         train_loss=None if val is None else val[1],
         eval_modules=eval_modules,
+        stale_grads=stale,
         **ranks(step, slow=slow, diverged=diverged),
     )
 
@@ -184,7 +188,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
     a zero gradient, and a validation loss that rises while training improves; from step
     48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
-    left in eval mode; from step 120, a learning rate
+    left in eval mode; from step 100 to 110, gradients never zeroed; from step 120, a
+    learning rate
     collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
     times slower from step 20 to 40."""
     rng = np.random.default_rng(seed)
@@ -217,6 +222,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
         val = (1.0 + 0.1 * i / 10, 0.5 - 0.01 * i / 10) if i % 10 == 9 else None
         labels = np.full(32, (i // 4) % 4) if i >= 48 else None
         left_in_eval = ("<model>",) if 60 <= i < 70 else ()
+        unzeroed = 4.0 if 100 <= i < 110 else 0.0
         out.append(
             obs(
                 start + i,
@@ -228,6 +234,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 rng=rng,
                 labels=labels,
                 eval_modules=left_in_eval,
+                stale=unzeroed,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,

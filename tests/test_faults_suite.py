@@ -116,6 +116,7 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
         ("labels_sorted", "healthy_skewed_labels"),
         ("lr_decay_per_batch", "healthy_step_decay"),
         ("left_in_eval", "healthy_frozen_bn"),
+        ("grads_never_zeroed", "healthy_accumulate"),
     ],
 )
 def test_each_pipeline_bug_is_named_and_its_twin_is_quiet(fault, twin):

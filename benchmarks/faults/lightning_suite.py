@@ -275,6 +275,12 @@ class SuiteModule(L.LightningModule):
         if f is not None and f.kind == "eval_mode" and step == self._onset:
             self.eval()  # a side evaluation that never calls .train() again
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        f = self.sc.fault
+        if f is not None and f.kind == "no_zero_grad" and self.global_step >= self._onset:
+            return  # a loop that forgot zero_grad: the gradients add up
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         step = self.global_step
         super().optimizer_step(*args, **kwargs)
@@ -586,6 +592,7 @@ def run_scenario(
             enable_progress_bar=False,
             enable_model_summary=False,
             gradient_clip_val=t.clip,
+            accumulate_grad_batches=t.accumulate,
             deterministic=True,
             default_root_dir=tmp,
             callbacks=[*watchers, *others],

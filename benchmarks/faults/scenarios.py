@@ -49,6 +49,9 @@ Fault kinds (``FaultSpec.kind``) and their parameters:
                      (they still require grad and still receive gradients).
 ``zero_lr_group``    layer ``layer``'s parameters are in their own parameter group
                      with learning rate 0.
+``no_zero_grad``     from ``onset`` on, the gradients are never zeroed (each step's
+                     gradient is the running sum of all before it); Lightning only:
+                     Keras' ``fit`` takes each step's gradients afresh.
 ``eval_mode``        at ``onset``, before its forward pass, the model is put in eval
                      mode and left there (a side evaluation that never calls
                      ``.train()``); Lightning only: Keras' ``fit`` cannot.
@@ -95,6 +98,7 @@ FAULT_KINDS = (
     "zero_init",
     "exclude_layer",
     "zero_lr_group",
+    "no_zero_grad",
     "eval_mode",
 )
 
@@ -221,6 +225,8 @@ class TrainSpec:
             every ``decay_every`` steps), stepped every step.
         warmup_steps: Length of the warm-up.
         decay_every, decay: The step decay's period in steps and its factor.
+        accumulate: Micro-batches whose gradients one optimizer step applies (Lightning's
+            ``accumulate_grad_batches``; a step is then that many batches).
         clip: Clip the global gradient norm to this (None: no clipping).
         validate: Run a validation epoch after every training epoch (needs
             ``DataSpec.n_val``); its mean loss is logged as ``val_loss``.
@@ -236,6 +242,7 @@ class TrainSpec:
     warmup_steps: int = 0
     decay_every: int = 0
     decay: float = 0.1
+    accumulate: int = 1
     clip: float | None = None
     validate: bool = False
 
@@ -747,6 +754,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         frameworks=("lightning",),
     ),
     Scenario(
+        "grads_never_zeroed",
+        "pipeline",
+        "from step 150, the gradients are never zeroed (zero_grad skipped): each step "
+        "applies the running sum of every gradient since",
+        train=ADAM,
+        fault=_fault("no_zero_grad"),
+        onset=ONSET,
+        expect=("unzeroed_gradients",),
+        window=64,
+        # the summed gradients grow step by step, and the loss with them (measured)
+        collateral=("exploding_gradients", "unstable_loss", "loss_spike", "large_updates"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "lr_decay_per_batch",
         "pipeline",
         "a decay meant per epoch (x0.1 every 8 epochs) stepped every batch: the learning "
@@ -859,6 +880,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="adam", lr=1e-2, max_steps=400, schedule="step_decay", decay_every=60
         ),
+    ),
+    Scenario(
+        "healthy_accumulate",
+        "healthy",
+        "gradients accumulated over 4 micro-batches per step (the twin of "
+        "grads_never_zeroed): zeroed at each step's start",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=200, accumulate=4),
+        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_frozen_bn",

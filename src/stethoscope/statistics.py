@@ -322,6 +322,21 @@ STATISTICS: dict[str, Statistic] = {
             across_replicas=AcrossReplicas.COUNTS,
         ),
         Statistic(
+            "stale_grads",
+            "How many parameters still held a gradient from before the step when its first "
+            "backward pass began.",
+            (
+                Field(
+                    "stale_grads",
+                    "float | None",
+                    "The watched parameters whose gradient was not zero (nor None) when the "
+                    "step's first backward pass began: zeroing leaves none.",
+                ),
+            ),
+            across_ranks=AcrossRanks.REPLICATED,
+            requires=frozenset({"grads"}),
+        ),
+        Statistic(
             "train_mode",
             "The modules found in eval mode during a training step.",
             (

@@ -215,6 +215,6 @@ def test_a_single_process_never_meets(monkeypatch):
     monkeypatch.setattr(RankMeeting, "meet", no_collective)
     trainer, _ = fit(TinyMLP(), steps=40, callback=callback)
     assert trainer.global_step == 40 and not sink.findings
-    assert callback._meeting is None
+    assert callback._ranks is None
     summary = callback.summaries[-1]
     assert "straggler" not in summary.quiet and "replica_divergence" not in summary.quiet

@@ -56,7 +56,9 @@ def test_lightning_calls_the_optimizer_hook_on_sampled_steps_only(monkeypatch):
     assert trainer.global_step == STEPS
     assert optimizer == sampled
     assert 10 < len(sampled) < STEPS // 2  # every step while calibrating, then seldom
-    assert backward == after_backward == zero_grad == []
+    # the backward hook: on the sampled steps that look for gradients left unzeroed only
+    assert backward and set(backward) <= set(sampled)
+    assert after_backward == zero_grad == []
     assert sink.at_least("warning") == []
     # after the fit, the callback is as its class defines it
     for name in ("on_before_optimizer_step", "on_before_backward", "on_after_backward"):

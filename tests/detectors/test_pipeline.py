@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _helpers import assert_resumes, assert_sentence, make_obs, run
 
-from stethoscope.detectors import CollapsedLearningRate, EvalMode
+from stethoscope.detectors import CollapsedLearningRate, EvalMode, UnzeroedGradients
 
 
 def losses(n: int, *, learns: bool, seed: int = 0) -> np.ndarray:
@@ -109,3 +109,32 @@ def test_it_names_the_modules_and_warns_once():
 
 def test_eval_mode_resumes():
     assert len(assert_resumes(EvalMode, modes([(), ("m",), ("m",)]), at=2)) == 1
+
+
+# -- unzeroed_gradients ------------------------------------------------------------------------
+def stale(counts: list[float], stepped: int = 4) -> list:
+    obs = []
+    for t, n in enumerate(counts):
+        o = make_obs(t * 16, loss=1.0, grads=[0.1] * stepped, weights=[1.0] * stepped)
+        o.stale_grads = n
+        obs.append(o)
+    return obs
+
+
+def test_gradients_left_from_before_on_two_steps_are_a_warning():
+    (f,) = run(UnzeroedGradients(), stale([0, 0, 4, 4, 4]))
+    assert f.severity == "warning" and f.step == 48 and f.value == 4.0
+    assert_sentence(f, "zero_grad", names=["never zeroed"])
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[0] * 10, [4, 0, 4, 0, 4, 0], [1, 1, 1, 1]],  # zeroed; one step in two; a few only
+    ids=["zeroed", "not-in-a-row", "a-few-parameters"],
+)
+def test_zeroed_gradients_are_quiet(counts):
+    assert run(UnzeroedGradients(), stale(counts)) == []
+
+
+def test_unzeroed_resumes():
+    assert len(assert_resumes(UnzeroedGradients, stale([0, 4, 4]), at=2)) == 1

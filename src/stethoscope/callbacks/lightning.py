@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,16 +31,14 @@ from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLo
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
+from stethoscope.callbacks._lightning.ranks import LightningRanks
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.recovery import LightningRecovery
 from stethoscope.callbacks._lightning.reductions import (
-    RankTiming,
     ReductionSet,
-    ReplicaChecksums,
     make_reductions,
 )
 from stethoscope.detectors import Detector
-from stethoscope.distributed import RankMeeting
 from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
 from stethoscope.recovery import Recovery
@@ -168,10 +165,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
         self._lr_group: dict[str, Any] | None = None
-        # distributed runs only
-        self._meeting: RankMeeting | None = None
-        self._timing: RankTiming | None = None
-        self._replicas: ReplicaChecksums | None = None
+        #: The other ranks (a distributed run only).
+        self._ranks: LightningRanks | None = None
+        self._backward_always = self._backward_on = False
         self._recovery: LightningRecovery | None = None
 
     # -- set-up -------------------------------------------------------------------
@@ -194,9 +190,13 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self.monitor.begin(fresh=trainer.global_step == 0)
         self.monitor.distribute(rank=trainer.global_rank, world_size=trainer.world_size)
         if trainer.world_size > 1:
-            self._meeting = RankMeeting(self.monitor, _gather(trainer), recoverer=self.recoverer)
-            self._timing = RankTiming()
+            drain = functools.partial(self._drain, trainer, wait=True)
+            self._ranks = LightningRanks(trainer, self.monitor, self.recoverer, drain, self._act)
         self._hooks.start_fit(recovering=self.recoverer is not None, ranks=trainer.world_size)
+        #: Whether the backward hook is wanted on every step (a recovery ladder; the ranks'
+        #: timing), not only where a plan asks for what it measures.
+        self._backward_always = self.recoverer is not None or trainer.world_size > 1
+        self._backward_on = self._backward_always  # as start_fit set it
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizers = trainer.optimizers
@@ -214,28 +214,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self.recoverer is not None:
             self._recovery = LightningRecovery(self.recoverer, self._act)
             self._recovery.start(trainer, pl_module)
-        if self._meeting is not None:
-            self._watch_replicas(trainer, pl_module)
-
-    def _watch_replicas(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The tensors replica_divergence compares (see ``ReplicaChecksums.of``); under a
-        strategy that shards the parameters, every rank judges its own gradients and
-        weights instead."""
-        self._replicas = ReplicaChecksums.of(trainer.strategy.model, pl_module)
-        if self._replicas is not None:
-            return
-        self.monitor.distribute(
-            rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
-        )
-        if trainer.is_global_zero:
-            warnings.warn(
-                f"stethoscope: LightningStethoscope is tested under DDP only; with "
-                f"{type(trainer.strategy).__name__} every rank judges the gradients and "
-                "weights it holds (a shard, if they are sharded), and replica_divergence "
-                "is off",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if self._ranks is not None:
+            self._ranks.watch_replicas(trainer, pl_module)
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(
@@ -256,6 +236,10 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
+        backward = self._backward_always or "stale_grads" in plan
+        if backward is not self._backward_on:  # the backward hook: only where it has work
+            self._hooks.set("on_before_backward", backward)
+            self._backward_on = backward
         if measures.sampled:
             for r in self._reductions.run(plan):
                 r.at_start(measures, batch)
@@ -305,29 +289,31 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._drain(trainer, wait=False)
         if self._recovery is not None and trainer.global_step != measures.step:
             self._recovery.after_step(trainer, pl_module, measures.step)
-        if self._meeting is not None:
-            step = measures.step
-            if trainer.global_step != step and self._meeting.due(step):  # the optimizer stepped
-                self._meet_at_step(trainer, step)
-            self._timing.batch_done()
+        if self._ranks is not None:
+            self._ranks.batch_done(trainer, measures.step)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        if self._timing is not None:
-            self._timing.before_backward()
+        measures = self._measures
+        if measures.sampled and not measures.backward:
+            measures.backward = True
+            for r in self._reductions.run(measures.plan):
+                r.before_backward(measures)
+        if self._ranks is not None:
+            self._ranks.timing.before_backward()
         if self._recovery is not None:
             self._recovery.saw_loss(trainer, pl_module, loss)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
-        if self._timing is not None:
-            self._timing.pause()  # the first batch of an epoch also starts the data loader
+        if self._ranks is not None:
+            self._ranks.timing.pause()  # the first batch of an epoch also starts the loader
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
-        if self._timing is not None:
-            self._timing.pause()
+        if self._ranks is not None:
+            self._ranks.timing.pause()
 
     # -- validation -----------------------------------------------------------------
     def on_validation_batch_end(
@@ -347,13 +333,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             return
         val = self._val_losses.take(trainer)
         step = max(trainer.global_step - 1, 0)
-        if self._meeting is not None:
-            # every rank validates here: meet, and judge the validation of all ranks
-            shared = {
-                "val_loss": (val if val is not None else 0.0, float(val is not None)),
-                **self.monitor.pooled_losses(),
-            }
-            self._meet(trainer, step, shared)
+        if self._ranks is not None:  # every rank validates here
+            self._ranks.validated(trainer, step, val)
             return
         if val is None:
             return
@@ -363,13 +344,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, wait=True)
-        if self._meeting is not None:
-            # every rank ends the epoch here: meet until no rank has a finding left to send,
-            # so rank zero's summary and sinks hold every rank's findings of the epoch
-            step = max(trainer.global_step - 1, 0)
-            self._meet(trainer, step)
-            while self._meeting.pending:
-                self._meet(trainer, step)
+        if self._ranks is not None:  # every rank ends the epoch here
+            self._ranks.epoch_ended(trainer, max(trainer.global_step - 1, 0))
         summary = self._end_epoch(trainer.current_epoch)
         if self.log_stats:
             findings = float(sum(r.count for r in summary.rows))
@@ -411,23 +387,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if trainer is not None and not trainer.should_stop:
             trainer.should_stop = True
 
-    def _meet_at_step(self, trainer: pl.Trainer, step: int) -> None:
-        """A sampled step of the shared schedule: gather what the distributed detectors
-        compare, in the collective that carries the held decisions and findings."""
-        gathers = self._meeting.gathers(step)
-        shared: dict[str, Any] = {}
-        for source in (self._timing, self._replicas):
-            if source is not None and not source.statistics.isdisjoint(gathers):
-                shared |= source.shared()
-        self._meet(trainer, step, shared)
-
-    def _meet(self, trainer: pl.Trainer, step: int, shared: dict[str, Any] | None = None) -> None:
-        """Meet the other ranks (only where every rank does: a step of the shared schedule,
-        a validation end, an epoch end), having judged every pending reading: its verdict
-        goes too."""
-        self._drain(trainer, wait=True)
-        self._act(self._meeting.meet(step, trainer.current_epoch, shared))
-
     def _drain(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for reading, values in self._reader.pop(wait=wait):
             self._judge(trainer, reading, values)
@@ -467,15 +426,3 @@ def _check_arguments(
             raise TypeError(f"{arg}={fn!r} must be a callable taking a batch, or None")
     if val_loss_key is not None and not isinstance(val_loss_key, str):
         raise TypeError(f"val_loss_key={val_loss_key!r} must be a metric name or None")
-
-
-def _gather(trainer: pl.Trainer) -> Callable[[np.ndarray], np.ndarray]:
-    """The meetings' collective on ``trainer``'s strategy."""
-    return functools.partial(_all_gather, trainer)
-
-
-def _all_gather(trainer: pl.Trainer, packet: np.ndarray) -> np.ndarray:
-    """The ranks' packets, stacked, through the strategy's all-gather."""
-    mine = torch.from_numpy(packet).to(trainer.strategy.root_device)
-    everyone = trainer.strategy.all_gather(mine)
-    return everyone.cpu().numpy().reshape(trainer.world_size, -1)

@@ -17,7 +17,7 @@ from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
-from stethoscope.detectors.pipeline import CollapsedLearningRate, EvalMode
+from stethoscope.detectors.pipeline import CollapsedLearningRate, EvalMode, UnzeroedGradients
 from stethoscope.detectors.weights import (
     AllZero,
     FrozenWeights,
@@ -52,6 +52,7 @@ __all__ = [
     "UnnormalizedInput",
     "UnshuffledData",
     "UnstableLoss",
+    "UnzeroedGradients",
     "VanishingGradients",
     "default_detectors",
 ]
@@ -82,6 +83,7 @@ DETECTORS: dict[str, type[Detector]] = {
         UnnormalizedInput,
         UnshuffledData,
         EvalMode,
+        UnzeroedGradients,
         ReplicaDivergence,
         Straggler,
     )

@@ -10,7 +10,7 @@ from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
-__all__ = ["CollapsedLearningRate", "EvalMode"]
+__all__ = ["CollapsedLearningRate", "EvalMode", "UnzeroedGradients"]
 
 
 class CollapsedLearningRate(Detector):
@@ -167,5 +167,69 @@ class EvalMode(Detector):
                 value=float(len(off)),
                 threshold=0.0,
                 where="<model>" if whole else off[0],
+            )
+        ]
+
+
+class UnzeroedGradients(Detector):
+    """Gradients that are never zeroed: each step's gradient is the running sum of every
+    gradient before it, so the updates grow and point where the run has been.
+
+    Rule: on ``patience`` sampled steps in a row, at least ``fraction`` of the parameters
+    the optimizers stepped still held a non-zero gradient from before the step when its
+    first backward pass began: a warning, once. Zeroing (``zero_grad()``, to None or to
+    zeros) leaves none; accumulating gradients over micro-batches on purpose zeroes at
+    the start of each step, and so does a game whose players each zero their own before
+    their backward pass (the first one finds the first player's zeroed).
+
+    Sources: manual optimization (or a custom loop) without ``zero_grad``; Keras' ``fit``
+    takes each step's gradients afresh from the tape, so there the mistake cannot be made.
+
+    Args:
+        fraction: The share of the stepped parameters with a gradient left over.
+        patience: Sampled steps in a row.
+    """
+
+    name = "unzeroed_gradients"
+    needs = frozenset({"stale_grads", "grads"})
+    base_interval = 16
+    advice = "call optimizer.zero_grad() every step"
+
+    def __init__(self, *, fraction: float = 0.9, patience: int = 2) -> None:
+        check_fraction(self.name, "fraction", fraction)
+        check_positive(self.name, "patience", patience, integer=True)
+        self.fraction, self.patience = float(fraction), patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"streak": 0, "fired": False}
+
+    def finished(self, step: int) -> bool:
+        return self.state["fired"]
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if st["fired"]:
+            return []
+        stepped = len(obs.grad_norm)
+        stale = obs.stale_grads
+        left = stepped > 0 and stale >= self.fraction * stepped
+        st["streak"] = st["streak"] + 1 if left else 0
+        if not left or st["streak"] < self.patience:
+            return []
+        st["fired"] = True
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"Gradients are never zeroed: {stale:.0f} of the {stepped} parameters "
+                "stepped still held a gradient from before the step when its backward pass "
+                f"began, on {st['streak']} sampled steps in a row (to step {obs.step}), so "
+                "each step applies the running sum of every gradient so far; call "
+                "optimizer.zero_grad() every step (in manual optimization, before "
+                "self.manual_backward).",
+                value=float(stale),
+                threshold=self.fraction * stepped,
+                where="gradients",
             )
         ]

@@ -61,6 +61,8 @@ class StepMeasures:
     snapped: list[int] = field(default_factory=list)
     #: Whether forward hooks are attached for this step.
     forward: bool = False
+    #: Whether the step's first backward pass has begun (see ``Reduction.before_backward``).
+    backward: bool = False
     #: The loss scale the gradients being measured still carry (see ``loss_scale``), or
     #: None; set per optimizer before its gradients are measured.
     grad_scale: torch.Tensor | None = None

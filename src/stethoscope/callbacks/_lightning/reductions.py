@@ -77,6 +77,9 @@ class Reduction:
     def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
         """A later micro-batch of the same step."""
 
+    def before_backward(self, measures: StepMeasures) -> None:
+        """Before the step's first backward pass."""
+
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         """Before an optimizer steps the watched parameters ``indices``."""
 
@@ -116,6 +119,29 @@ class GradNorms(Reduction):
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.grad_norm = values
+
+
+class StaleGrads(Reduction):
+    """How many parameters still hold a non-zero gradient when the step's first backward
+    pass begins: one fused norm kernel, counted on the device."""
+
+    statistics = frozenset({"stale_grads"})
+    name = "stale_grads"
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_backward(self, measures: StepMeasures) -> None:
+        params = self.probe.params
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if not grads:
+            measures.add("stale_grads", torch.zeros(1, device=params[0].device))
+            return
+        norms = torch.stack(torch._foreach_norm(grads))
+        measures.add("stale_grads", (norms > 0).sum().float())
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.stale_grads = float(values[0])
 
 
 class WeightNorms(Reduction):
@@ -515,6 +541,7 @@ def make_reductions(
         ClassLabels(batch.labels),
         TrainMode(model),
         ForwardStatistics(forward),
+        StaleGrads(probe),
         GradNorms(probe),
         UnitRows(probe, layers, batch.samples),
         UpdateNorms(probe),
