@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stethoscope import Monitor, Observation
+from stethoscope.detectors import default_detectors
 
 PARAMS = 12
 
@@ -51,10 +52,13 @@ def _sampled(step: int, loss: float, rng: np.random.Generator) -> Observation:
     )
 
 
-def one_round(steps: int, seed: int) -> tuple[float, float, float, int]:
+def one_round(
+    steps: int, seed: int, without: Sequence[str] = ()
+) -> tuple[float, float, float, int]:
     """Mean host µs of a quiet step, of a sampled step and of any step after the
-    calibration window, and how many sampled steps there were."""
-    monitor = Monitor(sinks=[])
+    calibration window, and how many sampled steps there were (``without``: detectors
+    left out, to compare with a version that has not got them)."""
+    monitor = Monitor(sinks=[], detectors=default_detectors(**dict.fromkeys(without)))
     losses = _curve(steps, seed).tolist()
     rng = np.random.default_rng(seed)
     quiet_s = sampled_s = 0.0
@@ -85,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine_step", description=__doc__)
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--without", default="", help="comma-separated detectors to leave out")
     args = p.parse_args(argv)
-    rounds = [one_round(args.steps, seed) for seed in range(args.rounds)]
+    without = [n for n in args.without.split(",") if n]
+    rounds = [one_round(args.steps, seed, without) for seed in range(args.rounds)]
     quiet, sampled, every = (statistics.median(r[k] for r in rounds) for k in range(3))
     spread = (min(r[2] for r in rounds), max(r[2] for r in rounds))
     print("| host µs per step (median of rounds) | quiet step | sampled step | every step |")

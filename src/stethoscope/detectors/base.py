@@ -124,33 +124,29 @@ class Detector:
         every loss is judged at once."""
         return None
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
-        """The rule's healthy step, for a finite ``loss`` on a step that measured nothing
-        else: if the rule can raise nothing there (no finding, suspicion or request), do
-        to the state what it does and return True; otherwise change nothing and return
-        False, and the step gets the whole rule. A loss reader whose rule has such a step
-        states it here, once, and its ``_update`` begins with it. The default: False.
-        """
-        return False
-
     def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
-        """Take in quiet steps that waited (see :mod:`stethoscope.engine.waiting`), from
-        index ``start`` on, for as long as :meth:`quiet` finds them healthy; return the
-        index of the first step not taken, which the monitor judges with :meth:`update`
-        before offering the rest again. The batch form of the rule, for the waiting
-        steps' Python is a quiet step's largest cost: it needs no :class:`Observation`.
-        It is not offered a step the detector has :meth:`finished` at.
+        """The rule's healthy steps, taken in: from index ``start`` on, each finite loss of
+        a step that measured nothing else on which the rule can raise nothing (no finding,
+        suspicion or request) is taken in, doing to the state what the rule does; the
+        first one where it may is not, and its index is returned (``start``: none taken).
+
+        A loss reader whose rule has such a healthy step states it here, once, as a loop:
+        the quiet steps that waited (see :mod:`stethoscope.engine.waiting`) go through it
+        16 at a time without an :class:`Observation` each, for the waiting steps' Python
+        is a quiet step's largest cost, and its ``_update`` begins with :meth:`quiet`,
+        the same rule for one step. It is not offered a step the detector has
+        :meth:`finished` at. The default takes none.
 
         Args:
-            steps, losses, lrs: The waiting steps' numbers, oldest first (the losses
-                finite, each under :meth:`waits_below`).
+            steps, losses, lrs: The steps' numbers, oldest first (the losses finite).
             start: Where to begin.
         """
-        quiet = self.quiet
-        for i in range(start, len(losses)):
-            if not quiet(steps[i], losses[i], lrs[i]):
-                return i
-        return len(losses)
+        return start
+
+    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+        """Whether :meth:`absorb` takes in this one step (a finite ``loss``): then the rule
+        has done with it."""
+        return self.absorb((step,), (loss,), (lr,), 0) == 1
 
     def update(self, obs: Observation) -> list[Finding]:
         """Judge one observation; return the findings it raises (often none)."""

@@ -16,6 +16,9 @@ from stethoscope.detectors._stats import (
 )
 from stethoscope.detectors.base import (
     Detector,
+    Losses,
+    Rates,
+    Steps,
     check_fraction,
     check_positive,
 )
@@ -116,13 +119,16 @@ class LossAtChance(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
-        if step % self.stride == 0:
-            return False  # a label read or a judgement
-        if restarts_clock(lr, self.state["clock_lr"]):
-            return False  # the span starts again there
-        self._keep(step, loss)
-        return True
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
+        st = self.state
+        for i in range(start, len(losses)):
+            step = steps[i]
+            if step % self.stride == 0:
+                return i  # a label read or a judgement
+            if restarts_clock(lrs[i], st["clock_lr"]):
+                return i  # the span starts again there
+            self._keep(step, losses[i])
+        return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state

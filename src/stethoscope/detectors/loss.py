@@ -13,6 +13,9 @@ from stethoscope.detectors._stats import (
 )
 from stethoscope.detectors.base import (
     Detector,
+    Losses,
+    Rates,
+    Steps,
     check_fraction,
     check_positive,
 )
@@ -112,8 +115,10 @@ class LossSpike(Detector):
         """The jump above ``center`` a spike must pass before the z-score, with an
         envelope ``envelope`` learnt from ``seen`` healthy jumps. A jump past half of it
         is a suspicion (then, and only then, can the z-score matter)."""
+        memory = self.memory
+        young = 1.0 if seen >= memory else (memory / max(seen, 1)) ** 0.5  # no pow when old
         return max(
-            self.tail * envelope * max(1.0, self.memory / max(seen, 1)) ** 0.5,
+            self.tail * envelope * young,
             self.min_jump * abs(self.state["initial"]),
             (self.ratio - 1) * max(center, 0.0),
         )
@@ -143,20 +148,22 @@ class LossSpike(Detector):
         envelope = st["envelope"] * (1.0 - 1.0 / self.memory) ** steps
         return low + self._bar(low, envelope, st["seen"] + steps) / 2
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         # a jump within half the bar can be neither a spike nor a suspicion: it only
         # widens the envelope
         if not self._warm():
-            return False
+            return start
         st = self.state
-        win = st["window"]
-        center = self._sorted.median(win)
-        jump = loss - center
-        if 2 * jump > self._bar(center, st["envelope"], st["seen"]):
-            return False
-        self._widen(jump)
-        self._sorted.push(win, float(loss), self.window)
-        return True
+        win, window, size = st["window"], self._sorted, self.window
+        for i in range(start, len(losses)):
+            loss = losses[i]
+            center = window.median(win)
+            jump = loss - center
+            if 2 * jump > self._bar(center, st["envelope"], st["seen"]):
+                return i
+            self._widen(jump)
+            window.push(win, float(loss), size)
+        return len(losses)
 
     def _widen(self, jump: float) -> None:
         """A healthy jump: the envelope decays and takes it in."""
@@ -266,16 +273,18 @@ class LossNotDecreasing(Detector):
             "clock_lr": None,
         }
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
-        if restarts_clock(lr, st["clock_lr"]):
-            return False  # the clock starts again there
-        clock = st["clock_step"] if st["clock_step"] is not None else step
-        if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
-            return False  # a judgement
-        st["clock_step"] = clock
-        self._push(loss)
-        return True
+        for i in range(start, len(losses)):
+            step = steps[i]
+            if restarts_clock(lrs[i], st["clock_lr"]):
+                return i  # the clock starts again there
+            clock = st["clock_step"] if st["clock_step"] is not None else step
+            if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
+                return i  # a judgement
+            st["clock_step"] = clock
+            self._push(losses[i])
+        return len(losses)
 
     def _push(self, loss: float) -> bool:
         """Add a finite loss to the window; once it is full, its mean is the level, the
@@ -386,20 +395,23 @@ class UnstableLoss(Detector):
             return None
         return min(bar, 2 * initial) if initial > 0 else bar
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
         initial, recent = st["initial"], st["recent"]
         if initial is None or st["streak"] or st["diverged"]:
-            return False
-        # the next level, a median, is at most the highest of the window and the loss: if
-        # that is neither a rise above the best nor past twice the initial level, the step
-        # only moves the level (and perhaps the best)
-        top = max(self._sorted.ordered(recent)[-1], loss)
-        if top - st["best"] > self.rise * abs(initial) or (initial > 0 and top > 2 * initial):
-            return False
-        self._sorted.push(recent, float(loss), self.window)
-        st["best"] = min(st["best"], self._sorted.median(recent))
-        return True
+            return start
+        rise, window = self.rise * abs(initial), self._sorted
+        for i in range(start, len(losses)):
+            loss = losses[i]
+            # the next level, a median, is at most the highest of the window and the loss:
+            # if that is neither a rise above the best nor past twice the initial level,
+            # the step only moves the level (and perhaps the best)
+            top = max(window.ordered(recent)[-1], loss)
+            if top - st["best"] > rise or (initial > 0 and top > 2 * initial):
+                return i
+            window.push(recent, float(loss), self.window)
+            st["best"] = min(st["best"], window.median(recent))
+        return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss

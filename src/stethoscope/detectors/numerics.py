@@ -7,7 +7,13 @@ import math
 import numpy as np
 
 from stethoscope.advice import float16_note
-from stethoscope.detectors.base import Detector, check_positive
+from stethoscope.detectors.base import (
+    Detector,
+    Losses,
+    Rates,
+    Steps,
+    check_positive,
+)
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -48,8 +54,9 @@ class NonfiniteLoss(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a non-finite loss never waits: any finite one may
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
-        return self.state["tracing"] is None  # a finite loss changes nothing, unless traced
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
+        # a finite loss changes nothing here, unless a trace is awaited
+        return len(losses) if self.state["tracing"] is None else start
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss

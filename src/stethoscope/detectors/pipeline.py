@@ -6,7 +6,14 @@ from __future__ import annotations
 import math
 
 from stethoscope.detectors._stats import is_finite, push
-from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.detectors.base import (
+    Detector,
+    Losses,
+    Rates,
+    Steps,
+    check_fraction,
+    check_positive,
+)
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
@@ -60,18 +67,20 @@ class CollapsedLearningRate(Detector):
     def waits_below(self, steps: int) -> float | None:
         return math.inf  # a warning, and no suspicion: it can wait
 
-    def quiet(self, step: int, loss: float, lr: float | None) -> bool:
+    def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
-        peak = st["peak"]
-        if lr is not None and peak is not None and lr < self.drop * peak:
-            return False  # collapsed: the rule judges the loss
-        if lr is not None and (peak is None or lr > peak):
-            st["peak"] = float(lr)
-        first = st["first"]
-        if len(first) < self.window:
-            first.append(float(loss))
-        push(st["recent"], float(loss), self.window)
-        return True
+        first, recent, size = st["first"], st["recent"], self.window
+        for i in range(start, len(losses)):
+            lr, peak = lrs[i], st["peak"]
+            if lr is not None and peak is not None and lr < self.drop * peak:
+                return i  # collapsed: the rule judges the loss
+            if lr is not None and (peak is None or lr > peak):
+                st["peak"] = float(lr)
+            loss = float(losses[i])
+            if len(first) < size:
+                first.append(loss)
+            push(recent, loss, size)
+        return len(losses)
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss, lr = obs.loss, obs.lr

@@ -62,6 +62,10 @@ class Judge:
         #: policy (see ``Decision.spared``).
         self.spared: frozenset[str] = frozenset()
         self.rank, self.world_size = 0, 1
+        #: Whether quiet steps may wait to be judged. A distributed run meets on every
+        #: rank's verdicts and a recovery ladder acts on each step's: there every step
+        #: is judged at once. (Kept, not worked out: it is asked on every step.)
+        self.waits = True
         self.forget()
 
     def forget(self) -> None:
@@ -84,12 +88,15 @@ class Judge:
         return {n: by_name[n].blind_to for n, k in self.unread.items() if k >= BLIND_AFTER}
 
     # -- when a step is judged ------------------------------------------------------------
-    @property
-    def waits(self) -> bool:
-        """Whether quiet steps may wait to be judged. A distributed run meets on every
-        rank's verdicts and a recovery ladder acts on each step's: there every step is
-        judged at once."""
-        return self.world_size == 1 and not self.spared
+    def take_part(self, *, rank: int, world_size: int) -> None:
+        """Judge as ``rank`` of ``world_size`` processes."""
+        self.rank, self.world_size = rank, world_size
+        self.waits = world_size == 1 and not self.spared
+
+    def spare(self, detectors: frozenset[str]) -> None:
+        """Leave ``detectors``' warnings and errors to a recovery ladder."""
+        self.spared = frozenset(detectors)
+        self.waits = self.world_size == 1 and not self.spared
 
     def keep(self, step: int, epoch: int, loss: float | None, lr: float | None) -> bool:
         """Keep a quiet step's loss to be judged later, if it may wait (see
@@ -166,6 +173,7 @@ class Judge:
             numbers = batch.numbers
         else:
             obs = batch[0]
+            has = obs.has
             back = sampler.tick(obs.step)
             if back:
                 notes.append(self._sampler_finding(obs.step, obs.epoch, back))
@@ -186,13 +194,19 @@ class Judge:
                     if taken > i:  # the steps its rule found healthy, taken in at once
                         i = taken
                         continue
-                elif not batch.carries(d.needs):
-                    if d.blind_to:
-                        self._unread(d, numbers[i])
-                    break
-                elif self.unread:
-                    self.unread.pop(d.name, None)
-                found = d.update(batch[i])
+                else:
+                    for s in d.needs:  # does the one step carry what d needs?
+                        if not has(s):
+                            break
+                    else:
+                        s = None
+                    if s is not None:
+                        if d.blind_to:
+                            self._unread(d, numbers[i])
+                        break
+                    if self.unread:
+                        self.unread.pop(d.name, None)
+                found = d.update(batch[i] if waited else obs)
                 if found or d.suspect or d.request:
                     raised.setdefault(i, []).append(_Raised(d, found))
                 i += 1
@@ -329,14 +343,6 @@ class Batch:
     def alone(self, i: int) -> Batch:
         """Step ``i`` as a batch of one."""
         return Batch.of(self[i])
-
-    def carries(self, statistics: frozenset[str]) -> bool:
-        """Whether the one step's observation carries every one of ``statistics``."""
-        has = self._made[0].has
-        for s in statistics:  # noqa: SIM110 (a loop, not all(): it runs for every due detector)
-            if not has(s):
-                return False
-        return True
 
 
 class _Raised:

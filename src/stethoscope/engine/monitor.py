@@ -210,7 +210,7 @@ class Monitor:
     def spare(self, detectors: frozenset[str]) -> None:
         """Leave the warnings and errors of ``detectors`` to a recovery ladder instead of
         the policy (see ``Decision.spared``): then every step is judged at once."""
-        self.judge.spared = frozenset(detectors)
+        self.judge.spare(frozenset(detectors))
 
     def raises_on(self, finding: Finding) -> bool:
         """Whether ``finding`` matches ``raise_on``."""
@@ -281,7 +281,7 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
-        self.judge.rank, self.judge.world_size = rank, world_size
+        self.judge.take_part(rank=rank, world_size=world_size)
         self.ledger.writes = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
