@@ -59,7 +59,15 @@ def test_the_derived_sets():
     assert {"loss"} == EVERY_STEP
     assert {"val"} == EVENT
     assert {"replicas", "ranks"} == GATHERED
-    assert {"grads", "weights", "updates", "units", "distributions"} == REPLICATED
+    assert {
+        "grads",
+        "weights",
+        "updates",
+        "units",
+        "distributions",
+        "stale_grads",
+        "train_mode",
+    } == REPLICATED
     assert set(STATISTICS) - EVENT - GATHERED == PLANNED
     for name in GATHERED:
         assert STATISTICS[name].cadence is Cadence.MEETING

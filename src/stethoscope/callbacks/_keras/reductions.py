@@ -38,6 +38,7 @@ from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, MAX_FEATURES, STATISTICS
 
 __all__ = [
+    "NOT_IN_FIT",
     "ClassLabels",
     "Distributions",
     "ForwardRows",
@@ -53,6 +54,11 @@ __all__ = [
     "make_reductions",
     "slots_of",
 ]
+
+#: Statistics of mistakes Keras' ``fit`` cannot make, which no Keras reduction measures:
+#: it passes ``training=True`` to every layer (no model left in eval mode), and takes each
+#: step's gradients afresh from the tape (none left unzeroed).
+NOT_IN_FIT = frozenset({"train_mode", "stale_grads"})
 
 
 @dataclass(frozen=True)
