@@ -201,10 +201,12 @@ class UnshuffledData(Detector):
     Rule: each sampled batch of at least ``min_batch`` integer class labels gives its
     label entropy; all of them pooled give the distribution a shuffled batch is drawn
     from. Every ``batches`` batches, once two classes have 20 labels each (sorted data
-    shows one class for long), those batches' mean entropy is compared with that of as
-    many batches of the same sizes drawn at random from the pooled labels (simulated,
-    with a fixed seed): below ``fraction`` of it is a warning, once. Skewed labels lower
-    both alike, so they are no sign; a run whose labels are not classes (more than
+    shows one class for long), those batches' mean entropy is compared with that of
+    ``WINDOWS`` windows of as many batches of the same sizes drawn at random from the
+    pooled labels (simulated, with a fixed seed): below ``fraction`` of their mean and
+    below all but 1% of them, on two windows in a row, is a warning, once (a run judges
+    many windows, and skewed labels make a shuffled window's entropy vary). Skewed labels
+    lower both alike, so they are no sign; a run whose labels are not classes (more than
     ``MAX_CLASSES`` of them: token ids) is left alone.
 
     Sources: the silent-bug reports this family answers (the same shuffle every epoch,
@@ -224,8 +226,8 @@ class UnshuffledData(Detector):
     blind_to = "no integer class labels could be read from the batches"
     #: More classes than this are a vocabulary, not classes: not judged.
     MAX_CLASSES = 1000
-    #: Random batches simulated per batch seen, for the shuffled entropy.
-    DRAWS = 16
+    #: Windows of shuffled batches simulated per judgement.
+    WINDOWS = 256
 
     def __init__(self, *, fraction: float = 0.5, batches: int = 8, min_batch: int = 8) -> None:
         check_fraction(self.name, "fraction", fraction)
@@ -237,7 +239,7 @@ class UnshuffledData(Detector):
     def _initial_state(self) -> dict:
         # counts: every counted label by class; seen: [labels, entropy] of each batch
         # since the last judgement; judged: it has warned
-        return {"counts": [], "seen": [], "judged": False}
+        return {"counts": [], "seen": [], "judged": False, "blocky": 0}
 
     def finished(self, step: int) -> bool:
         return self.state["judged"]
@@ -260,8 +262,10 @@ class UnshuffledData(Detector):
             return []
         seen, st["seen"] = st["seen"], []  # the next batches are judged afresh
         level = float(np.mean([h for _, h in seen]))
-        shuffled = self._shuffled([n for n, _ in seen], total)
-        if level >= self.fraction * shuffled:
+        shuffled, rare = self._shuffled([n for n, _ in seen], total)
+        blocky = level < self.fraction * shuffled and level < rare
+        st["blocky"] = st["blocky"] + 1 if blocky else 0
+        if st["blocky"] < 2:
             return []
         st["judged"] = True  # it has said it: once is enough
         classes = int((total > 0).sum())
@@ -270,7 +274,8 @@ class UnshuffledData(Detector):
                 obs,
                 "warning",
                 f"The training batches' labels run in blocks: their label entropy is "
-                f"{level:.3g} nats on average over {len(seen)} batches, where "
+                f"{level:.3g} nats on average over the last {len(seen)} batches (and as low "
+                f"over the {len(seen)} before), where "
                 f"shuffled batches of the same sizes would have {shuffled:.3g} "
                 f"({classes} classes in all): the data is not shuffled, or sorted by "
                 "label, so the model chases one class after another; shuffle it "
@@ -282,9 +287,16 @@ class UnshuffledData(Detector):
             )
         ]
 
-    def _shuffled(self, sizes: list[int], counts: np.ndarray) -> float:
-        """The mean label entropy of batches of ``sizes`` drawn at random from ``counts``."""
+    def _shuffled(self, sizes: list[int], counts: np.ndarray) -> tuple[float, float]:
+        """The mean label entropy of windows of batches of ``sizes`` drawn at random from
+        ``counts`` (``WINDOWS`` of them, vectorised per batch size), and the entropy
+        all but 1% of those windows reach."""
         rng = np.random.default_rng(0)
         p = counts / counts.sum()
-        draws = [entropy(rng.multinomial(n, p)) for n in sizes for _ in range(self.DRAWS)]
-        return float(np.mean(draws))
+        means = np.zeros(self.WINDOWS)
+        for n in sizes:
+            q = rng.multinomial(n, p, size=self.WINDOWS) / n
+            with np.errstate(divide="ignore", invalid="ignore"):
+                means -= np.where(q > 0, q * np.log(q), 0.0).sum(axis=1)
+        means /= len(sizes)
+        return float(means.mean()), float(np.quantile(means, 0.01))
