@@ -114,7 +114,30 @@ class CollapsedLearningRate(Detector):
         ]
 
 
-class EvalMode(Detector):
+class _Persistent(Detector):
+    """A mistake seen on sampled steps: it is named once it has held on ``patience`` of
+    them in a row, and then the detector has done."""
+
+    patience: int
+
+    def _initial_state(self) -> dict:
+        return {"streak": 0, "fired": False}
+
+    def finished(self, step: int) -> bool:
+        return self.state["fired"]
+
+    def _held(self, seen: bool) -> bool:
+        """Count a step that ``seen`` the mistake or not; True the step it has held on
+        ``patience`` in a row (once)."""
+        st = self.state
+        st["streak"] = st["streak"] + 1 if seen else 0
+        if not seen or st["fired"] or st["streak"] < self.patience:
+            return False
+        st["fired"] = True
+        return True
+
+
+class EvalMode(_Persistent):
     """The model trains in eval mode: dropout is off and batch norm normalises by its
     running statistics, so the model trains as another model than the one it is.
 
@@ -143,23 +166,13 @@ class EvalMode(Detector):
         self.patience = patience
         super().__init__()
 
-    def _initial_state(self) -> dict:
-        return {"streak": 0, "fired": False}
-
-    def finished(self, step: int) -> bool:
-        return self.state["fired"]
-
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         off = obs.eval_modules
-        st["streak"] = st["streak"] + 1 if off else 0
-        if not off or st["fired"]:
+        if not self._held(bool(off)):
+            if off and st["streak"] == 1 and not st["fired"]:
+                self.suspect = f"{off[0]} in eval mode during training"
             return []
-        if st["streak"] == 1:
-            self.suspect = f"{off[0]} in eval mode during training"
-        if st["streak"] < self.patience:
-            return []
-        st["fired"] = True
         whole = off[0] == "<model>"
         more = f" and {len(off) - 3} more" if len(off) > 3 else ""
         what = "The whole model" if whole else f"The model with {', '.join(off[:3])}{more}"
@@ -180,7 +193,7 @@ class EvalMode(Detector):
         ]
 
 
-class UnzeroedGradients(Detector):
+class UnzeroedGradients(_Persistent):
     """Gradients that are never zeroed: each step's gradient is the running sum of every
     gradient before it, so the updates grow and point where the run has been.
 
@@ -210,23 +223,14 @@ class UnzeroedGradients(Detector):
         self.fraction, self.patience = float(fraction), patience
         super().__init__()
 
-    def _initial_state(self) -> dict:
-        return {"streak": 0, "fired": False}
-
-    def finished(self, step: int) -> bool:
-        return self.state["fired"]
-
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         if st["fired"]:
             return []
         stepped = len(obs.grad_norm)
         stale = obs.stale_grads
-        left = stepped > 0 and stale >= self.fraction * stepped
-        st["streak"] = st["streak"] + 1 if left else 0
-        if not left or st["streak"] < self.patience:
+        if not self._held(stepped > 0 and stale >= self.fraction * stepped):
             return []
-        st["fired"] = True
         return [
             self.finding(
                 obs,
