@@ -186,12 +186,13 @@ class UnnormalizedInput(Detector):
         return []
 
 
-def entropy(counts: np.ndarray) -> float:
-    """The entropy, in nats, of the distribution ``counts`` (per class) were drawn from,
-    as the plug-in estimate gives it."""
-    n = counts.sum()
-    p = counts[counts > 0] / n
-    return float(-(p * np.log(p)).sum())
+def entropy(counts: np.ndarray) -> np.ndarray:
+    """The entropy, in nats, of the distribution each row of ``counts`` (per class) was
+    drawn from, as the plug-in estimate gives it (a 1-D ``counts``: one, as a 0-d
+    array)."""
+    p = counts / counts.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(p > 0, p * np.log(p), 0.0).sum(axis=-1)
 
 
 class UnshuffledData(Detector):
@@ -254,7 +255,7 @@ class UnshuffledData(Detector):
             st["judged"] = True  # token ids, not classes
             return []
         st["counts"] = tally(st["counts"], labels).tolist()
-        st["seen"].append([int(batch.sum()), entropy(batch)])
+        st["seen"].append([int(batch.sum()), float(entropy(batch))])
         total = np.asarray(st["counts"])
         # two classes with 20 labels each at least: sorted data shows one class for long,
         # and the labels pooled from its first batches are no dataset's distribution
@@ -295,8 +296,6 @@ class UnshuffledData(Detector):
         p = counts / counts.sum()
         means = np.zeros(self.WINDOWS)
         for n in sizes:
-            q = rng.multinomial(n, p, size=self.WINDOWS) / n
-            with np.errstate(divide="ignore", invalid="ignore"):
-                means -= np.where(q > 0, q * np.log(q), 0.0).sum(axis=1)
+            means += entropy(rng.multinomial(n, p, size=self.WINDOWS))
         means /= len(sizes)
         return float(means.mean()), float(np.quantile(means, 0.01))

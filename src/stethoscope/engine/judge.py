@@ -168,9 +168,9 @@ class Judge:
             return decision
         planner.changed()  # the detectors and the sampler may change as they judge
         notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
+        numbers = batch.numbers
         if waited:
             detectors = planner.loss_readers()
-            numbers = batch.numbers
         else:
             obs = batch[0]
             has = obs.has
@@ -178,7 +178,6 @@ class Judge:
             if back:
                 notes.append(self._sampler_finding(obs.step, obs.epoch, back))
             detectors = planner.runnable(obs.step, every=forced)
-            numbers = (obs.step,)
         # what each step raised, by its place in the batch, in the detectors' order
         raised: dict[int, list[_Raised]] = {}
         n = len(numbers)
@@ -316,7 +315,8 @@ class Batch:
         #: Whether these are quiet steps that waited (their losses finite, each under the
         #: detectors' bars: see ``Detector.waits_below``).
         self.waited = not made
-        self.numbers = [step for step, _, _, _ in steps]
+        #: The steps' numbers, oldest first.
+        self.numbers = [step for step, _, _, _ in steps] if self.waited else [made[0].step]
         self.losses = [loss for _, _, loss, _ in steps] if self.waited else []
         self.lrs = [lr for _, _, _, lr in steps] if self.waited else []
 
@@ -331,7 +331,7 @@ class Batch:
         return cls(steps, rank, {})
 
     def __len__(self) -> int:
-        return len(self._steps) or len(self._made)
+        return len(self.numbers)
 
     def __getitem__(self, i: int) -> Observation:
         obs = self._made.get(i)
