@@ -37,6 +37,7 @@ STABLE_NAMES = (
     "class_imbalance",
     "unnormalized_input",
     "unshuffled_data",
+    "repeated_data",
     "collapsed_lr",
     "eval_mode",
     "unzeroed_gradients",
@@ -108,6 +109,7 @@ def obs(
     diverged: int | None = None,
     eval_modules: tuple[str, ...] = (),
     stale: float = 0.0,
+    stuck: bool = False,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     and the facts gathered from every rank of a distributed run."""
@@ -139,8 +141,17 @@ def obs(
         train_loss=None if val is None else val[1],
         eval_modules=eval_modules,
         stale_grads=stale,
+        sample_prints=prints(step, stuck=stuck),
         **ranks(step, slow=slow, diverged=diverged),
     )
+
+
+def prints(step: int, *, stuck: bool = False) -> np.ndarray:
+    """The prints of a batch of 32 samples: new ones each step, or (``stuck``) those of
+    one batch served again and again. Their own generator, so the other probes draw as
+    before."""
+    rng = np.random.default_rng(20_000 + (0 if stuck else step))
+    return rng.integers(0, 2**47, 32).astype(float)
 
 
 def random_run(
@@ -188,7 +199,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
     a zero gradient, and a validation loss that rises while training improves; from step
     48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
-    left in eval mode; from step 100 to 110, gradients never zeroed; from step 120, a
+    left in eval mode; from step 85 to 90, one batch served again and again; from step
+    100 to 110, gradients never zeroed; from step 120, a
     learning rate
     collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
     times slower from step 20 to 40."""
@@ -223,6 +235,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
         labels = np.full(32, (i // 4) % 4) if i >= 48 else None
         left_in_eval = ("<model>",) if 60 <= i < 70 else ()
         unzeroed = 4.0 if 100 <= i < 110 else 0.0
+        stuck = 85 <= i < 90
         out.append(
             obs(
                 start + i,
@@ -235,6 +248,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 labels=labels,
                 eval_modules=left_in_eval,
                 stale=unzeroed,
+                stuck=stuck,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,

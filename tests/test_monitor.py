@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from stethoscope.detectors import DETECTORS, Detector, LossSpike, default_detectors
+from stethoscope.detectors import (
+    DETECTORS,
+    Detector,
+    LossSpike,
+    RepeatedData,
+    default_detectors,
+)
 from stethoscope.engine.monitor import Monitor
 from stethoscope.findings import SAMPLER, Finding
 from stethoscope.observation import Observation
@@ -148,6 +154,31 @@ def test_finished_detectors_are_neither_run_nor_planned():
     before = imbalance.state_dict()
     m.observe(make_obs(48, probes=SAMPLED, labels=np.zeros(600, int)))
     assert imbalance.state_dict() == before
+
+
+def test_an_epochs_first_step_measures_what_detectors_compare_epochs_by():
+    """repeated_data reads the prints at each epoch's (and run's) first step, whatever the
+    schedule, and only there: a run without prints costs nothing on the steps after."""
+    m = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=False)
+    m.begin(fresh=True)
+    assert "prints" in m.plan(0)
+    feed(m, range(21))
+    assert m.plan(21) == {"loss"}
+    m.end_epoch(0)
+    assert m.plan(21) == {"loss", "prints"}
+    assert m.plan(21) == {"loss", "prints"}  # asked again for the same step: the same
+    # and the detector that reads it runs there, although its schedule does not
+    prints = np.arange(8.0)
+    m.observe(Observation(step=21, epoch=1, loss=2.3, sample_prints=prints))
+    assert m.detectors[0].state["epoch"] == 1 and m.detectors[0].state["start"] == 21
+    assert m.plan(22) == m.plan(23) == {"loss"}  # the observation never came: forgotten
+    assert m.plan(32) == {"loss", "prints"}  # the detector's own schedule
+    m.load_state_dict(m.state_dict())  # a resumed run's first step
+    assert m.plan(25) == {"loss", "prints"} and m.plan(26) == {"loss"}
+    done = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=False)
+    done.detectors[0].state["warned"] = ["stuck", "order", "resume"]
+    done.end_epoch(0)
+    assert done.plan(1) == {"loss"}  # it has said all it can: nothing to measure
 
 
 def test_plan_follows_the_sampler_through_calibration():

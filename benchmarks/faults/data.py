@@ -29,7 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Arrays", "DataSpec", "make_data"]
+__all__ = ["ORDERS", "Arrays", "DataSpec", "make_data"]
+
+
+#: The orders a training set can be served in (see ``DataSpec.order``).
+ORDERS = ("shuffled", "sorted", "fixed", "sequential")
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,12 @@ class DataSpec:
         scale: Multiply every input feature by this (1.0: standardised).
         raw: ``digits`` only: keep pixel values 0..16 instead of standardising.
         images: ``digits`` only: shape inputs as 1x8x8 images (for a CNN).
-        order: ``"shuffled"`` (reshuffled every epoch) or ``"sorted"``: the training set
-            sorted by label and served in that order every epoch (a pipeline bug).
+        order: ``"shuffled"`` (reshuffled every epoch); ``"sorted"``: the training set
+            sorted by label and served in that order every epoch (a pipeline bug);
+            ``"fixed"``: shuffled once, and served in that order every epoch (a
+            ``DistributedSampler`` without ``set_epoch``, a pipeline bug);
+            ``"sequential"``: the stored order every epoch, shuffling turned off on
+            purpose.
     """
 
     source: str = "gaussian"
@@ -63,13 +71,20 @@ class DataSpec:
     order: str = "shuffled"
 
     def __post_init__(self) -> None:
-        if self.order not in ("shuffled", "sorted"):
-            raise ValueError(f"order={self.order!r}; use 'shuffled' or 'sorted'")
+        if self.order not in ORDERS:
+            raise ValueError(f"order={self.order!r}; use one of {ORDERS!r}")
 
     @property
     def shuffled(self) -> bool:
         """Whether the training set is reshuffled every epoch."""
         return self.order == "shuffled"
+
+    @property
+    def loader_order(self) -> str:
+        """How a loader serves it: ``"shuffled"`` (a new order every epoch), ``"fixed"``
+        (one random order, every epoch) or ``"sequential"`` (the stored order, by a
+        sampler that says so)."""
+        return self.order if self.order in ("shuffled", "fixed") else "sequential"
 
 
 @dataclass(frozen=True)
@@ -147,7 +162,7 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
         y_tr[flip] = rng.integers(0, classes, int(flip.sum()))
     if spec.majority is not None:
         x_tr, y_tr = _resample_majority(x_tr, y_tr, spec.majority, classes, rng)
-    if not spec.shuffled:
+    if spec.order == "sorted":
         by_label = np.argsort(y_tr, kind="stable")
         x_tr, y_tr = x_tr[by_label], y_tr[by_label]
     x_tr = x_tr * spec.scale

@@ -193,20 +193,26 @@ def make_dataset(
     fault: FaultSpec | None = None,
     onset: int = -1,
     classes: int = 0,
-    shuffle: bool = True,
+    order: str = "shuffled",
 ) -> tf.data.Dataset:
-    """``epochs`` reshuffled epochs end to end, the batch at global step ``onset`` corrupted.
+    """``epochs`` epochs end to end, the batch at global step ``onset`` corrupted (or, for
+    a ``stuck_batch`` fault, served again at every step from there on).
 
-    Every epoch is a fresh permutation from ``seed`` (``shuffle=False``: the arrays'
-    order, every epoch); its last batch may be smaller.
+    Every epoch is a fresh permutation from ``seed`` (``order="fixed"``: the first
+    epoch's, every epoch; ``"sequential"``: the arrays' order, every epoch); its last
+    batch may be smaller.
     """
     rng = np.random.default_rng(20_000 + seed)
-    if shuffle:
-        order = np.stack([rng.permutation(len(x)) for _ in range(epochs)])
+    if order == "shuffled":
+        order_ = np.stack([rng.permutation(len(x)) for _ in range(epochs)])
+    elif order == "fixed":
+        order_ = np.tile(rng.permutation(len(x)), (epochs, 1))
     else:
-        order = np.tile(np.arange(len(x)), (epochs, 1))
-    xs, ys = x[order], y[order]  # (epochs, n, ...): a copy, safe to corrupt
+        order_ = np.tile(np.arange(len(x)), (epochs, 1))
+    xs, ys = x[order_], y[order_]  # (epochs, n, ...): a copy, safe to corrupt
     per_epoch = -(-len(x) // batch_size)
+    if fault is not None and fault.kind == "stuck_batch" and 0 <= onset < epochs * per_epoch:
+        _serve_again(xs, ys, onset, per_epoch, batch_size)
     if fault is not None and fault.kind in _BATCH_FAULTS and 0 <= onset < epochs * per_epoch:
         e, b = divmod(onset, per_epoch)
         rows = slice(b * batch_size, min((b + 1) * batch_size, len(x)))
@@ -221,6 +227,21 @@ def make_dataset(
         return tf.data.Dataset.from_tensor_slices((xe, ye)).batch(batch_size)
 
     return tf.data.Dataset.from_tensor_slices((xs, ys)).flat_map(batches)
+
+
+def _serve_again(
+    xs: np.ndarray, ys: np.ndarray, onset: int, per_epoch: int, batch_size: int
+) -> None:
+    """Every batch from global step ``onset`` on becomes the one at ``onset`` (as much of
+    it as a smaller last batch holds): a loader that caches a batch."""
+    n = xs.shape[1]
+    e, b = divmod(onset, per_epoch)
+    rows = slice(b * batch_size, min((b + 1) * batch_size, n))
+    x0, y0 = xs[e, rows].copy(), ys[e, rows].copy()
+    for step in range(onset + 1, xs.shape[0] * per_epoch):
+        e, b = divmod(step, per_epoch)
+        start, stop = b * batch_size, min((b + 1) * batch_size, n)
+        xs[e, start:stop], ys[e, start:stop] = x0[: stop - start], y0[: stop - start]
 
 
 def _channels_last(a: np.ndarray | None) -> np.ndarray | None:
@@ -788,7 +809,7 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
         fault=f,
         onset=onset,
         classes=arrays.classes,
-        shuffle=sc.data.shuffled,
+        order=sc.data.loader_order,
     )
     val = None
     if t.validate:

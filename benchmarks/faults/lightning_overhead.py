@@ -214,7 +214,7 @@ def measure_overhead(
         limit_val_batches=0,
         callbacks=[clock, gate],
     )
-    train = make_loader(arrays.x, arrays.y, sc.train.batch_size, seed, shuffle=True)
+    train = make_loader(arrays.x, arrays.y, sc.train.batch_size, seed)
     log(f"overhead on {sc.name}: {total} steps, {rounds} rounds of {SEGMENT}-step segments")
     gc.collect()
     gc.freeze()  # collections during the run walk only what the run makes

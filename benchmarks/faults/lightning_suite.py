@@ -54,7 +54,14 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from benchmarks.faults.data import Arrays, make_data
 from benchmarks.faults.results import RunResult
@@ -415,16 +422,67 @@ def _corrupt(
 
 
 def make_loader(
-    x: np.ndarray, y: np.ndarray, batch_size: int, seed: int, *, shuffle: bool
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    seed: int,
+    *,
+    order: str = "shuffled",
+    stuck_from: int = -1,
 ) -> DataLoader:
-    """Whole batches by one fancy index: no per-sample collation."""
+    """Whole batches by one fancy index: no per-sample collation.
+
+    Args:
+        order: ``"shuffled"`` (a new order every epoch), ``"fixed"`` (one random order
+            every epoch) or ``"sequential"`` (the stored order).
+        stuck_from: From this batch on (counted over epochs), the loader serves that
+            batch again and again (a ``stuck_batch`` fault); -1: never.
+    """
     ds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
-    order = (
-        RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
-        if shuffle
-        else range(len(ds))
-    )
-    return DataLoader(ds, batch_size=None, sampler=BatchSampler(order, batch_size, drop_last=False))
+    if order == "shuffled":
+        sampler: Sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
+    elif order == "fixed":
+        sampler = _FixedOrder(len(ds), seed)
+    else:
+        sampler = SequentialSampler(ds)
+    batches: Sampler = BatchSampler(sampler, batch_size, drop_last=False)
+    if stuck_from >= 0:
+        batches = _StuckFrom(batches, stuck_from)
+    return DataLoader(ds, batch_size=None, sampler=batches)
+
+
+class _FixedOrder(Sampler):
+    """One random order, drawn from ``seed`` at every epoch's start: a DistributedSampler
+    whose ``set_epoch`` is never called."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class _StuckFrom(Sampler):
+    """The batches of ``batches`` until ``onset`` of them were served (over epochs), then
+    the one at ``onset`` again and again: a loader that caches a batch."""
+
+    def __init__(self, batches: BatchSampler, onset: int) -> None:
+        self.batches, self.onset, self.served = batches, onset, 0
+        self.stuck: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for indices in self.batches:
+            if self.served == self.onset:
+                self.stuck = indices
+            self.served += 1
+            yield self.stuck if self.stuck is not None else indices
 
 
 # -- watchers ---------------------------------------------------------------------------
@@ -570,12 +628,15 @@ def run_scenario(
     arrays = make_data(sc.data, seed)
     model = GanModule(sc, arrays) if sc.model.arch == "gan" else SuiteModule(sc, arrays)
     t = sc.train
-    train = make_loader(arrays.x, arrays.y, t.batch_size, seed, shuffle=sc.data.shuffled)
+    stuck = sc.onset if sc.fault is not None and sc.fault.kind == "stuck_batch" else -1
+    train = make_loader(
+        arrays.x, arrays.y, t.batch_size, seed, order=sc.data.loader_order, stuck_from=stuck
+    )
     val = None
     if t.validate:
         if arrays.x_val is None:
             raise ValueError(f"{sc.name}: validate=True needs DataSpec.n_val > 0")
-        val = make_loader(arrays.x_val, arrays.y_val, 256, seed, shuffle=False)
+        val = make_loader(arrays.x_val, arrays.y_val, 256, seed, order="sequential")
     watchers = [WatchedStethoscope(s, **setting_kwargs(s)) for s in settings]
     result = RunResult(scenario=sc.name, seed=seed, framework=FRAMEWORK, steps_per_epoch=len(train))
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -156,8 +156,8 @@ def _train(case: Case, seed: int, *, faulty: bool, recover: bool | None) -> Outc
     torch.manual_seed(seed)
     arrays = make_data(the_case.data, seed)
     model = RecoveryModule(the_case, arrays)
-    train = make_loader(arrays.x, arrays.y, the_case.train.batch_size, seed, shuffle=True)
-    val = make_loader(arrays.x_val, arrays.y_val, 256, seed, shuffle=False)
+    train = make_loader(arrays.x, arrays.y, the_case.train.batch_size, seed)
+    val = make_loader(arrays.x_val, arrays.y_val, 256, seed, order="sequential")
     callbacks = []
     sink = CapturingSink()
     if recover is not None:

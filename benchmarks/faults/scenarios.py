@@ -55,6 +55,8 @@ Fault kinds (``FaultSpec.kind``) and their parameters:
 ``eval_mode``        at ``onset``, before its forward pass, the model is put in eval
                      mode and left there (a side evaluation that never calls
                      ``.train()``); Lightning only: Keras' ``fit`` cannot.
+``stuck_batch``      from ``onset`` on, the loader serves the batch of ``onset``
+                     again and again (a loader that caches a batch).
 
 Data faults (random labels, label imbalance, unnormalized inputs) live in
 :class:`~.data.DataSpec`; configuration faults (an LR far too high or too low) in
@@ -100,6 +102,7 @@ FAULT_KINDS = (
     "zero_lr_group",
     "no_zero_grad",
     "eval_mode",
+    "stuck_batch",
 )
 
 #: The detector names the library registers (the stable names of docs/detectors.md, which
@@ -730,8 +733,11 @@ SCENARIOS: tuple[Scenario, ...] = (
         # the loss jumps at each class boundary, and the model chases one class at a time:
         # fitted to a batch of one class by its output bias, its ReLUs die and the
         # gradients behind them are all zero (measured); the first labels read are one
-        # or two classes, imbalanced as they come
+        # or two classes, imbalanced as they come; and sorted, it comes in the same order
+        # every epoch (Keras cannot tell it was asked for: fit's shuffle never reaches a
+        # callback)
         collateral=(
+            "repeated_data",
             "loss_spike",
             "unstable_loss",
             "exploding_gradients",
@@ -766,6 +772,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         # the summed gradients grow step by step, and the loss with them (measured)
         collateral=("exploding_gradients", "unstable_loss", "loss_spike", "large_updates"),
         frameworks=("lightning",),
+    ),
+    Scenario(
+        "batch_served_again",
+        "pipeline",
+        "from step 150, the loader serves the batch of step 150 again and again (a batch "
+        "cached by a buggy loader)",
+        train=ADAM,
+        fault=_fault("stuck_batch"),
+        onset=ONSET,
+        expect=("repeated_data",),
+        window=64,
+    ),
+    Scenario(
+        "same_order_every_epoch",
+        "pipeline",
+        "the training set shuffled once and served in that order every epoch (a "
+        "DistributedSampler without set_epoch): visible from the second epoch (step 32)",
+        data=DataSpec(order="fixed"),
+        train=ADAM,
+        onset=0,
+        expect=("repeated_data",),
+        window=64,
     ),
     Scenario(
         "lr_decay_per_batch",
@@ -887,6 +915,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         "gradients accumulated over 4 micro-batches per step (the twin of "
         "grads_never_zeroed): zeroed at each step's start",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=200, accumulate=4),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_full_batch",
+        "healthy",
+        "the whole training set (256 samples) as one batch at every step, in its stored "
+        "order (the twin of batch_served_again): the same batch every step, by design",
+        data=DataSpec(n_train=256, order="sequential"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, batch_size=256, max_steps=300),
+    ),
+    Scenario(
+        "healthy_sequential",
+        "healthy",
+        "shuffling turned off on purpose, a sequential sampler (the twin of "
+        "same_order_every_epoch): the same order every epoch, as asked; Lightning only: "
+        "the Keras suite serves a tf.data pipeline, whose order fit's shuffle does not "
+        "set",
+        data=DataSpec(order="sequential"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
         frameworks=("lightning",),
     ),
     Scenario(

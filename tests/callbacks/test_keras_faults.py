@@ -77,6 +77,8 @@ FAULTS = [
     pytest.param("random_labels_confident", id="loss-at-chance-after-a-confident-start"),
     pytest.param("labels_sorted", id="unshuffled-sorted-labels"),
     pytest.param("lr_decay_per_batch", id="per-epoch-decay-stepped-per-batch"),
+    pytest.param("batch_served_again", id="a-loader-stuck-on-one-batch"),
+    pytest.param("same_order_every_epoch", id="the-same-order-every-epoch"),
 ]
 
 
@@ -126,6 +128,7 @@ HEALTHY = [
     pytest.param("healthy_gan", 1200, id="gan-own-train-step-two-optimizers"),
     pytest.param("healthy_skewed_labels", 300, id="skewed-labels-shuffled"),
     pytest.param("healthy_step_decay", 400, id="step-decay-at-its-cadence"),
+    pytest.param("healthy_full_batch", 300, id="full-batch-the-same-batch-by-design"),
 ]
 
 

@@ -208,7 +208,8 @@ def test_the_switches_derive_from_the_reductions():
     probe = _probe(4)
     switches = probe.switches
     assert switches.groups == (
-        "grads", "weights", "updates", "units", "distributions", "inputs", "labels", "forward"
+        "grads", "weights", "updates", "units", "distributions", "inputs", "labels", "prints",
+        "forward",
     )  # fmt: skip
     # the trace is read from the forward rows; the update norms run with the weights
     assert probe._groups_of["trace"] == {"forward"}

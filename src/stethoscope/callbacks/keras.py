@@ -21,6 +21,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._keras.describe import describe_run, training_setup
+from stethoscope.callbacks._keras.fit_call import data_order
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.recovery import KerasRecovery, refuse_unrecoverable
@@ -147,12 +148,15 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         # the execution launched last and not yet judged: (first step, sampled step, plan)
         self._pending: tuple[int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
+        #: The order fit was asked to serve the data in (see ``fit_call.data_order``).
+        self._data_order = ""
 
     # -- set-up / tear-down -----------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
+        self._data_order = data_order(model)  # fit calls this hook: ask it here
         forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
             (d.needs | d.wants | d.requests) & {"activations", "outputs", "trace"}
             for d in self.monitor.detectors
@@ -319,6 +323,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 recovery.settle(step, self._epoch, verdicts[step % k], obs.loss)
             if step == planned:
                 probe.decode(obs, plan, fresh=measured == step)
+                if obs.sample_prints is not None:
+                    obs.data_order = self._data_order
             self._act(self.monitor.observe(obs))
             # a non-finite loss or gradient, the step's norms recorded: where only the
             # gradient was not finite, nothing else raised a suspicion

@@ -18,6 +18,7 @@ from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradien
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
 from stethoscope.detectors.pipeline import CollapsedLearningRate, EvalMode, UnzeroedGradients
+from stethoscope.detectors.repeated import RepeatedData
 from stethoscope.detectors.weights import (
     AllZero,
     FrozenWeights,
@@ -45,6 +46,7 @@ __all__ = [
     "NonfiniteWeights",
     "Overfitting",
     "PoorInitialization",
+    "RepeatedData",
     "ReplicaDivergence",
     "SaturatedActivation",
     "SmallUpdates",
@@ -82,6 +84,7 @@ DETECTORS: dict[str, type[Detector]] = {
         ClassImbalance,
         UnnormalizedInput,
         UnshuffledData,
+        RepeatedData,
         EvalMode,
         UnzeroedGradients,
         ReplicaDivergence,

@@ -55,6 +55,9 @@ class Detector:
     #: Deeper statistics it may ask for (:attr:`request`) when something goes wrong, so
     #: that an adapter prepares their probes (the forward trace, say).
     requests: ClassVar[frozenset[str]] = frozenset()
+    #: Statistics measured on the first step of every epoch and of every run (fresh or
+    #: resumed), whatever the schedule: what a rule that compares epochs reads there.
+    at_epoch_start: ClassVar[frozenset[str]] = frozenset()
     #: What the run lacks when the detector's statistics never arrive although they
     #: were asked for (no integer class labels in the batches, say): then it stays
     #: silent and the summary says so, in these words. Empty: it says nothing.
@@ -67,7 +70,8 @@ class Detector:
     setup: TrainingSetup = TrainingSetup()
 
     def __init__(self) -> None:
-        unknown = set(self.needs | self.wants | self.requests) - set(STATISTICS)
+        unknown = set(self.needs | self.wants | self.requests | self.at_epoch_start)
+        unknown -= set(STATISTICS)
         if self.bars is not None and self.bars not in BARS:
             unknown.add(self.bars)
         if not self.name or unknown:  # a programming error in a subclass, not user input

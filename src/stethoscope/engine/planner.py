@@ -46,6 +46,14 @@ class Planner:
         self._due_set: frozenset[str] = frozenset()
         #: Deeper statistics detectors asked for, until an observation carries them.
         self.requested: set[str] = set()
+        #: Statistics measured at the next step planned, once (see :meth:`measure_next`),
+        #: and that step, once planned.
+        self._next: frozenset[str] = frozenset()
+        self._next_step: int | None = None
+        #: The step the last of those landed on: the detectors that read an epoch's
+        #: first step run there, due or not.
+        self._opening: int | None = None
+        self._openers = frozenset(d.name for d in self.detectors if d.at_epoch_start)
         self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
 
@@ -92,8 +100,11 @@ class Planner:
 
     def runnable(self, step: int, *, every: bool = False) -> tuple[Detector, ...]:
         """The detectors due at ``step`` (``every``: all of them) that take part in this
-        run, in order."""
+        run, in order; at an epoch's first step (see :meth:`measure_next`), with those that
+        read it, due or not."""
         due = self._all if every else self.due(step)
+        if step == self._opening:
+            due = due | self._openers
         hit = self._runnable.get(due)
         if hit is None:
             hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
@@ -109,6 +120,12 @@ class Planner:
     def plan(self, step: int) -> frozenset[str]:
         """The statistics to measure at ``step``: those the detectors due there need or
         want, with what those require, and any deeper statistic requested."""
+        if self._next:
+            if self._next_step is None:
+                self._next_step = self._opening = step
+            if step == self._next_step:
+                return self._plan(step) | self._next
+            self._next, self._next_step = frozenset(), None  # that step is over
         if step in self._quiet_steps:
             return self._quiet_plan
         planned = self._plan(step)
@@ -170,10 +187,20 @@ class Planner:
         if self.requested:
             self.requested -= {s for s in self.requested if has(s)}
 
+    def measure_next(self, statistics: frozenset[str]) -> None:
+        """Measure ``statistics`` at the next step planned, whatever the schedule, and
+        only there: an epoch's first step, say, which a rule comparing epochs reads. Unlike
+        a request, it is not kept until an observation carries it: a run whose batches hold
+        no such thing costs nothing on the steps after."""
+        self._next = with_requirements(statistics) - EVENT - GATHERED
+        self._next_step = None
+        self.changed()
+
     def forget(self) -> None:
         """A fresh run: no cached schedule, no pending request."""
         self._due_key = None
         self.requested.clear()
+        self._next, self._next_step, self._opening = frozenset(), None, None
         self.changed()
 
     def changed(self) -> None:

@@ -13,7 +13,14 @@ import keras
 import numpy as np
 from keras import ops
 
-from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
+from stethoscope.statistics import (
+    DISTRIBUTION_BINS,
+    DISTRIBUTION_EDGES,
+    PRINT_PRIME,
+    PRINT_WIDTH,
+    SATURATION_BOUNDS,
+    print_weights,
+)
 
 __all__ = [
     "MAX_CLASSES",
@@ -285,3 +292,41 @@ def magnitude_histogram(t: Any) -> Any:
     index = ops.where(ops.equal(a, 0.0), 0, above + 1)
     index = ops.where(ops.isfinite(a), index, DISTRIBUTION_BINS - 1)
     return ops.cast(ops.bincount(index, minlength=DISTRIBUTION_BINS), "float32")
+
+
+def sample_prints(x: Any, max_prints: int) -> Any | None:
+    """The ``prints`` statistic of the first tensor of ``x``: two numbers for each of its
+    first ``max_prints`` samples, flattened in pairs and padded with NaN to ``2 *
+    max_prints``, exact integers below 2**24 (see
+    :func:`~stethoscope.statistics.print_weights`; the Lightning adapter prints a sample
+    alike). None: no tensor, or a backend other than TensorFlow (a float's bit pattern
+    is read with ``tf.bitcast``, which ``keras.ops`` lacks)."""
+    t = next((t for t in keras.tree.flatten(x) if t is not None), None)
+    if t is None or len(t.shape) < 1 or keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    t = tf.stop_gradient(tf.convert_to_tensor(t))[:max_prints]
+    width = math.prod(t.shape[1:])
+    if width is None or t.dtype.is_complex or t.dtype == tf.string:
+        return None
+    flat = tf.reshape(t, (-1, width))
+    if width > PRINT_WIDTH:  # evenly spaced elements of a huge sample
+        flat = flat[:, :: -(-width // PRINT_WIDTH)]
+    size = t.dtype.size
+    if t.dtype == tf.bool:
+        flat = tf.cast(flat, tf.uint8)
+    elif not t.dtype.is_integer:
+        flat = tf.bitcast(flat, {2: tf.int16, 4: tf.int32, 8: tf.int64}[size])
+    bits = tf.cast(flat, tf.int64)
+    # 16-bit chunks (a byte is one chunk): exact products and sums, see print_weights
+    chunks = [
+        tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16 * k), 0xFFFF)
+        for k in range(max(size // 2, 1))
+    ]
+    stacked = tf.concat(chunks, axis=1)
+    weights = tf.constant(print_weights(int(stacked.shape[1])))
+    sums = tf.stack([tf.reduce_sum(stacked * weights[i], axis=1) for i in range(2)], axis=1)
+    pairs = tf.reshape(tf.cast(tf.math.floormod(sums, PRINT_PRIME), tf.float32), (-1,))
+    pad = tf.fill([2 * max_prints], tf.constant(np.nan, tf.float32))
+    return tf.concat([pairs, pad], axis=0)[: 2 * max_prints]

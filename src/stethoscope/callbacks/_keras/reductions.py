@@ -35,7 +35,13 @@ from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import BY_REPLICAS, Slot
 from stethoscope.observation import Observation
-from stethoscope.statistics import DISTRIBUTION_BINS, MAX_FEATURES, STATISTICS
+from stethoscope.statistics import (
+    DISTRIBUTION_BINS,
+    MAX_FEATURES,
+    MAX_PRINTS,
+    STATISTICS,
+    join_prints,
+)
 
 __all__ = [
     "NOT_IN_FIT",
@@ -47,6 +53,7 @@ __all__ = [
     "KerasReduction",
     "Layout",
     "ReadBack",
+    "SamplePrints",
     "Store",
     "UnitRows",
     "UpdateNorms",
@@ -390,6 +397,32 @@ class ClassLabels(KerasReduction):
             obs.labels = np.repeat(np.arange(kops.MAX_CLASSES), counts.astype(np.int64))
 
 
+class SamplePrints(KerasReduction):
+    """A fingerprint of each sample of the batch's inputs (see
+    :func:`~stethoscope.callbacks._keras.ops.sample_prints`). The order the data was asked
+    for is not known here: ``fit``'s ``shuffle`` never reaches a callback."""
+
+    statistics = frozenset({"prints"})
+    group = "prints"
+    hooks = frozenset({"batch"})
+
+    def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
+        # under a strategy, the first replica's shard: a batch served again is served
+        # again in every shard
+        return [Slot("sample_prints", (2 * MAX_PRINTS,), np.nan, combine="first")]
+
+    def on_batch(self, store: Store, x: Any, y: Any) -> None:
+        prints = kops.sample_prints(x, MAX_PRINTS)
+        if prints is not None:
+            store.put("sample_prints", prints)
+
+    def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
+        pairs = src.read("sample_prints")
+        pairs = pairs[~np.isnan(pairs)]
+        if pairs.size:
+            obs.sample_prints = join_prints(pairs)
+
+
 class ForwardRows(KerasReduction):
     """One row per watched leaf layer's output (see
     :func:`~stethoscope.callbacks._keras.ops.forward_row`): the saturation of tanh and
@@ -472,6 +505,7 @@ def make_reductions(
         Distributions(),
         InputScale(),
         ClassLabels(),
+        SamplePrints(),
         ForwardRows(layout),
     )
 

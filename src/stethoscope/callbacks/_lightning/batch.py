@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from stethoscope.statistics import MAX_FEATURES
+from stethoscope.statistics import (
+    MAX_FEATURES,
+    MAX_PRINTS,
+    PRINT_PRIME,
+    PRINT_WIDTH,
+    print_weights,
+)
 
 __all__ = [
     "INPUT_KEYS",
@@ -15,11 +21,22 @@ __all__ = [
     "BatchParts",
     "class_labels",
     "input_moments",
+    "loader_order",
+    "sample_prints",
     "split_batch",
 ]
 
 #: Keys of a dict batch that hold the inputs, and the labels, in order of preference.
-INPUT_KEYS = ("x", "input", "inputs", "features", "image", "images", "pixel_values")
+INPUT_KEYS = (
+    "x",
+    "input",
+    "inputs",
+    "features",
+    "image",
+    "images",
+    "pixel_values",
+    "input_ids",
+)
 LABEL_KEYS = ("labels", "label", "y", "target", "targets")
 
 
@@ -106,3 +123,59 @@ def class_labels(y: Any) -> torch.Tensor | None:
             rows = ((y.sum(1) - 1).abs() < 1e-3).all() & (y >= 0).all()
             return torch.cat([y.argmax(1).float(), rows.float().reshape(1)])
     return None
+
+
+#: The integer type whose bit pattern each element size is read as.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sample_prints(x: Any) -> torch.Tensor | None:
+    """The ``prints`` statistic of the inputs ``x``: two numbers for each of its first
+    ``MAX_PRINTS`` samples, shape ``(samples, 2)``, exact integers below 2**24 held in
+    float32 (see :func:`~stethoscope.statistics.print_weights`). None: no tensor."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not len(x) or x.is_complex():
+        return None
+    with torch.no_grad():
+        flat = x.detach()[:MAX_PRINTS].reshape(min(len(x), MAX_PRINTS), -1)
+        if flat.shape[1] > PRINT_WIDTH:  # evenly spaced elements of a huge sample
+            flat = flat[:, :: -(-flat.shape[1] // PRINT_WIDTH)]
+        size = flat.element_size()
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        bits = flat.contiguous().view(_BITS[size]).to(torch.int64)
+        # 16-bit chunks (a byte is one chunk): exact products and sums, see print_weights
+        chunks = [(bits >> (16 * k)) & 0xFFFF for k in range(max(size // 2, 1))]
+        stacked = torch.cat(chunks, dim=1)
+        weights = _weights(stacked.shape[1], stacked.device)
+        sums = torch.stack([(stacked * w).sum(dim=1) for w in weights], dim=1)
+        return torch.remainder(sums, PRINT_PRIME).float()
+
+
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _weights(width: int, device: torch.device) -> torch.Tensor:
+    """:func:`~stethoscope.statistics.print_weights` on ``device``, made once per width."""
+    key = (width, device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = torch.from_numpy(print_weights(width)).to(device)
+    return _WEIGHTS[key]
+
+
+def loader_order(trainer: Any) -> str:
+    """The order the training loader was asked for: ``"shuffle"`` (a random sampler, or a
+    distributed one that shuffles), ``"sequential"`` (shuffling turned off) or ``""``
+    (an iterable dataset, a custom sampler: unknown). A batch sampler is judged by the
+    sampler it batches."""
+    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+    sampler = getattr(getattr(trainer, "train_dataloader", None), "sampler", None)
+    if isinstance(sampler, BatchSampler):
+        sampler = sampler.sampler
+    if isinstance(sampler, RandomSampler):
+        return "shuffle"
+    if isinstance(sampler, SequentialSampler):
+        return "sequential"
+    if isinstance(sampler, DistributedSampler):
+        return "shuffle" if sampler.shuffle else "sequential"
+    return ""

@@ -30,7 +30,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.batch import BatchParts, class_labels, input_moments
+from stethoscope.callbacks._lightning.batch import (
+    BatchParts,
+    class_labels,
+    input_moments,
+    loader_order,
+    sample_prints,
+)
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
@@ -40,7 +46,7 @@ from stethoscope.callbacks._lightning.parameters import (
     zero_rows,
 )
 from stethoscope.observation import Observation
-from stethoscope.statistics import DISTRIBUTION_BINS
+from stethoscope.statistics import DISTRIBUTION_BINS, join_prints
 
 __all__ = [
     "ClassLabels",
@@ -53,6 +59,7 @@ __all__ = [
     "Reduction",
     "ReductionSet",
     "ReplicaChecksums",
+    "SamplePrints",
     "UnitRows",
     "UpdateNorms",
     "WeightNorms",
@@ -257,6 +264,26 @@ class InputScale(Reduction):
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.input_sq, obs.input_count = values, contexts[0]
+
+
+class SamplePrints(Reduction):
+    """A fingerprint of each sample of the step's first batch of inputs, with the order
+    the training loader was asked for (a fact of the host)."""
+
+    statistics = frozenset({"prints"})
+    name = "prints"
+
+    def __init__(self, inputs_of: Callable[[Any], Any], trainer_of: Callable[[], Any]) -> None:
+        self.inputs_of, self.trainer_of = inputs_of, trainer_of
+
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        prints = sample_prints(self.inputs_of(batch))
+        if prints is not None:
+            measures.add("prints", prints, loader_order(self.trainer_of()))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.sample_prints = join_prints(values)
+        obs.data_order = contexts[0]
 
 
 class ClassLabels(Reduction):
@@ -539,6 +566,7 @@ def make_reductions(
         Loss(),
         InputScale(batch.inputs),
         ClassLabels(batch.labels),
+        SamplePrints(batch.inputs, lambda: model.trainer),
         TrainMode(model),
         ForwardStatistics(forward),
         StaleGrads(probe),

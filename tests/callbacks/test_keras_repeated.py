@@ -1,0 +1,100 @@
+"""repeated_data in Keras: the order fit was asked for, read from fit's own call, keeps
+shuffle=False quiet, while a tf.data pipeline that never reshuffles is named; prints of
+a batch are the same in both frameworks."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+
+from stethoscope import KerasStethoscope  # noqa: E402
+from stethoscope.callbacks._keras.ops import sample_prints as keras_prints  # noqa: E402
+from stethoscope.callbacks._lightning.batch import sample_prints as torch_prints  # noqa: E402
+from stethoscope.testing import CapturingSink  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="the prints read bits with tf.bitcast"
+)
+
+N, FEATURES, BATCH = 256, 6, 32  # 8 steps an epoch
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int64")
+
+
+def model():
+    m = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(2, activation="softmax")])
+    m.compile("adam", "sparse_categorical_crossentropy")
+    return m
+
+
+class Order(keras.callbacks.Callback):
+    """Keeps the order the stethoscope read from fit."""
+
+    def __init__(self, watched: KerasStethoscope) -> None:
+        super().__init__()
+        self.watched, self.order = watched, None
+
+    def on_train_end(self, logs=None):
+        self.order = self.watched._data_order
+
+
+def fit(data, **kwargs):
+    sink = CapturingSink()
+    cb = KerasStethoscope(sinks=[sink])
+    order = Order(cb)
+    m = model()
+    if isinstance(data, tuple):
+        m.fit(*data, batch_size=BATCH, epochs=3, verbose=0, callbacks=[cb, order], **kwargs)
+    else:
+        m.fit(data, epochs=3, verbose=0, callbacks=[cb, order], **kwargs)
+    found = [f for f in sink.findings if f.detector == "repeated_data"]
+    return found, order.order
+
+
+@pytest.mark.parametrize(("shuffle", "order"), [(True, "shuffle"), (False, "sequential")])
+def test_arrays_in_the_order_fit_was_asked_for_are_no_repeat(shuffle, order):
+    found, read = fit(arrays(), shuffle=shuffle)
+    assert read == order and found == []
+
+
+def test_a_tf_data_pipeline_that_never_reshuffles_is_named():
+    x, y = arrays()
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(N, seed=1, reshuffle_each_iteration=False)
+        .batch(BATCH)
+    )
+    (found,), read = fit(data)
+    assert read == "" and found.step == N // BATCH  # the second epoch's first step
+    assert "same order every epoch" in found.message
+
+
+def test_a_tf_data_pipeline_that_reshuffles_is_left_alone():
+    x, y = arrays()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=1).batch(BATCH)
+    assert fit(data) == ([], "")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", "int32", "bool"])
+def test_a_sample_prints_alike_in_both_frameworks_wherever_it_sits_in_a_batch(dtype):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 3, 4)) * 100
+    x = (x > 0) if dtype == "bool" else x.astype(dtype)
+    in_keras = keras_prints(tf.constant(x), 8).numpy()
+    assert np.isnan(in_keras[10:]).all()  # padded past the 5 samples
+    in_torch = torch_prints(torch.from_numpy(x)).numpy().reshape(-1)
+    np.testing.assert_array_equal(in_keras[:10], in_torch)
+    moved = torch_prints(torch.from_numpy(x[[3, 0]])).numpy()
+    np.testing.assert_array_equal(moved, in_torch.reshape(5, 2)[[3, 0]])
+    assert len({tuple(p) for p in in_torch.reshape(5, 2)}) == 5  # different samples differ

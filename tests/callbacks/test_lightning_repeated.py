@@ -1,0 +1,151 @@
+"""repeated_data end to end in Lightning: the batches' prints measured at each epoch's
+first step and on sampled steps, a loader stuck on one batch, the same order every epoch,
+a mid-epoch resume whose loader starts the epoch again, against shuffled and sequential
+loaders, token batches and batches with no input tensor."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from _models import TinyMLP, dataset, fit
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from stethoscope import LightningStethoscope
+from stethoscope.testing import CapturingSink
+
+# 480 samples in batches of 32: epochs begin off the sampled detectors' 16-step schedule
+SAMPLES, STEPS_PER_EPOCH = 480, 15
+
+
+class FixedShuffle(Sampler):
+    """A random order drawn from the same seed every epoch: a DistributedSampler without
+    set_epoch, or a streaming dataset shuffled with a fixed seed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(0)).tolist())
+
+
+class StuckDataset(Dataset):
+    """A dataset whose index never advances past the first batch's samples."""
+
+    def __init__(self) -> None:
+        self.data = dataset(SAMPLES)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data[i % 32]
+
+
+def repeated(sink: CapturingSink) -> list:
+    return [f for f in sink.findings if f.detector == "repeated_data"]
+
+
+def test_a_loader_stuck_on_one_batch_is_named():
+    data = DataLoader(StuckDataset(), batch_size=32)
+    _, sink = fit(TinyMLP(), steps=40, data=data)
+    (found,) = repeated(sink)
+    assert found.severity == "warning" and found.epoch == 0
+    assert "same batch again and again" in found.message
+
+
+def test_the_same_order_every_epoch_is_named_at_the_second_epochs_start():
+    data = DataLoader(dataset(SAMPLES), batch_size=32, sampler=FixedShuffle(SAMPLES))
+    _, sink = fit(TinyMLP(), steps=3 * STEPS_PER_EPOCH, data=data)
+    (found,) = repeated(sink)
+    assert found.step == STEPS_PER_EPOCH and "same order every epoch" in found.message
+
+
+def test_shuffled_and_sequential_loaders_are_left_alone():
+    for shuffle in (True, False):
+        data = DataLoader(dataset(SAMPLES), batch_size=32, shuffle=shuffle)
+        _, sink = fit(TinyMLP(), steps=3 * STEPS_PER_EPOCH, data=data)
+        assert repeated(sink) == [], shuffle
+
+
+def test_a_mid_epoch_resume_that_restarts_the_loader_is_named(tmp_path):
+    """Lightning resumes 5 batches into epoch 1 with batch_idx 5, while a loader that keeps
+    no position serves the epoch from its first batch again."""
+    data = DataLoader(dataset(SAMPLES), batch_size=32)  # sequential: its order is the same
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=STEPS_PER_EPOCH + 5, save_top_k=-1
+    )
+    steps = 2 * STEPS_PER_EPOCH
+    _, first = fit(
+        TinyMLP(), steps=steps, data=data, enable_checkpointing=True, callbacks=[checkpoint]
+    )
+    assert repeated(first) == []
+    (path,) = tmp_path.glob(f"*step={STEPS_PER_EPOCH + 5}*")
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink])
+    fit(TinyMLP(), steps=steps + 8, data=data, callback=callback, ckpt_path=path)
+    (found,) = repeated(sink)
+    assert found.step == STEPS_PER_EPOCH + 5 and found.value == 5.0
+    assert "started the epoch again" in found.message and "last 5 never" in found.message
+
+
+class TokenModel(L.LightningModule):
+    """A tiny language model whose batches are dicts of token ids, as transformers' are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.embed(batch["input_ids"]))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Tokens(Dataset):
+    def __init__(self, stuck: bool) -> None:
+        self.ids = torch.randint(0, 50, (256, 12), generator=torch.Generator().manual_seed(0))
+        self.stuck = stuck
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        row = self.ids[0 if self.stuck else i]
+        return {"input_ids": row, "labels": row.roll(-1)}
+
+
+def test_token_batches_are_printed_by_their_input_ids():
+    for stuck in (False, True):
+        data = DataLoader(Tokens(stuck), batch_size=16, shuffle=True)
+        _, sink = fit(TokenModel(), steps=40, data=data)
+        assert len(repeated(sink)) == int(stuck), stuck
+
+
+class NoTensorModel(L.LightningModule):
+    """Batches that are a list of strings (a tokenizer in the training step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * len(batch[0])).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_without_an_input_tensor_it_stays_silent_and_says_so():
+    data = DataLoader([("a b c",)] * 64, batch_size=4, collate_fn=lambda b: [list(b)])
+    _, sink = fit(NoTensorModel(), steps=40, data=data)
+    assert repeated(sink) == []
+    (summary,) = sink.summaries[-1:]
+    rows = {r.detector: r.verdict for r in summary.rows}
+    assert rows["repeated_data"] == "silent: no input tensor could be read from the batches"

@@ -1,0 +1,172 @@
+"""Layer 1: repeated_data on sequences of batch fingerprints: a loader stuck on one batch,
+the same order every epoch, data that cycles within an epoch, and the batches a resumed
+run sees twice or never, against shuffled, sequential and full-batch training."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _helpers import assert_resumes, assert_sentence
+
+from stethoscope.detectors import RepeatedData
+from stethoscope.observation import Observation
+
+SAMPLES = 64  # a dataset of 64 samples
+BATCH = 8  # in batches of 8: 8 steps an epoch
+
+
+def batch_prints(order: np.ndarray, index: int) -> np.ndarray:
+    """The prints of batch ``index`` of an epoch whose samples come in ``order`` (sample i's
+    print: a number fixed per sample)."""
+    chosen = order[index * BATCH : (index + 1) * BATCH]
+    return 1_000_003.0 * (chosen + 1)
+
+
+def epochs(n: int, *, reshuffle: bool, seed: int = 0, steps: list[int] | None = None):
+    """Observations of ``n`` epochs, on the steps in ``steps`` (default: every step), each
+    epoch in a new random order (``reshuffle``) or the first one's again."""
+    rng = np.random.default_rng(seed)
+    per = SAMPLES // BATCH
+    out, order = [], rng.permutation(SAMPLES)
+    for e in range(n):
+        if reshuffle and e:
+            order = rng.permutation(SAMPLES)
+        for i in range(per):
+            step = e * per + i
+            if steps is None or step in steps or i == 0:  # every epoch's first is measured
+                out.append(obs(step, e, batch_prints(order, i)))
+    return out
+
+
+def obs(step: int, epoch: int, prints: np.ndarray, order: str = "") -> Observation:
+    return Observation(step=step, epoch=epoch, sample_prints=prints, data_order=order)
+
+
+def judge(observations, detector: RepeatedData | None = None) -> list:
+    d = detector or RepeatedData()
+    found = []
+    for o in observations:
+        found += d.update(o)
+    return found
+
+
+def sampled(n_epochs: int) -> list[int]:
+    return list(range(0, n_epochs * SAMPLES // BATCH, 3))
+
+
+@pytest.mark.parametrize("steps", [None, sampled(6)], ids=["every-step", "sampled"])
+def test_reshuffled_epochs_are_never_repeats(steps):
+    assert judge(epochs(6, reshuffle=True, steps=steps)) == []
+
+
+def test_the_same_order_every_epoch_is_named_at_the_second_epochs_first_step():
+    (found,) = judge(epochs(4, reshuffle=False, steps=sampled(4)))
+    assert found.detector == "repeated_data" and found.severity == "warning"
+    assert found.step == SAMPLES // BATCH and found.epoch == 1
+    assert_sentence(found, "set_epoch", names=["same order every epoch", "epoch 0"])
+
+
+def test_an_order_asked_to_be_sequential_is_left_alone():
+    observations = epochs(4, reshuffle=False)
+    for o in observations:
+        o.data_order = "sequential"
+    assert judge(observations) == []
+
+
+def test_full_batch_training_repeats_its_one_batch_by_design():
+    everything = np.arange(SAMPLES, dtype=float) + 1
+    assert judge([obs(t, t, everything) for t in range(20)]) == []
+
+
+def test_a_loader_stuck_on_one_batch_is_named_at_the_step_after_a_repeat():
+    stuck = batch_prints(np.arange(SAMPLES), 0)
+    d = RepeatedData()
+    # sampled steps 0 and 16 hold the same batch: a repeat, so the next step is asked for
+    assert judge([obs(0, 0, stuck), obs(16, 0, stuck)], d) == []
+    assert d.request == frozenset({"prints"})
+    (found,) = judge([obs(17, 0, stuck)], d)
+    assert found.step == 17 and "same batch again and again" in found.message
+    assert "16 and 17" in found.message
+    assert_sentence(found, "__getitem__")
+
+
+def test_data_that_cycles_within_an_epoch_is_the_same_order_again():
+    """A dataset of 4 batches repeated in its order within one long epoch (tf.data's
+    repeat() without a shuffle): the batch of step 0 again at step 8, another at step 9."""
+    order = np.arange(SAMPLES)
+    cycle = [batch_prints(order, i % 4) for i in range(12)]
+    found = judge([obs(0, 0, cycle[0]), obs(8, 0, cycle[8]), obs(9, 0, cycle[9])])
+    (order_finding,) = found
+    assert order_finding.step == 9 and "cycles within an epoch" in order_finding.message
+    assert "step 0 came back at step 8" in order_finding.message
+
+
+def test_a_repeat_whose_next_step_is_not_measured_stays_unjudged():
+    order = np.arange(SAMPLES)
+    cycle = [batch_prints(order, i % 4) for i in range(40)]
+    assert judge([obs(0, 0, cycle[0]), obs(8, 0, cycle[8]), obs(24, 0, cycle[24])]) == []
+
+
+def resumed(detector: RepeatedData) -> RepeatedData:
+    """A fresh detector restored from ``detector``'s checkpoint, through strict JSON."""
+    fresh = RepeatedData()
+    fresh.load_state_dict(json.loads(json.dumps(detector.state_dict(), allow_nan=False)))
+    return fresh
+
+
+def test_a_resume_whose_loader_starts_the_epoch_again_is_named():
+    """Lightning's mid-epoch resume with a loader that keeps no position: the checkpoint at
+    step 13 (5 batches into epoch 1), and the resumed run's first batch is epoch 1's
+    first."""
+    order = np.arange(SAMPLES)
+    d = RepeatedData()
+    judge([obs(t, t // 8, batch_prints(order, t % 8), "sequential") for t in range(13)], d)
+    d = resumed(d)
+    (found,) = judge([obs(13, 1, batch_prints(order, 0), "sequential")], d)
+    assert found.step == 13 and found.value == 5.0
+    assert "5 batches into epoch 1" in found.message and "step 8" in found.message
+    assert "trained on twice, and its last 5 never" in found.message
+    assert_sentence(found, "stateful dataloader")
+
+
+def test_a_resume_that_goes_on_where_it_stopped_is_no_repeat():
+    order = np.arange(SAMPLES)
+    d = RepeatedData()
+    judge([obs(t, t // 8, batch_prints(order, t % 8), "sequential") for t in range(13)], d)
+    d = resumed(d)
+    assert judge([obs(t, 1, batch_prints(order, t % 8), "sequential") for t in (13, 14)], d) == []
+
+
+def test_a_resume_that_skips_the_rest_of_an_epoch_is_named():
+    """The checkpoint 3 batches into epoch 1; the resumed run starts epoch 2."""
+    d = RepeatedData()
+    judge(epochs(2, reshuffle=True)[:11], d)
+    d = resumed(d)
+    (found,) = judge([obs(11, 2, batch_prints(np.arange(SAMPLES)[::-1], 0))], d)
+    assert found.value == 5.0 and "3 batches into epoch 1 of 8" in found.message
+    assert "last 5 batches were never trained on" in found.message
+
+
+def test_a_resume_at_an_epochs_end_is_no_skip():
+    d = RepeatedData()
+    judge(epochs(2, reshuffle=True), d)
+    d = resumed(d)
+    assert judge(epochs(3, reshuffle=True, seed=5)[16:18], d) == []
+
+
+def test_each_mistake_is_named_once_and_then_it_has_done():
+    stuck = batch_prints(np.arange(SAMPLES), 0)
+    d = RepeatedData()
+    found = judge([obs(t, 0, stuck) for t in range(10)], d)
+    assert len(found) == 1 and not d.finished(10)
+
+
+def test_a_checkpoint_goes_on_exactly_as_an_uninterrupted_run():
+    assert_resumes(RepeatedData, epochs(5, reshuffle=False, steps=sampled(5)), at=5)
+
+
+def test_without_prints_it_says_nothing():
+    assert judge([Observation(step=t) for t in range(5)]) == []
+    assert judge([obs(t, 0, np.zeros(0)) for t in range(5)]) == []
