@@ -119,6 +119,7 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
         ("grads_never_zeroed", "healthy_accumulate"),
         ("batch_served_again", "healthy_full_batch"),
         ("same_order_every_epoch", "healthy_sequential"),
+        ("validation_leak", "healthy_digits_validated"),
     ],
 )
 def test_each_pipeline_bug_is_named_and_its_twin_is_quiet(fault, twin):

@@ -175,8 +175,12 @@ def test_an_epochs_first_step_measures_what_detectors_compare_epochs_by():
     assert m.plan(32) == {"loss", "prints"}  # the detector's own schedule
     m.load_state_dict(m.state_dict())  # a resumed run's first step
     assert m.plan(25) == {"loss", "prints"} and m.plan(26) == {"loss"}
+    # a validation's prints run it too, whatever it needs on a training step
+    m.observe_validation(40, 2, None, prints=np.arange(64.0))
+    assert m.detectors[0].state["epoch"] == 1  # judged (no training batch moved it)
+    assert m.reads("val_prints") and not m.reads("grads")
     done = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=False)
-    done.detectors[0].state["warned"] = ["stuck", "order", "resume"]
+    done.detectors[0].state["warned"] = ["stuck", "order", "resume", "overlap"]
     done.end_epoch(0)
     assert done.plan(1) == {"loss"}  # it has said all it can: nothing to measure
 

@@ -57,6 +57,8 @@ class DataSpec:
             ``DistributedSampler`` without ``set_epoch``, a pipeline bug);
             ``"sequential"``: the stored order every epoch, shuffling turned off on
             purpose.
+        val_from_train: The share of the validation samples replaced by training samples
+            (a split that leaked; a pipeline bug).
     """
 
     source: str = "gaussian"
@@ -69,6 +71,7 @@ class DataSpec:
     raw: bool = False
     images: bool = False
     order: str = "shuffled"
+    val_from_train: float = 0.0
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -165,6 +168,11 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
     if spec.order == "sorted":
         by_label = np.argsort(y_tr, kind="stable")
         x_tr, y_tr = x_tr[by_label], y_tr[by_label]
+    if spec.val_from_train:
+        leaked = round(spec.val_from_train * len(y_va))
+        rows = rng.choice(len(y_tr), size=leaked, replace=False)
+        x_va, y_va = x_va.copy(), y_va.copy()
+        x_va[:leaked], y_va[:leaked] = x_tr[rows], y_tr[rows]
     x_tr = x_tr * spec.scale
     x_va = x_va * spec.scale
     if spec.images:

@@ -796,6 +796,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         window=64,
     ),
     Scenario(
+        "validation_leak",
+        "pipeline",
+        "30% of the 360 validation digits are training digits (a split that leaked): the "
+        "validation loss flatters the model",
+        data=DataSpec(source="digits", n_train=1437, n_val=360, val_from_train=0.3),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
+        onset=0,
+        expect=("repeated_data",),
+        window=100,
+    ),
+    Scenario(
         "lr_decay_per_batch",
         "pipeline",
         "a decay meant per epoch (x0.1 every 8 epochs) stepped every batch: the learning "
@@ -948,7 +959,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "healthy_digits_validated",
         "healthy",
-        "standardised digits (some pixels rare: z-scores past 10), validated every epoch",
+        "standardised digits (some pixels rare: z-scores past 10), validated every epoch "
+        "on held-out digits (the twin of validation_leak)",
         data=DataSpec(source="digits", n_train=1437, n_val=360),
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
     ),

@@ -37,6 +37,7 @@ __all__ = [
     "GATHERED",
     "MAX_FEATURES",
     "MAX_PRINTS",
+    "MAX_VAL_PRINTS",
     "PLANNED",
     "PRINT_PRIME",
     "PRINT_WIDTH",
@@ -351,6 +352,20 @@ STATISTICS: dict[str, Statistic] = {
             ),
         ),
         Statistic(
+            "val_prints",
+            "A fingerprint of each sample of a validation's first batches.",
+            (
+                Field(
+                    "val_prints",
+                    _ARRAY,
+                    "The prints (as ``sample_prints``) of the samples of a validation's "
+                    "first batches, up to ``MAX_VAL_PRINTS`` (set only on a validation).",
+                ),
+            ),
+            cadence=Cadence.EVENT,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+        Statistic(
             "stale_grads",
             "How many parameters still held a gradient from before the step when its first "
             "backward pass began.",
@@ -495,6 +510,8 @@ SATURATION_BOUNDS: dict[str, float] = {"tanh": 5.0, "sigmoid": 10.0}
 
 #: Samples of a batch fingerprinted by the ``prints`` statistic at most (the first ones).
 MAX_PRINTS = 1024
+#: Validation samples fingerprinted at most per validation (its first batches').
+MAX_VAL_PRINTS = 4096
 #: Elements of a sample a print reads at most (evenly spaced beyond): the sums below stay
 #: exact in 64-bit integers.
 PRINT_WIDTH = 1 << 20

@@ -79,6 +79,7 @@ FAULTS = [
     pytest.param("lr_decay_per_batch", id="per-epoch-decay-stepped-per-batch"),
     pytest.param("batch_served_again", id="a-loader-stuck-on-one-batch"),
     pytest.param("same_order_every_epoch", id="the-same-order-every-epoch"),
+    pytest.param("validation_leak", id="validation-data-from-the-training-set"),
 ]
 
 

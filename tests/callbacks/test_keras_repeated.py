@@ -98,3 +98,31 @@ def test_a_sample_prints_alike_in_both_frameworks_wherever_it_sits_in_a_batch(dt
     moved = torch_prints(torch.from_numpy(x[[3, 0]])).numpy()
     np.testing.assert_array_equal(moved, in_torch.reshape(5, 2)[[3, 0]])
     assert len({tuple(p) for p in in_torch.reshape(5, 2)}) == 5  # different samples differ
+
+
+def fit_validated(validation):
+    sink = CapturingSink()
+    m = model()
+    x, y = arrays()
+    m.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=4,
+        verbose=0,
+        validation_data=validation,
+        callbacks=[KerasStethoscope(sinks=[sink])],
+    )
+    return [f for f in sink.findings if f.detector == "repeated_data"]
+
+
+def test_a_validation_set_drawn_from_the_training_set_is_named():
+    x, y = arrays()
+    (found,) = fit_validated((x[:128], y[:128]))
+    assert found.where == "validation data" and "overlaps the training data" in found.message
+
+
+def test_a_held_out_validation_set_is_no_overlap():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(128, FEATURES)).astype("float32")
+    assert fit_validated((x, (x[:, 0] > 0).astype("int64"))) == []

@@ -149,3 +149,36 @@ def test_without_an_input_tensor_it_stays_silent_and_says_so():
     (summary,) = sink.summaries[-1:]
     rows = {r.detector: r.verdict for r in summary.rows}
     assert rows["repeated_data"] == "silent: no input tensor could be read from the batches"
+
+
+class Validated(TinyMLP):
+    """TinyMLP with a validation loop on ``val`` (its loss logged as val_loss)."""
+
+    def __init__(self, val: DataLoader) -> None:
+        super().__init__()
+        self.val = val
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def val_dataloader(self):
+        return self.val
+
+
+def test_a_validation_set_drawn_from_the_training_set_is_named():
+    train = DataLoader(dataset(SAMPLES), batch_size=32, shuffle=True)
+    leaked = DataLoader(dataset(SAMPLES), batch_size=64)  # the training set, validated on
+    _, sink = fit(Validated(leaked), steps=4 * STEPS_PER_EPOCH, data=train)
+    (found,) = repeated(sink)
+    assert found.where == "validation data" and "overlaps the training data" in found.message
+    assert found.value > 0.5
+
+
+def test_a_held_out_validation_set_is_no_overlap():
+    train = DataLoader(dataset(SAMPLES), batch_size=32, shuffle=True)
+    held_out = DataLoader(dataset(SAMPLES, seed=9), batch_size=64)
+    _, sink = fit(Validated(held_out), steps=4 * STEPS_PER_EPOCH, data=train)
+    assert repeated(sink) == []

@@ -170,3 +170,35 @@ def test_a_checkpoint_goes_on_exactly_as_an_uninterrupted_run():
 def test_without_prints_it_says_nothing():
     assert judge([Observation(step=t) for t in range(5)]) == []
     assert judge([obs(t, 0, np.zeros(0)) for t in range(5)]) == []
+
+
+def validate(detector: RepeatedData, step: int, prints: np.ndarray) -> list:
+    return judge([Observation(step=step, val_prints=prints)], detector)
+
+
+def test_validation_samples_the_model_trains_on_are_named():
+    """A validation set that is the training set: every validation sample was trained on;
+    the run fingerprinted one batch in 3 (a third of an epoch's samples)."""
+    d = RepeatedData()
+    judge(epochs(1, reshuffle=True, steps=sampled(1)), d)
+    everything = 1_000_003.0 * (np.arange(SAMPLES) + 1)
+    (found,) = validate(d, 7, everything)
+    assert found.where == "validation data" and found.value == pytest.approx(1.0)
+    assert "24 of the 64 validation samples" in found.message
+    assert "about 38% of the training set" in found.message
+    assert_sentence(found, "split the data once", names=["overlaps the training data"])
+
+
+def test_a_validation_set_of_other_samples_is_no_overlap():
+    d = RepeatedData()
+    judge(epochs(3, reshuffle=True), d)
+    others = 1_000_003.0 * (np.arange(SAMPLES, 3 * SAMPLES) + 1)
+    assert validate(d, 23, others) == []
+    # a few duplicates across the splits (4 of 128): under the bar, and too few
+    assert validate(d, 23, np.r_[others, 1_000_003.0 * (np.arange(4) + 1)]) == []
+
+
+def test_a_small_validation_is_not_judged():
+    d = RepeatedData()
+    judge(epochs(1, reshuffle=True), d)
+    assert validate(d, 7, 1_000_003.0 * (np.arange(16) + 1)) == []

@@ -198,6 +198,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._next = step0
         self._pending = None
         probe.start(step0)
+        probe.print_validation(self.monitor.reads("val_prints"))
         probe.install()
         self._probe = probe
         if recover:
@@ -356,8 +357,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._collect()
         val = (logs or {}).get("val_loss")
-        if isinstance(val, (int, float, np.floating)) and self._probe is not None:
-            self._act(self.monitor.observe_validation(max(self._next - 1, 0), epoch, float(val)))
+        val = float(val) if isinstance(val, (int, float, np.floating)) else None
+        if self._probe is not None:
+            prints = self._probe.validation_prints()
+            step = max(self._next - 1, 0)
+            self._act(self.monitor.observe_validation(step, epoch, val, prints=prints))
         self._end_epoch(epoch)
 
     # -- decisions ------------------------------------------------------------------------

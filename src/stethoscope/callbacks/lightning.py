@@ -20,7 +20,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
-from stethoscope.callbacks._lightning.batch import BatchParts
+from stethoscope.callbacks._lightning.batch import BatchParts, ValidationPrints
 from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_clock_for
 from stethoscope.callbacks._lightning.forward import ForwardProbe
@@ -161,6 +161,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._reductions: ReductionSet | None = None
         self._measures = StepMeasures(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
+        self._val_prints: ValidationPrints | None = None
+        self._printing_val = False  # a detector reads the validation's prints
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
@@ -185,6 +187,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         # DDP averages the gradients over every rank's batch
         batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
         self._reductions = make_reductions(pl_module, probe, layers, self._forward, batch)
+        self._val_prints = ValidationPrints(batch.inputs)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
@@ -312,10 +315,28 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
+        # a single process judges its validation's prints (the ranks pool their losses)
+        self._printing_val = (
+            trainer.state.fn == "fit"
+            and self._ranks is None
+            and self._val_prints is not None
+            and self.monitor.reads("val_prints")
+        )
         if self._ranks is not None:
             self._ranks.timing.pause()
 
     # -- validation -----------------------------------------------------------------
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._printing_val and not trainer.sanity_checking and dataloader_idx == 0:
+            self._val_prints.add(batch)
+
     def on_validation_batch_end(
         self,
         trainer: pl.Trainer,
@@ -336,10 +357,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self._ranks is not None:  # every rank validates here
             self._ranks.validated(trainer, step, val)
             return
-        if val is None:
+        prints = self._val_prints.take() if self._printing_val else None
+        if val is None and prints is None:
             return
         self._drain(trainer, wait=True)
-        self._act(self.monitor.observe_validation(step, trainer.current_epoch, val))
+        epoch = trainer.current_epoch
+        self._act(self.monitor.observe_validation(step, epoch, val, prints=prints))
 
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

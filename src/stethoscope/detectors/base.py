@@ -58,6 +58,9 @@ class Detector:
     #: Statistics measured on the first step of every epoch and of every run (fresh or
     #: resumed), whatever the schedule: what a rule that compares epochs reads there.
     at_epoch_start: ClassVar[frozenset[str]] = frozenset()
+    #: Statistics on whose arrival it runs, due or not, and whatever else it needs: what
+    #: an epoch's first step or a validation brings it (see :attr:`at_epoch_start`).
+    runs_on: ClassVar[frozenset[str]] = frozenset()
     #: What the run lacks when the detector's statistics never arrive although they
     #: were asked for (no integer class labels in the batches, say): then it stays
     #: silent and the summary says so, in these words. Empty: it says nothing.
@@ -71,6 +74,7 @@ class Detector:
 
     def __init__(self) -> None:
         unknown = set(self.needs | self.wants | self.requests | self.at_epoch_start)
+        unknown |= self.runs_on
         unknown -= set(STATISTICS)
         if self.bars is not None and self.bars not in BARS:
             unknown.add(self.bars)

@@ -1,5 +1,6 @@
-"""Data served again: the same batch over and over, the same order every epoch, and the
-batches a resumed run sees twice or never, told by fingerprints of the batches' samples."""
+"""Data served again: the same batch over and over, the same order every epoch, the
+batches a resumed run sees twice or never, and validation samples the model trains on,
+told by fingerprints of the batches' samples."""
 
 from __future__ import annotations
 
@@ -22,12 +23,14 @@ def batch_key(prints: np.ndarray) -> str:
 
 class RepeatedData(Detector):
     """Batches served again where each should be new: a loader stuck on one batch, data
-    that comes in the same order every epoch although shuffling was asked for, and the
-    batches a run resumed from a checkpoint sees twice or never.
+    that comes in the same order every epoch although shuffling was asked for, the
+    batches a run resumed from a checkpoint sees twice or never, and validation samples
+    that are training samples.
 
     Rule: each sampled batch, the first batch of every epoch and the first batch after a
     resume are fingerprinted (a print of each of their samples, in order: see the
-    ``prints`` statistic). Three mistakes are warned of, each once:
+    ``prints`` statistic), and so are a validation's first batches (``val_prints``). Four
+    mistakes are warned of, each once:
 
     - *stuck*: a batch equal to the one just before it in the same epoch (a repeat seen
       on a sampled step asks for the next step's batch too): the loader serves one batch
@@ -39,7 +42,11 @@ class RepeatedData(Detector):
     - *resume*: the first batch after a resume equals the first batch of the epoch the
       checkpoint was taken in, a few steps into it: the loader started the epoch again,
       so its first batches are seen twice and as many of its last never; or the resumed
-      run starts a new epoch where the checkpoint's had not ended: its rest is skipped.
+      run starts a new epoch where the checkpoint's had not ended: its rest is skipped;
+    - *overlap*: at a validation, at least 5 of its samples (of at least 32) are among
+      the training samples fingerprinted so far (the first ``KEEP``), and so an estimated
+      ``overlap`` share or more of the validation data: the number found over the share
+      of the training set fingerprinted (its distinct prints over an epoch's samples).
 
     Sources: accelerate #2016 and #4233 (the wrong batch order after a resume, the same
     shuffle twice), verl #7401 (a resumed run silently skips an epoch); a
@@ -50,9 +57,14 @@ class RepeatedData(Detector):
     name = "repeated_data"
     needs = frozenset({"prints"})
     at_epoch_start = frozenset({"prints"})
+    runs_on = frozenset({"prints", "val_prints"})
     base_interval = 16
     advice = "reshuffle every epoch; resume the loader's position"
     blind_to = "no input tensor could be read from the batches"
+    #: Training prints kept to compare validations against.
+    KEEP = 16384
+    #: The share of a validation's samples found in training above which it overlaps.
+    OVERLAP = 0.05
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,6 +76,7 @@ class RepeatedData(Detector):
         # first; length: steps in the last complete epoch; seen: this epoch's sampled
         # batches (key -> step); last: [step, key] of the last batch seen; cycle: [step,
         # earlier step] of a batch that came again, until the next step's tells why;
+        # kept: training prints (the first KEEP), batch: the samples printed per batch;
         # warned: the mistakes already named
         return {
             "epoch": None,
@@ -73,17 +86,21 @@ class RepeatedData(Detector):
             "seen": {},
             "last": [-1, ""],
             "cycle": [],
+            "kept": [],
+            "batch": 0,
             "warned": [],
         }
 
     def finished(self, step: int) -> bool:
-        return len(self.state["warned"]) == 3
+        return len(self.state["warned"]) == 4
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._resumed = self.state["epoch"] is not None
 
     def _update(self, obs: Observation) -> list[Finding]:
+        if obs.val_prints is not None:
+            return self._validation(obs, np.unique(obs.val_prints))
         resumed, self._resumed = self._resumed, False
         if obs.sample_prints is None or not len(obs.sample_prints):
             return []
@@ -97,9 +114,38 @@ class RepeatedData(Detector):
             found += self._resumed_within(obs, key)
         else:
             found += self._again(obs, key)
+        if key not in st["seen"] and len(st["kept"]) < self.KEEP:
+            st["kept"].extend(prints[: self.KEEP - len(st["kept"])].tolist())
         st["seen"].setdefault(key, step)
-        st["last"] = [step, key]
+        st["last"], st["batch"] = [step, key], len(prints)
         return found
+
+    def _validation(self, obs: Observation, val: np.ndarray) -> list[Finding]:
+        """A validation's prints: are its samples training samples?"""
+        st = self.state
+        if len(val) < 32 or not st["kept"] or "overlap" in st["warned"]:
+            return []
+        kept = set(st["kept"])
+        hits = int(sum(p in kept for p in val.tolist()))
+        # the share of an epoch's samples fingerprinted so far (an epoch not yet ended
+        # counts its steps so far: fewer samples, a larger share, a smaller estimate)
+        steps = st["length"] or obs.step - st["start"] + 1
+        covered = min(1.0, len(kept) / max(steps * st["batch"], 1))
+        share = min(1.0, hits / (len(val) * covered))
+        if hits < 5 or share < self.OVERLAP:
+            return []
+        return self._warn(
+            obs,
+            "overlap",
+            f"The validation data overlaps the training data: {hits} of the {len(val)} "
+            f"validation samples checked are samples the model trains on, and as the run "
+            f"has fingerprinted about {covered:.0%} of the training set, roughly "
+            f"{share:.0%} of the validation data is training data, so the validation "
+            "loss flatters the model; split the data once, before shuffling or "
+            "augmenting it, and remove duplicates across the splits.",
+            value=share,
+            threshold=self.OVERLAP,
+        )
 
     # -- the three mistakes -----------------------------------------------------
     def _new_epoch(self, obs: Observation, key: str, resumed: bool) -> list[Finding]:
@@ -197,9 +243,20 @@ class RepeatedData(Detector):
             value=1.0,
         )
 
-    def _warn(self, obs: Observation, mistake: str, message: str, *, value: float) -> list:
+    def _warn(
+        self,
+        obs: Observation,
+        mistake: str,
+        message: str,
+        *,
+        value: float,
+        threshold: float = 0.0,
+    ) -> list:
         warned = self.state["warned"]
         if mistake in warned:
             return []
         warned.append(mistake)
-        return [self.finding(obs, "warning", message, value=value, threshold=0.0, where="data")]
+        where = "validation data" if mistake == "overlap" else "data"
+        return [
+            self.finding(obs, "warning", message, value=value, threshold=threshold, where=where)
+        ]

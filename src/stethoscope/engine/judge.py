@@ -177,7 +177,7 @@ class Judge:
             back = sampler.tick(obs.step)
             if back:
                 notes.append(self._sampler_finding(obs.step, obs.epoch, back))
-            detectors = planner.runnable(obs.step, every=forced)
+            detectors = planner.with_arrivals(planner.runnable(obs.step, every=forced), has)
         # what each step raised, by its place in the batch, in the detectors' order
         raised: dict[int, list[_Raised]] = {}
         n = len(numbers)
@@ -194,11 +194,13 @@ class Judge:
                         i = taken
                         continue
                 else:
-                    for s in d.needs:  # does the one step carry what d needs?
-                        if not has(s):
-                            break
-                    else:
-                        s = None
+                    s = None
+                    if not (d.runs_on and any(map(has, d.runs_on))):
+                        for s in d.needs:  # does the one step carry what d needs?
+                            if not has(s):
+                                break
+                        else:
+                            s = None
                     if s is not None:
                         if d.blind_to:
                             self._unread(d, numbers[i])

@@ -8,6 +8,8 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from stethoscope.detectors import Detector
 from stethoscope.engine.budget import OverheadBudget
 from stethoscope.engine.held import Held
@@ -221,19 +223,38 @@ class Monitor:
         since the last one, and the first, each as a (sum, count) pair."""
         return self.judge.losses.shared()
 
-    def observe_validation(self, step: int, epoch: int, val_loss: float) -> Decision:
+    def observe_validation(
+        self,
+        step: int,
+        epoch: int,
+        val_loss: float | None,
+        *,
+        prints: np.ndarray | None = None,
+    ) -> Decision:
         """Judge a validation loss against the mean training loss since the last one (a
-        single process; the ranks of a distributed run pool theirs where they meet)."""
+        single process; the ranks of a distributed run pool theirs where they meet), and
+        the ``prints`` of its samples (the ``val_prints`` statistic), if measured."""
+        if val_loss is None and prints is None:
+            return NOTHING
         self.catch_up()  # the training losses that waited belong to this window
-        obs = Observation(
-            step=step,
-            epoch=epoch,
-            rank=self.rank,
-            val_loss=val_loss,
-            train_loss=self.judge.losses.mean(),
-            start_loss=self.judge.losses.start,
-        )
+        obs = Observation(step=step, epoch=epoch, rank=self.rank, val_prints=prints)
+        if val_loss is not None:
+            obs.val_loss = val_loss
+            obs.train_loss = self.judge.losses.mean()
+            obs.start_loss = self.judge.losses.start
         return self.observe(obs)
+
+    def reads(self, statistic: str) -> bool:
+        """Whether a detector taking part still reads ``statistic`` (needs it, or runs on
+        its arrival): whether an adapter measures one that is never planned (a
+        validation's)."""
+        step = self.last_step + 1
+        return any(
+            statistic in (d.needs | d.runs_on)
+            and not self.schedule.idle(d.name)
+            and not d.finished(step)
+            for d in self.detectors
+        )
 
     def escalate(self, step: int, epoch: int, reason: str) -> None:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,

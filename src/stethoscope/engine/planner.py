@@ -50,10 +50,6 @@ class Planner:
         #: and that step, once planned.
         self._next: frozenset[str] = frozenset()
         self._next_step: int | None = None
-        #: The step the last of those landed on: the detectors that read an epoch's
-        #: first step run there, due or not.
-        self._opening: int | None = None
-        self._openers = frozenset(d.name for d in self.detectors if d.at_epoch_start)
         self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
 
@@ -87,6 +83,7 @@ class Planner:
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
         self._loss_readers: tuple[Detector, ...] | None = None
+        self._arriving: tuple[Detector, ...] | None = None
         self.changed()
 
     def due(self, step: int) -> frozenset[str]:
@@ -100,11 +97,8 @@ class Planner:
 
     def runnable(self, step: int, *, every: bool = False) -> tuple[Detector, ...]:
         """The detectors due at ``step`` (``every``: all of them) that take part in this
-        run, in order; at an epoch's first step (see :meth:`measure_next`), with those that
-        read it, due or not."""
+        run, in order."""
         due = self._all if every else self.due(step)
-        if step == self._opening:
-            due = due | self._openers
         hit = self._runnable.get(due)
         if hit is None:
             hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
@@ -122,7 +116,7 @@ class Planner:
         want, with what those require, and any deeper statistic requested."""
         if self._next:
             if self._next_step is None:
-                self._next_step = self._opening = step
+                self._next_step = step
             if step == self._next_step:
                 return self._plan(step) | self._next
             self._next, self._next_step = frozenset(), None  # that step is over
@@ -157,6 +151,22 @@ class Planner:
         if self._sink_every and step % self.sink_interval(step) == 0:
             planned = planned | self._sink_wants
         return planned
+
+    def with_arrivals(
+        self, detectors: tuple[Detector, ...], has: Callable[[str], bool]
+    ) -> tuple[Detector, ...]:
+        """``detectors`` with those taking part that run on the arrival of a statistic an
+        observation carries (``has``; see ``Detector.runs_on``), in order."""
+        arriving = self._arriving
+        if arriving is None:
+            arriving = self._arriving = tuple(
+                d for d in self.detectors if d.runs_on and d.name not in self.idle
+            )
+        extra = [d for d in arriving if d not in detectors and any(map(has, d.runs_on))]
+        if not extra:
+            return detectors
+        chosen = {*detectors, *extra}
+        return tuple(d for d in self.detectors if d in chosen)
 
     def loss_readers(self) -> tuple[Detector, ...]:
         """The detectors that judge a quiet step (one that measures the loss alone): those
@@ -200,7 +210,7 @@ class Planner:
         """A fresh run: no cached schedule, no pending request."""
         self._due_key = None
         self.requested.clear()
-        self._next, self._next_step, self._opening = frozenset(), None, None
+        self._next, self._next_step = frozenset(), None
         self.changed()
 
     def changed(self) -> None:

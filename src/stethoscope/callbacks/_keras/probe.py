@@ -32,6 +32,7 @@ from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
 from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_KEY, StepWrappers
 from stethoscope.observation import Observation
+from stethoscope.statistics import join_prints
 
 __all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe"]
 
@@ -353,6 +354,21 @@ class GraphProbe:
     def read(self, name: str) -> np.ndarray:
         """Slot ``name`` on the host (see :class:`ProbeVariables`)."""
         return self.variables.read(name)
+
+    def print_validation(self, on: bool) -> None:
+        """Whether the test steps of the validations print their batches (a test function
+        traced from now on)."""
+        self.wrappers.printing_validation = on
+
+    def validation_prints(self) -> np.ndarray | None:
+        """The prints of the last validation's first batches (None: none printed), and
+        their rows cleared for the next one."""
+        printed = int(self.variables.read("val_printed")[0])
+        if not printed:
+            return None
+        pairs = self.variables.read("val_prints")[:printed].reshape(-1)
+        self.variables.write("val_printed", np.zeros(1, np.float32))
+        return join_prints(pairs[~np.isnan(pairs)])
 
     def decode(self, obs: Observation, plan: frozenset[str], *, fresh: bool) -> None:
         """Fill ``obs`` with the statistics of ``plan`` that the step measured; ``fresh``:

@@ -399,17 +399,30 @@ class ClassLabels(KerasReduction):
 
 class SamplePrints(KerasReduction):
     """A fingerprint of each sample of the batch's inputs (see
-    :func:`~stethoscope.callbacks._keras.ops.sample_prints`). The order the data was asked
-    for is not known here: ``fit``'s ``shuffle`` never reaches a callback."""
+    :func:`~stethoscope.callbacks._keras.ops.sample_prints`), and of a validation's first
+    ``VAL_ROWS`` batches (written by the test step, read once the validation is over). The
+    order the data was asked for is the callback's to tell (``fit_call.data_order``)."""
 
     statistics = frozenset({"prints"})
     group = "prints"
     hooks = frozenset({"batch"})
+    #: Validation batches printed per validation at most (a later one takes the last row).
+    VAL_ROWS = 8
 
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
         # under a strategy, the first replica's shard: a batch served again is served
-        # again in every shard
-        return [Slot("sample_prints", (2 * MAX_PRINTS,), np.nan, combine="first")]
+        # again in every shard, and a validation's shard holds its samples as well
+        return [
+            Slot("sample_prints", (2 * MAX_PRINTS,), np.nan, combine="first"),
+            Slot(
+                "val_prints",
+                (self.VAL_ROWS, 2 * MAX_PRINTS),
+                np.nan,
+                combine="first",
+                returned=False,
+            ),
+            Slot("val_printed", (1,), 0.0, combine="first", returned=False),
+        ]
 
     def on_batch(self, store: Store, x: Any, y: Any) -> None:
         prints = kops.sample_prints(x, MAX_PRINTS)

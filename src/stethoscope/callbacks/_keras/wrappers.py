@@ -37,6 +37,7 @@ from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction,
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
+from stethoscope.statistics import MAX_PRINTS
 
 __all__ = ["PROBES_KEY", "RING_KEY", "VERDICT_KEY", "StepWrappers"]
 
@@ -134,6 +135,8 @@ class StepWrappers:
         }
         self.switches = switches
         self.saw_loss = False
+        #: Whether a test step prints its batch (a detector reads a validation's prints).
+        self.printing_validation = False
         # positions of the variables the train step hands optimizer.apply, and of those it
         # hands with a gradient: known once apply has been traced (every step when eager)
         self.handed: set[int] = set()
@@ -228,7 +231,11 @@ class StepWrappers:
                 loss = original(x, y, y_pred, sample_weight, training=training)
             else:
                 loss = original(x, y, y_pred, sample_weight)
-            if not training or self.switches.off or kops.is_symbolic(loss):
+            if not training:
+                if self.printing_validation and not kops.is_symbolic(loss):
+                    self._print_validation(x)
+                return loss
+            if self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
             regime = self.regime
@@ -249,6 +256,18 @@ class StepWrappers:
             return loss
 
         return compute_loss
+
+    def _print_validation(self, x: Any) -> None:
+        """Write the prints of a test step's batch into the next row of ``val_prints``
+        (the last row, once they are all written)."""
+        prints = kops.sample_prints(x, MAX_PRINTS)
+        if prints is None:
+            return
+        printed = self.variables["val_printed"]
+        rows = self.variables["val_prints"]
+        row = ops.minimum(ops.cast(printed[0], "int32"), rows.shape[0] - 1)
+        kops.put(rows, row, prints)
+        printed.assign(printed + 1.0)
 
     def _train_step(self, original: Any) -> Any:
         @functools.wraps(original)

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from stethoscope.statistics import (
     MAX_FEATURES,
     MAX_PRINTS,
+    MAX_VAL_PRINTS,
     PRINT_PRIME,
     PRINT_WIDTH,
+    join_prints,
     print_weights,
 )
 
@@ -19,6 +22,7 @@ __all__ = [
     "INPUT_KEYS",
     "LABEL_KEYS",
     "BatchParts",
+    "ValidationPrints",
     "class_labels",
     "input_moments",
     "loader_order",
@@ -179,3 +183,35 @@ def loader_order(trainer: Any) -> str:
     if isinstance(sampler, DistributedSampler):
         return "shuffle" if sampler.shuffle else "sequential"
     return ""
+
+
+class ValidationPrints:
+    """The prints of a validation's first samples (up to ``MAX_VAL_PRINTS``), kept on the
+    device until the validation ends and read then, in one transfer.
+
+    Args:
+        inputs_of: ``batch -> inputs``.
+    """
+
+    def __init__(self, inputs_of: Callable[[Any], Any]) -> None:
+        self.inputs_of = inputs_of
+        self._parts: list[torch.Tensor] = []
+        self._count = 0
+
+    def add(self, batch: Any) -> None:
+        """Print a validation batch's samples, while fewer than the most were."""
+        if self._count >= MAX_VAL_PRINTS:
+            return
+        prints = sample_prints(self.inputs_of(batch))
+        if prints is not None:
+            self._parts.append(prints)
+            self._count += len(prints)
+
+    def take(self) -> np.ndarray | None:
+        """The prints of this validation's samples (None: none printed), and start over."""
+        parts, self._parts, self._count = self._parts, [], 0
+        if not parts:
+            return None
+        # a validation's end reads its losses too: one wait there, by design
+        pairs = torch.cat(parts)[:MAX_VAL_PRINTS].cpu().numpy()
+        return join_prints(pairs)
