@@ -38,6 +38,8 @@ STABLE_NAMES = (
     "unnormalized_input",
     "unshuffled_data",
     "repeated_data",
+    "logits_mismatch",
+    "broadcast_loss",
     "collapsed_lr",
     "eval_mode",
     "unzeroed_gradients",
@@ -59,6 +61,8 @@ SHORT_MEMORY = {
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
     "eval_mode",  # a streak of steps in eval mode
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
+    "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
+    "broadcast_loss",  # a streak of steps whose loss broadcast
 }
 NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])
@@ -110,6 +114,8 @@ def obs(
     eval_modules: tuple[str, ...] = (),
     stale: float = 0.0,
     stuck: bool = False,
+    probabilities: bool = False,
+    broadcast: bool = False,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     and the facts gathered from every rank of a distributed run."""
@@ -142,8 +148,16 @@ def obs(
         eval_modules=eval_modules,
         stale_grads=stale,
         sample_prints=prints(step, stuck=stuck),
+        output_probs=1.0 if probabilities else 0.0,
+        output_width=4,
+        loss_expects="logits",
+        loss_broadcast=BROADCAST if broadcast else "",
         **ranks(step, slow=slow, diverged=diverged),
     )
+
+
+#: What the loss graph says of a broadcast loss.
+BROADCAST = "a (32, 1) prediction against a target made a (32, 32) tensor in Sub"
 
 
 def prints(step: int, *, stuck: bool = False) -> np.ndarray:
@@ -199,7 +213,9 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
     a zero gradient, and a validation loss that rises while training improves; from step
     48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
-    left in eval mode; from step 85 to 90, one batch served again and again; from step
+    left in eval mode; from step 85 to 90, one batch served again and again; from step 90
+    to 95, probabilities fed to a loss that takes logits; from step 95 to 100, a loss that
+    broadcasts the prediction against the target; from step
     100 to 110, gradients never zeroed; from step 120, a
     learning rate
     collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
@@ -236,6 +252,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
         left_in_eval = ("<model>",) if 60 <= i < 70 else ()
         unzeroed = 4.0 if 100 <= i < 110 else 0.0
         stuck = 85 <= i < 90
+        probabilities = 90 <= i < 95
+        broadcast = 95 <= i < 100
         out.append(
             obs(
                 start + i,
@@ -249,6 +267,8 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 eval_modules=left_in_eval,
                 stale=unzeroed,
                 stuck=stuck,
+                probabilities=probabilities,
+                broadcast=broadcast,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,

@@ -120,6 +120,9 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
         ("batch_served_again", "healthy_full_batch"),
         ("same_order_every_epoch", "healthy_sequential"),
         ("validation_leak", "healthy_digits_validated"),
+        ("softmax_then_cross_entropy", "healthy_softmax_output"),
+        ("logits_to_nll", "healthy_softmax_output"),
+        ("loss_broadcast", "healthy_regression"),
     ],
 )
 def test_each_pipeline_bug_is_named_and_its_twin_is_quiet(fault, twin):

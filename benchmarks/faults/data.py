@@ -41,7 +41,8 @@ class DataSpec:
     """Which data a scenario trains on, and what is wrong with it.
 
     Args:
-        source: ``"gaussian"``, ``"separable"``, ``"digits"`` or ``"sequences"``.
+        source: ``"gaussian"``, ``"separable"``, ``"digits"``, ``"sequences"`` or
+            ``"regression"`` (Gaussian inputs, a float target: one output, no classes).
         n_train: Training samples (``digits``: at most the 80% split, 1437).
         n_val: Validation samples; 0 for none (no validation loop).
         label_noise: Fraction of training labels redrawn uniformly at random.
@@ -92,7 +93,8 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class Arrays:
-    """Training (and optional validation) arrays: float32 inputs, int64 labels."""
+    """Training (and optional validation) arrays: float32 inputs, int64 labels (a float32
+    target for a regression, whose ``classes`` is 1)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -130,6 +132,11 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
         x[np.arange(n_total), y] += 3.0
         classes = GAUSSIAN_CLASSES
         x_tr, y_tr, x_va, y_va = _split(x, y, spec.n_train)
+    elif spec.source == "regression":
+        x = rng.standard_normal((n_total, GAUSSIAN_FEATURES))
+        y = x @ rng.standard_normal(GAUSSIAN_FEATURES) + 0.1 * rng.standard_normal(n_total)
+        classes = 1
+        x_tr, y_tr, x_va, y_va = _split(x, y, spec.n_train)
     elif spec.source == "sequences":
         templates = rng.standard_normal((SEQ_CLASSES, SEQ_LEN, SEQ_FEATURES))
         y = rng.integers(0, SEQ_CLASSES, n_total)
@@ -154,7 +161,8 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
         classes = 10
     else:
         raise ValueError(
-            f"source={spec.source!r}; use 'gaussian', 'separable', 'digits' or 'sequences'"
+            f"source={spec.source!r}; use 'gaussian', 'separable', 'digits', 'sequences' "
+            "or 'regression'"
         )
 
     y_tr = y_tr.copy()
@@ -180,9 +188,9 @@ def make_data(spec: DataSpec, seed: int) -> Arrays:
     val = spec.n_val > 0
     return Arrays(
         x=x_tr.astype(np.float32),
-        y=y_tr.astype(np.int64),
+        y=y_tr.astype(np.float32 if classes == 1 else np.int64),
         x_val=x_va.astype(np.float32) if val else None,
-        y_val=y_va.astype(np.int64) if val else None,
+        y_val=y_va.astype(np.float32 if classes == 1 else np.int64) if val else None,
         classes=classes,
     )
 

@@ -364,7 +364,7 @@ def build_model(
         mods.append(gru)
     else:
         raise ValueError(f"arch={spec.arch!r}; use 'mlp', 'cnn' or 'gru'")
-    head = keras.layers.Dense(classes)
+    head = keras.layers.Dense(classes, activation="softmax" if spec.output == "softmax" else None)
     layers.append(head)
     mods.append(head)
     kind = fault.kind if fault is not None else None
@@ -789,7 +789,7 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
         model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
         model.compile(
             optimizer=make_optimizer(t, f, onset, layers),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=t.loss == "logits"),
         )
         # Built here, the optimizer's variables exist before the train step is traced, so
         # it is traced once instead of twice (a first trace that creates variables is

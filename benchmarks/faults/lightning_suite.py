@@ -164,6 +164,9 @@ def build_net(
             mods.append(nn.Dropout(spec.dropout))
         head = nn.Linear(width, classes)
         layers.append(head)
+        if spec.output == "softmax":
+            mods += [head, nn.Softmax(dim=1)]
+            return nn.Sequential(*mods), layers
         return nn.Sequential(*mods, head), layers
     if spec.arch == "cnn":
         c1, c2 = nn.Conv2d(input_shape[0], 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1)
@@ -297,17 +300,30 @@ class SuiteModule(L.LightningModule):
                 _weight(self._layers[f["layer"]]).view(-1)[0] = math.nan
 
     # -- steps --------------------------------------------------------------------------------
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The scenario's loss of the network's output (see ``TrainSpec.loss``)."""
+        kind = self.sc.train.loss
+        if kind == "mse":
+            return nn.functional.mse_loss(out.squeeze(-1), y)
+        if kind == "mse_broadcast":  # (N, 1) against (N,): every pair
+            return ((out - y) ** 2).mean()
+        if kind == "probabilities":
+            return nn.functional.nll_loss(torch.log(out.clamp_min(1e-12)), y)
+        if kind == "nll_raw":
+            return nn.functional.nll_loss(out, y)
+        return nn.functional.cross_entropy(out, y)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self._batch_fault is not None and self.global_step == self._onset:
             x, y = _corrupt(self._batch_fault, self.sc.fault.params, x, y, self.classes)
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        loss = self._loss(self.net(x), y)
         self.log("train_loss", loss, batch_size=len(y))  # EarlyStopping monitors it
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        loss = self._loss(self.net(x), y)
         self.log("val_loss", loss, batch_size=len(y), on_epoch=True)
         self._val_sum += float(loss) * len(y)
         self._val_n += len(y)

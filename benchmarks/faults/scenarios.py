@@ -196,6 +196,8 @@ class ModelSpec:
         frozen: Layers whose parameters do not require grad (a frozen backbone).
         frozen_bn: The batch norms frozen as fine-tuning does: their parameters do not
             require grad and they stay in eval mode, on their running statistics.
+        output: ``"logits"`` (the classifier's scores) or ``"softmax"`` (a softmax after
+            the classifier: probabilities).
     """
 
     arch: str = "mlp"
@@ -207,6 +209,7 @@ class ModelSpec:
     hidden_bias: bool = True
     frozen: tuple[int, ...] = ()
     frozen_bn: bool = False
+    output: str = "logits"
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,14 @@ class TrainSpec:
         clip: Clip the global gradient norm to this (None: no clipping).
         validate: Run a validation epoch after every training epoch (needs
             ``DataSpec.n_val``); its mean loss is logged as ``val_loss``.
+        loss: ``"logits"``: cross-entropy of the model's output taken as logits
+            (Lightning's ``cross_entropy``, Keras' ``from_logits=True``);
+            ``"probabilities"``: taken as probabilities (Lightning: ``nll_loss`` of their
+            log; Keras: ``from_logits=False``); ``"nll_raw"``: Lightning's ``nll_loss``
+            of the output itself (a bug when the output is logits); ``"mse"``: the mean
+            squared error of a one-output regression, shapes matched;
+            ``"mse_broadcast"``: the same written ``((output - y) ** 2).mean()`` with an
+            ``(N, 1)`` output and an ``(N,)`` target (a bug: Lightning only).
     """
 
     optimizer: str = "adam"
@@ -248,6 +259,7 @@ class TrainSpec:
     accumulate: int = 1
     clip: float | None = None
     validate: bool = False
+    loss: str = "logits"
 
 
 @dataclass(frozen=True)
@@ -807,6 +819,57 @@ SCENARIOS: tuple[Scenario, ...] = (
         window=100,
     ),
     Scenario(
+        "softmax_then_cross_entropy",
+        "pipeline",
+        "a softmax after the classifier, fed to a loss that takes logits (Lightning's "
+        "cross_entropy, Keras' from_logits=True): a softmax applied twice",
+        model=ModelSpec(output="softmax"),
+        train=ADAM,
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+    ),
+    Scenario(
+        "logits_as_probabilities",
+        "pipeline",
+        "the classifier's logits fed to a loss that takes probabilities (Keras' "
+        "from_logits=False, the default)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="probabilities"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=64,
+        # the loss clips the rescaled outputs to [1e-7, 1 - 1e-7]: most of them are
+        # clipped, and no gradient passes a clip (measured: all zero from step 50)
+        collateral=("vanishing_gradients", "all_zero"),
+        frameworks=("keras",),
+    ),
+    Scenario(
+        "logits_to_nll",
+        "pipeline",
+        "the classifier's logits fed to nll_loss, which takes log-probabilities (no "
+        "log_softmax): its loss falls without bound",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="nll_raw"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=64,
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "loss_broadcast",
+        "pipeline",
+        "a regression's (N, 1) output minus its (N,) target, squared and averaged by "
+        "hand: every prediction against every target, N x N",
+        data=DataSpec(source="regression"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="mse_broadcast"),
+        onset=0,
+        expect=("broadcast_loss",),
+        window=64,
+        # the model learns to predict the targets' mean whatever its input: a constant
+        # needs no features, and half the hidden ReLUs die (measured: 52% by step 55)
+        collateral=("dead_relu",),
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "lr_decay_per_batch",
         "pipeline",
         "a decay meant per epoch (x0.1 every 8 epochs) stepped every batch: the learning "
@@ -945,6 +1008,24 @@ SCENARIOS: tuple[Scenario, ...] = (
         "set",
         data=DataSpec(order="sequential"),
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_softmax_output",
+        "healthy",
+        "a softmax after the classifier, fed to a loss that takes probabilities (the twin "
+        "of softmax_then_cross_entropy: Lightning's nll_loss of their log, Keras' "
+        "from_logits=False)",
+        model=ModelSpec(output="softmax"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="probabilities"),
+    ),
+    Scenario(
+        "healthy_regression",
+        "healthy",
+        "the same regression with the output squeezed to the target's shape (the twin "
+        "of loss_broadcast)",
+        data=DataSpec(source="regression"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="mse"),
         frameworks=("lightning",),
     ),
     Scenario(

@@ -445,7 +445,7 @@ def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
     assert [o.step for o in inputs.seen] == list(range(0, 2 * N // BATCH, 4))
     probe = cb._probe
     every = {"grads", "weights", "updates", "units", "distributions", "inputs", "labels"}
-    every |= {"prints", "activations", "outputs", "trace"}
+    every |= {"prints", "predictions", "activations", "outputs", "trace"}
     assert probe._whole_key(frozenset({"units"})) == every
 
 

@@ -80,6 +80,8 @@ FAULTS = [
     pytest.param("batch_served_again", id="a-loader-stuck-on-one-batch"),
     pytest.param("same_order_every_epoch", id="the-same-order-every-epoch"),
     pytest.param("validation_leak", id="validation-data-from-the-training-set"),
+    pytest.param("softmax_then_cross_entropy", id="softmax-output-from-logits-true"),
+    pytest.param("logits_as_probabilities", id="logits-output-from-logits-false"),
 ]
 
 
@@ -130,6 +132,7 @@ HEALTHY = [
     pytest.param("healthy_skewed_labels", 300, id="skewed-labels-shuffled"),
     pytest.param("healthy_step_decay", 400, id="step-decay-at-its-cadence"),
     pytest.param("healthy_full_batch", 300, id="full-batch-the-same-batch-by-design"),
+    pytest.param("healthy_softmax_output", 300, id="softmax-output-from-logits-false"),
 ]
 
 

@@ -209,7 +209,7 @@ def test_the_switches_derive_from_the_reductions():
     switches = probe.switches
     assert switches.groups == (
         "grads", "weights", "updates", "units", "distributions", "inputs", "labels", "prints",
-        "forward",
+        "predictions", "forward",
     )  # fmt: skip
     # the trace is read from the forward rows; the update norms run with the weights
     assert probe._groups_of["trace"] == {"forward"}

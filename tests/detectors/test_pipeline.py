@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from _helpers import assert_resumes, assert_sentence, make_obs, run
 
-from stethoscope.detectors import CollapsedLearningRate, EvalMode, UnzeroedGradients
+from stethoscope.detectors import (
+    CollapsedLearningRate,
+    EvalMode,
+    LogitsMismatch,
+    UnzeroedGradients,
+)
+from stethoscope.detectors.pipeline import probability_floor
+from stethoscope.observation import Observation
 
 
 def losses(n: int, *, learns: bool, seed: int = 0) -> np.ndarray:
@@ -138,3 +145,84 @@ def test_zeroed_gradients_are_quiet(counts):
 
 def test_unzeroed_resumes():
     assert len(assert_resumes(UnzeroedGradients, stale([0, 4, 4]), at=2)) == 1
+
+
+# -- logits_mismatch ----------------------------------------------------------------------
+
+
+def predicted(step: int, *, probs: bool, loss: float = 1.0, expects: str = "", **losses):
+    return Observation(
+        step=step,
+        loss=loss,
+        output_probs=1.0 if probs else 0.0,
+        output_width=4,
+        loss_expects=expects,
+        **losses,
+    )
+
+
+@pytest.mark.parametrize(
+    ("probs", "expects", "words"),
+    [
+        (True, "logits", "from_logits=True"),
+        (False, "probabilities", "from_logits=False"),
+    ],
+)
+def test_an_output_the_configured_loss_does_not_take_is_named(probs, expects, words):
+    found = run(LogitsMismatch(), [predicted(t, probs=probs, expects=expects) for t in (0, 16)])
+    (finding,) = found
+    assert finding.step == 16 and finding.where == "loss" and words in finding.message
+    assert_sentence(finding, "from_logits")
+
+
+@pytest.mark.parametrize(("probs", "expects"), [(True, "probabilities"), (False, "logits")])
+def test_an_output_the_configured_loss_takes_is_left_alone(probs, expects):
+    assert (
+        run(LogitsMismatch(), [predicted(t, probs=probs, expects=expects) for t in range(9)]) == []
+    )
+
+
+def test_probabilities_whose_loss_is_their_cross_entropy_went_through_a_softmax_twice():
+    """The training loss is what cross_entropy makes of the probabilities as logits, not
+    their log-likelihood: a softmax before cross_entropy."""
+    steps = [
+        predicted(t, probs=True, loss=0.8, loss_as_logits=0.8, loss_as_probs=0.3) for t in (0, 16)
+    ]
+    (found,) = run(LogitsMismatch(), steps)
+    assert "applied twice" in found.message and f"{probability_floor(4):.3f}" in found.message
+    assert_sentence(found, "nll_loss")
+
+
+def test_probabilities_fed_to_their_log_likelihood_are_left_alone():
+    steps = [
+        predicted(t, probs=True, loss=0.3, loss_as_logits=0.8, loss_as_probs=0.3) for t in range(9)
+    ]
+    assert run(LogitsMismatch(), steps) == []
+
+
+def test_logits_whose_loss_is_their_negative_mean_were_never_log_softmaxed():
+    steps = [
+        predicted(t, probs=False, loss=-5.0, loss_as_logits=1.2, loss_as_log_probs=-5.0)
+        for t in (0, 16)
+    ]
+    (found,) = run(LogitsMismatch(), steps)
+    assert "without bound" in found.message
+    assert_sentence(found, "log_softmax")
+
+
+@pytest.mark.parametrize("loss", [1.25, 0.9])  # label smoothing, a weight penalty
+def test_a_loss_that_is_neither_way_of_taking_the_output_is_left_alone(loss):
+    steps = [
+        predicted(
+            t, probs=probs, loss=loss, loss_as_logits=1.2, loss_as_log_probs=-5.0, loss_as_probs=0.3
+        )
+        for t in range(9)
+        for probs in (True, False)
+    ]
+    assert run(LogitsMismatch(), steps) == []
+
+
+def test_a_mismatch_must_hold_on_sampled_steps_in_a_row():
+    steps = [predicted(t, probs=t != 16, expects="logits") for t in (0, 16, 32)]
+    assert run(LogitsMismatch(), steps) == []
+    assert run(LogitsMismatch(patience=1), steps[:1])[0].step == 0

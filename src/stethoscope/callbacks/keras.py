@@ -20,7 +20,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
-from stethoscope.callbacks._keras.describe import describe_run, training_setup
+from stethoscope.callbacks._keras.describe import describe_run, loss_expects, training_setup
 from stethoscope.callbacks._keras.fit_call import data_order
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
@@ -150,6 +150,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._warned_no_loss = False
         #: The order fit was asked to serve the data in (see ``fit_call.data_order``).
         self._data_order = ""
+        #: What the compiled loss takes (see ``describe.loss_expects``).
+        self._loss_expects = ""
 
     # -- set-up / tear-down -----------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -157,6 +159,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if getattr(model, "optimizer", None) is None:
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
         self._data_order = data_order(model)  # fit calls this hook: ask it here
+        self._loss_expects = loss_expects(model)
         forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
             (d.needs | d.wants | d.requests) & {"activations", "outputs", "trace"}
             for d in self.monitor.detectors
@@ -326,6 +329,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 probe.decode(obs, plan, fresh=measured == step)
                 if obs.sample_prints is not None:
                     obs.data_order = self._data_order
+                if obs.output_probs is not None:
+                    obs.loss_expects = self._loss_expects
             self._act(self.monitor.observe(obs))
             # a non-finite loss or gradient, the step's norms recorded: where only the
             # gradient was not finite, nothing else raised a suspicion

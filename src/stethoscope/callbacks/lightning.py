@@ -239,7 +239,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
-        backward = self._backward_always or "stale_grads" in plan
+        backward = self._backward_always or not plan.isdisjoint(BACKWARD_READS)
         if backward is not self._backward_on:  # the backward hook: only where it has work
             self._hooks.set("on_before_backward", backward)
             self._backward_on = backward
@@ -302,7 +302,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if measures.sampled and not measures.backward:
             measures.backward = True
             for r in self._reductions.run(measures.plan):
-                r.before_backward(measures)
+                r.before_backward(measures, loss)
         if self._ranks is not None:
             self._ranks.timing.before_backward()
         if self._recovery is not None:
@@ -385,6 +385,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._hooks.restore()
         if self._forward is not None:
             self._forward.detach()  # never leave a hook on the user's model
+        if self._reductions is not None:
+            self._reductions.close()
         if self._recovery is not None:
             self._recovery.close()  # nor a wrapper on the user's optimizers
             self._recovery = None
@@ -427,6 +429,11 @@ class LightningStethoscope(StethoscopeBase, Callback):
         decision = look_if_nonfinite(judged, self._measures.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
+
+
+#: The statistics measured just before the step's first backward pass (its hook is on
+#: where a plan names one).
+BACKWARD_READS = frozenset({"stale_grads", "predictions", "loss_graph"})
 
 
 def _gradient_interval(monitor: Monitor) -> float:

@@ -17,7 +17,13 @@ from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
-from stethoscope.detectors.pipeline import CollapsedLearningRate, EvalMode, UnzeroedGradients
+from stethoscope.detectors.pipeline import (
+    BroadcastLoss,
+    CollapsedLearningRate,
+    EvalMode,
+    LogitsMismatch,
+    UnzeroedGradients,
+)
 from stethoscope.detectors.repeated import RepeatedData
 from stethoscope.detectors.weights import (
     AllZero,
@@ -30,6 +36,7 @@ from stethoscope.detectors.weights import (
 __all__ = [
     "DETECTORS",
     "AllZero",
+    "BroadcastLoss",
     "ClassImbalance",
     "CollapsedLearningRate",
     "DeadRelu",
@@ -38,6 +45,7 @@ __all__ = [
     "ExplodingGradients",
     "FrozenWeights",
     "LargeUpdates",
+    "LogitsMismatch",
     "LossAtChance",
     "LossNotDecreasing",
     "LossSpike",
@@ -85,6 +93,8 @@ DETECTORS: dict[str, type[Detector]] = {
         UnnormalizedInput,
         UnshuffledData,
         RepeatedData,
+        LogitsMismatch,
+        BroadcastLoss,
         EvalMode,
         UnzeroedGradients,
         ReplicaDivergence,

@@ -17,7 +17,13 @@ from stethoscope.detectors.base import (
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
-__all__ = ["CollapsedLearningRate", "EvalMode", "UnzeroedGradients"]
+__all__ = [
+    "BroadcastLoss",
+    "CollapsedLearningRate",
+    "EvalMode",
+    "LogitsMismatch",
+    "UnzeroedGradients",
+]
 
 
 class CollapsedLearningRate(Detector):
@@ -244,5 +250,172 @@ class UnzeroedGradients(_Persistent):
                 value=float(stale),
                 threshold=self.fraction * stepped,
                 where="gradients",
+            )
+        ]
+
+
+def probability_floor(classes: int) -> float:
+    """The least cross-entropy of ``classes`` classes whose logits are probabilities:
+    ``-p_y + log(sum(exp(p)))`` over the simplex is least at a one-hot ``p``, where it is
+    ``log(e + classes - 1) - 1`` (1.46 for 10 classes, 0.74 for 4)."""
+    return math.log(math.e + classes - 1) - 1
+
+
+def _matches(loss: float, candidate: float | None, other: float | None) -> bool:
+    """Whether ``loss`` is ``candidate`` (within float rounding) and not ``other``."""
+    if candidate is None or not math.isfinite(candidate):
+        return False
+    tolerance = 1e-3 * max(abs(candidate), 1e-3)
+    if abs(loss - candidate) > tolerance:
+        return False
+    return other is None or not math.isfinite(other) or abs(loss - other) > 10 * tolerance
+
+
+class LogitsMismatch(_Persistent):
+    """The loss is fed the wrong kind of output: probabilities where it expects logits (a
+    softmax before ``CrossEntropyLoss``, or a Keras softmax output with
+    ``from_logits=True``), or logits where it expects probabilities (a Keras linear output
+    with ``from_logits=False``, the default; raw scores fed to ``NLLLoss``).
+
+    Rule: on ``patience`` sampled steps in a row (a warning, once), whether every row the
+    model outputs is probabilities (non-negative and summing to 1; one column: within
+    [0, 1]) is set against what the loss takes:
+
+    - where the loss says so (Keras' cross-entropies, by ``from_logits``): probabilities
+      fed to a loss that takes logits, or anything else fed to one that takes
+      probabilities;
+    - where it does not (a loss computed in a Lightning training step), the training
+      loss is set against what it would be for each way of taking the output, computed
+      from the same output and the batch's class labels: probabilities whose loss is
+      their cross-entropy as logits (and not the log-likelihood of the probabilities)
+      went through a softmax twice; logits whose loss is their negative mean at the
+      labels (``nll_loss`` of raw scores, and not their cross-entropy) were never
+      log-softmaxed. A loss that is neither (regularised, label-smoothed) is left alone.
+
+    Sources: softmax-then-cross-entropy is among the commonest silent bugs (its loss
+    falls a little, then stalls above a floor it cannot pass); Keras warns of a softmax
+    output with ``from_logits=True`` only when it can see the op, and never of the
+    reverse, whose loss rescales the outputs to sum to one and trains on nonsense.
+
+    Args:
+        patience: Sampled steps in a row.
+    """
+
+    name = "logits_mismatch"
+    needs = frozenset({"predictions"})
+    base_interval = 16
+    advice = "feed the loss what it takes: logits, or set from_logits"
+    blind_to = "the model's output was not seen (the training step calls no model)"
+
+    def __init__(self, *, patience: int = 2) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if st["fired"] or obs.output_probs is None:
+            return []
+        probs, expects = obs.output_probs == 1.0, obs.loss_expects
+        loss = obs.loss if is_finite(obs.loss) else None
+        why = None
+        if expects == "logits" and probs:
+            why = (
+                "the model outputs probabilities (a softmax or sigmoid last) to a loss set "
+                "with from_logits=True, which applies its own, so training sees the "
+                "softmax of a softmax and its gradients shrink; drop the last activation, "
+                "or set from_logits=False"
+            )
+        elif expects == "probabilities" and not probs:
+            why = (
+                "the model outputs logits (rows that are not probabilities: no softmax or "
+                "sigmoid last) to a loss set with from_logits=False, the default, which "
+                "rescales them as if they were probabilities and trains on nonsense; set "
+                "from_logits=True in the loss, or end the model with a softmax"
+            )
+        elif not expects and loss is not None:
+            why = self._fed_in_the_step(obs, loss, probs)
+        if not self._held(why is not None):
+            return []
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"The loss is fed the wrong kind of output on {st['streak']} sampled steps "
+                f"in a row (to step {obs.step}): {why}.",
+                value=float(obs.output_probs),
+                threshold=None,
+                where="loss",
+            )
+        ]
+
+    def _fed_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
+        """What is wrong with a loss the training step computed itself (None: nothing
+        seen): which way of taking the output its value is."""
+        if probs and _matches(loss, obs.loss_as_logits, obs.loss_as_probs):
+            floor = probability_floor(obs.output_width)
+            return (
+                f"the model outputs probabilities of {obs.output_width} classes and the "
+                "loss is their cross-entropy as if they were logits, so a softmax is "
+                f"applied twice and the loss cannot fall below {floor:.3f}; return logits "
+                "from the model (cross_entropy applies log-softmax itself), or take log() "
+                "of the probabilities and use nll_loss"
+            )
+        if not probs and _matches(loss, obs.loss_as_log_probs, obs.loss_as_logits):
+            return (
+                "the model outputs logits and the loss is nll_loss of them as they are, "
+                "which takes log-probabilities, so it falls without bound; apply "
+                "log_softmax before nll_loss, or use cross_entropy on the logits"
+            )
+        return None
+
+
+class BroadcastLoss(_Persistent):
+    """The loss compares a prediction and a target of different shapes that broadcast:
+    ``mse_loss`` of ``(N, 1)`` against ``(N,)`` averages all ``N x N`` pairs, every
+    prediction against every target, so the model learns to predict their mean.
+
+    Rule: on ``patience`` sampled steps in a row, one of the loss's last operations (an
+    elementwise difference, sum, product or quotient, or a loss torch broadcasts first:
+    ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``, ``huber_loss``) made an ``(M, M)``
+    square of an ``(M, 1)`` prediction and a target that takes no gradient (or a 1-D one
+    of ``M``): a warning, once. A pairwise operand of shape ``(1, M)`` (a ranking loss)
+    is meant as one and is not counted. It is read from the loss's autograd graph, on
+    the host.
+
+    Sources: torch warns of it in ``mse_loss`` alone (a warning often filtered), and not
+    at all in a loss written by hand; Keras' losses bring both to the same rank first, so
+    ``fit`` cannot make it.
+
+    Args:
+        patience: Sampled steps in a row.
+    """
+
+    name = "broadcast_loss"
+    needs = frozenset({"loss_graph"})
+    base_interval = 16
+    advice = "give the prediction and the target the same shape"
+
+    def __init__(self, *, patience: int = 2) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        st = self.state
+        if st["fired"] or not self._held(bool(obs.loss_broadcast)):
+            return []
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"The loss broadcasts the prediction against the target on {st['streak']} "
+                f"sampled steps in a row (to step {obs.step}): {obs.loss_broadcast}, so it "
+                "averages every prediction against every target and the model learns to "
+                "predict their mean; give both the same shape (pred.squeeze(-1), or "
+                "target.unsqueeze(-1)).",
+                value=1.0,
+                threshold=None,
+                where="loss",
             )
         ]

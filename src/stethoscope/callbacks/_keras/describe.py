@@ -6,7 +6,41 @@ from typing import Any
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
 
-__all__ = ["describe_run", "has_own_train_step", "optimizers_of", "training_setup"]
+__all__ = [
+    "describe_run",
+    "has_own_train_step",
+    "loss_expects",
+    "optimizers_of",
+    "training_setup",
+]
+
+#: Keras' cross-entropies, which take probabilities unless ``from_logits=True``.
+_CROSS_ENTROPIES = frozenset(
+    {
+        "sparse_categorical_crossentropy",
+        "categorical_crossentropy",
+        "binary_crossentropy",
+        "categorical_focal_crossentropy",
+        "binary_focal_crossentropy",
+    }
+)
+
+
+def loss_expects(model: Any) -> str:
+    """What the compiled loss takes: ``"logits"`` or ``"probabilities"`` (a Keras
+    cross-entropy, by its ``from_logits``: a name, a function or an instance), or ``""``
+    (any other loss, several of them, or one the step computes itself)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        name, logits = loss, False
+    elif callable(getattr(loss, "get_config", None)):
+        config = loss.get_config()
+        name, logits = config.get("name"), bool(config.get("from_logits", False))
+    else:  # a function: its own defaults (from_logits=False)
+        name, logits = getattr(loss, "__name__", None), False
+    if name not in _CROSS_ENTROPIES:
+        return ""
+    return "logits" if logits else "probabilities"
 
 
 def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:

@@ -330,3 +330,24 @@ def sample_prints(x: Any, max_prints: int) -> Any | None:
     pairs = tf.reshape(tf.cast(tf.math.floormod(sums, PRINT_PRIME), tf.float32), (-1,))
     pad = tf.fill([2 * max_prints], tf.constant(np.nan, tf.float32))
     return tf.concat([pairs, pad], axis=0)[: 2 * max_prints]
+
+
+def probability_rows(y_pred: Any) -> Any | None:
+    """``[1.0 or 0.0, columns]``: whether every row of the first float tensor of
+    ``y_pred`` is probabilities (several columns, the last axis: non-negative and summing
+    to 1; one column: within [0, 1]), and its columns. None: no float tensor."""
+    t = next((t for t in keras.tree.flatten(y_pred) if t is not None and is_float(t)), None)
+    if t is None or len(t.shape) < 1:
+        return None
+    width = t.shape[-1] if len(t.shape) >= 2 else 1
+    if width is None:
+        return None
+    rows = ops.reshape(ops.cast(ops.stop_gradient(t), "float32"), (-1, width))
+    if width >= 2:
+        sums = ops.sum(rows, axis=1)
+        probs = ops.logical_and(
+            ops.all(ops.greater_equal(rows, 0.0)), ops.all(ops.less(ops.abs(sums - 1.0), 1e-3))
+        )
+    else:
+        probs = ops.all(ops.logical_and(ops.greater_equal(rows, 0.0), ops.less_equal(rows, 1.0)))
+    return ops.stack([ops.cast(probs, "float32"), ops.convert_to_tensor(float(width), "float32")])

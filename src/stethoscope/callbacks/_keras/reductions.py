@@ -7,8 +7,8 @@ forward rows serve three at once). It declares the variables it writes (its
 for it (its ``group``), and the points of the train step where it measures (its
 ``hooks``), where the probe calls it inside its switch:
 
-- ``"batch"``: :meth:`~KerasReduction.on_batch` with the batch's inputs and targets
-  (in ``compute_loss``);
+- ``"batch"``: :meth:`~KerasReduction.on_batch` with the batch's inputs, targets and
+  predictions (in ``compute_loss``);
 - ``"gradients"``: :meth:`~KerasReduction.on_gradients` with the gradients the
   optimizer applies, by variable position (summed across replicas under a strategy);
 - ``"before_update"``: :meth:`~KerasReduction.before_update` with the variables about
@@ -52,6 +52,7 @@ __all__ = [
     "InputScale",
     "KerasReduction",
     "Layout",
+    "Predictions",
     "ReadBack",
     "SamplePrints",
     "Store",
@@ -63,9 +64,10 @@ __all__ = [
 ]
 
 #: Statistics of mistakes Keras' ``fit`` cannot make, which no Keras reduction measures:
-#: it passes ``training=True`` to every layer (no model left in eval mode), and takes each
-#: step's gradients afresh from the tape (none left unzeroed).
-NOT_IN_FIT = frozenset({"train_mode", "stale_grads"})
+#: it passes ``training=True`` to every layer (no model left in eval mode), takes each
+#: step's gradients afresh from the tape (none left unzeroed), and its losses bring the
+#: target and the prediction to the same rank before they meet (no broadcast square).
+NOT_IN_FIT = frozenset({"train_mode", "stale_grads", "loss_graph"})
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class KerasReduction:
         see :func:`slots_of`)."""
         return []
 
-    def on_batch(self, store: Store, x: Any, y: Any) -> None:
+    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
         raise NotImplementedError
 
     def on_gradients(self, store: Store, grads: dict[int, Any], scale: Any) -> None:
@@ -357,7 +359,7 @@ class InputScale(KerasReduction):
             Slot("input_shape", (2,), 0, "int64", combine="features_samples"),
         ]
 
-    def on_batch(self, store: Store, x: Any, y: Any) -> None:
+    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
         stats = kops.input_stats(x, MAX_FEATURES)
         if stats is not None:
             store.put("input_sq", stats[0])
@@ -385,7 +387,7 @@ class ClassLabels(KerasReduction):
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
         return [Slot("label_hist", (kops.MAX_CLASSES + 3,), 0.0)]
 
-    def on_batch(self, store: Store, x: Any, y: Any) -> None:
+    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
         hist = kops.label_histogram(y)
         if hist is not None:
             store.put("label_hist", hist)
@@ -424,7 +426,7 @@ class SamplePrints(KerasReduction):
             Slot("val_printed", (1,), 0.0, combine="first", returned=False),
         ]
 
-    def on_batch(self, store: Store, x: Any, y: Any) -> None:
+    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
         prints = kops.sample_prints(x, MAX_PRINTS)
         if prints is not None:
             store.put("sample_prints", prints)
@@ -434,6 +436,28 @@ class SamplePrints(KerasReduction):
         pairs = pairs[~np.isnan(pairs)]
         if pairs.size:
             obs.sample_prints = join_prints(pairs)
+
+
+class Predictions(KerasReduction):
+    """Whether the rows of the predictions the loss is fed are probabilities (see
+    :func:`~stethoscope.callbacks._keras.ops.probability_rows`), and their columns."""
+
+    statistics = frozenset({"predictions"})
+    group = "predictions"
+    hooks = frozenset({"batch"})
+
+    def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
+        return [Slot("output_probs", (2,), np.nan)]
+
+    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
+        rows = kops.probability_rows(y_pred)
+        if rows is not None:
+            store.put("output_probs", rows)
+
+    def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
+        probs, width = src.read("output_probs")
+        if not np.isnan(probs):
+            obs.output_probs, obs.output_width = float(probs), int(width)
 
 
 class ForwardRows(KerasReduction):
@@ -519,6 +543,7 @@ def make_reductions(
         InputScale(),
         ClassLabels(),
         SamplePrints(),
+        Predictions(),
         ForwardRows(layout),
     )
 

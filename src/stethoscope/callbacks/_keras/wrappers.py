@@ -250,7 +250,7 @@ class StepWrappers:
 
             def batch() -> None:
                 for r, on in own.items():
-                    cond(on, lambda r=r: r.on_batch(self, x, y))
+                    cond(on, lambda r=r: r.on_batch(self, x, y, y_pred))
 
             cond(any_on, batch)
             return loss

@@ -38,6 +38,7 @@ from stethoscope.callbacks._lightning.batch import (
     sample_prints,
 )
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.loss_graph import broadcast_in_loss
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -45,6 +46,7 @@ from stethoscope.callbacks._lightning.parameters import (
     magnitude_histograms,
     zero_rows,
 )
+from stethoscope.callbacks._lightning.predictions import output_tensor, probability_rows
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, join_prints
 
@@ -55,6 +57,8 @@ __all__ = [
     "GradNorms",
     "InputScale",
     "Loss",
+    "LossGraph",
+    "Predictions",
     "RankTiming",
     "Reduction",
     "ReductionSet",
@@ -84,8 +88,8 @@ class Reduction:
     def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
         """A later micro-batch of the same step."""
 
-    def before_backward(self, measures: StepMeasures) -> None:
-        """Before the step's first backward pass."""
+    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+        """Before the step's first backward pass of ``loss``."""
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         """Before an optimizer steps the watched parameters ``indices``."""
@@ -96,6 +100,9 @@ class Reduction:
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         """Fill ``obs`` from this statistic's numbers and the contexts of its parts."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """The fit is over: take off anything left on the user's model."""
 
 
 class Loss(Reduction):
@@ -138,7 +145,7 @@ class StaleGrads(Reduction):
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
-    def before_backward(self, measures: StepMeasures) -> None:
+    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
         params = self.probe.params
         grads = [p.grad.detach() for p in params if p.grad is not None]
         if not grads:
@@ -304,6 +311,73 @@ class ClassLabels(Reduction):
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         if values[-1] == 1.0:  # the validity flag: class labels after all
             obs.labels = values[:-1].astype(np.int64)
+
+
+class Predictions(Reduction):
+    """Whether the rows the model outputs are probabilities, and what the loss would be
+    for each way of taking them (see :func:`probability_rows`). Forward hooks on the model
+    and on its direct children keep the last float tensor of at least one dimension that
+    one of them returned (the model's own output when the training step calls it, else
+    its head's: a loss or metric module called after returns a scalar); it is judged on
+    the device, with the batch's labels, just before the backward pass."""
+
+    statistics = frozenset({"predictions"})
+    name = "predictions"
+
+    def __init__(self, model: torch.nn.Module, labels_of: Callable[[Any], Any]) -> None:
+        self.modules = [model, *model.children()]
+        self.labels_of = labels_of
+        self._hooks: list[Any] = []
+        self._last: torch.Tensor | None = None
+        self._labels: Any = None
+
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        self.close()
+        self._labels = self.labels_of(batch)
+
+        def seen(module: torch.nn.Module, args: Any, output: Any) -> None:
+            t = output_tensor(output)
+            if t is not None and t.dim() >= 1 and t.is_floating_point():
+                self._last = t
+
+        self._hooks = [m.register_forward_hook(seen) for m in self.modules]
+
+    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+        last, labels = self._last, self._labels
+        self.close()
+        rows = probability_rows(last, labels) if last is not None else None
+        if rows is not None:
+            measures.add("predictions", rows[0], rows[1])
+
+    def at_end(self, measures: StepMeasures) -> None:
+        self.close()  # never left on the model past its step
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._last, self._labels = [], None, None
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.output_probs, obs.output_width = float(values[0]), contexts[0]
+        if not np.isnan(values[1]):
+            obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[1:4].tolist()
+
+
+class LossGraph(Reduction):
+    """Whether the loss's last operations broadcast a prediction against a target of
+    another shape, read from its autograd graph on the host (see
+    :func:`broadcast_in_loss`): no device work."""
+
+    statistics = frozenset({"loss_graph"})
+    name = "loss_graph"
+
+    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+        found = broadcast_in_loss(loss)
+        if found is not None:
+            measures.note("loss_graph", found)
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.loss_broadcast = contexts[0]
 
 
 class TrainMode(Reduction):
@@ -485,6 +559,11 @@ class ReductionSet:
         # optimizer steps (a handful of plans per run)
         self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
 
+    def close(self) -> None:
+        """The fit is over (or failed): every reduction takes its hooks off the model."""
+        for r in self.all:
+            r.close()
+
     def run(self, plan: frozenset[str]) -> tuple[Reduction, ...]:
         """The reductions that serve a statistic of ``plan``, in order."""
         return self._split(plan)[0]
@@ -567,6 +646,8 @@ def make_reductions(
         InputScale(batch.inputs),
         ClassLabels(batch.labels),
         SamplePrints(batch.inputs, lambda: model.trainer),
+        Predictions(model, batch.labels),
+        LossGraph(),
         TrainMode(model),
         ForwardStatistics(forward),
         StaleGrads(probe),
