@@ -12,7 +12,16 @@ import stethoscope
 
 SRC = Path(stethoscope.__file__).resolve().parent
 #: The package root: the vocabulary every part speaks, and the public API.
-ROOT = {"advice", "cli", "findings", "observation", "statistics", "summary", "testing"}
+ROOT = {
+    "advice",
+    "cli",
+    "findings",
+    "observation",
+    "prints",
+    "statistics",
+    "summary",
+    "testing",
+}
 #: What the engine shows the rest of the package (its ``__init__``): the façade, the
 #: decisions it returns and the settings it is made from.
 FACADE = {"Decision", "Monitor", "Settings", "StopOn"}

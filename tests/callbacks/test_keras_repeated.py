@@ -1,6 +1,7 @@
 """repeated_data in Keras: the order fit was asked for, read from fit's own call, keeps
-shuffle=False quiet, while a tf.data pipeline that never reshuffles is named; prints of
-a batch are the same in both frameworks."""
+shuffle=False quiet, while a tf.data pipeline that never reshuffles is named, and so is
+fit(shuffle=True) after keras.utils.set_random_seed, which serves every epoch in the first
+one's order; prints of a batch are the same in both frameworks."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 N, FEATURES, BATCH = 256, 6, 32  # 8 steps an epoch
+
+
+@pytest.fixture(autouse=True)
+def _no_global_seed():
+    """Another test's keras.utils.set_random_seed makes fit serve arrays in one order every
+    epoch (see below): each test here starts without a global seed."""
+    tf.random.set_seed(None)
+    yield
+    tf.random.set_seed(None)
 
 
 def arrays():
@@ -66,6 +76,17 @@ def fit(data, **kwargs):
 def test_arrays_in_the_order_fit_was_asked_for_are_no_repeat(shuffle, order):
     found, read = fit(arrays(), shuffle=shuffle)
     assert read == order and found == []
+
+
+def test_a_global_seed_makes_fit_serve_every_epoch_in_the_same_order():
+    """keras.utils.set_random_seed seeds the shuffle of fit's array adapter, and every
+    epoch's new iterator replays it: fit(shuffle=True) trains on one order every epoch
+    (Keras 3.15, TensorFlow backend). The prints see it, although fit was asked to
+    shuffle."""
+    keras.utils.set_random_seed(0)
+    (found,), read = fit(arrays(), shuffle=True)
+    assert read == "shuffle" and found.step == N // BATCH
+    assert "same order every epoch" in found.message
 
 
 def test_a_tf_data_pipeline_that_never_reshuffles_is_named():

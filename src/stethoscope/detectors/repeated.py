@@ -237,7 +237,8 @@ class RepeatedData(Detector):
             f"The training data comes in the same order every epoch: {what}, so every "
             "epoch repeats the same batches (a DistributedSampler without set_epoch, a "
             "dataset shuffled with a fixed seed, tf.data's "
-            "shuffle(reshuffle_each_iteration=False), fit(shuffle=False)); reshuffle "
+            "shuffle(reshuffle_each_iteration=False), keras.utils.set_random_seed before "
+            "fit(shuffle=True)); reshuffle "
             "every epoch with sampler.set_epoch(epoch) or a seed that changes with the "
             "epoch (unless the order is deliberate).",
             value=1.0,

@@ -248,13 +248,7 @@ class Monitor:
         """Whether a detector taking part still reads ``statistic`` (needs it, or runs on
         its arrival): whether an adapter measures one that is never planned (a
         validation's)."""
-        step = self.last_step + 1
-        return any(
-            statistic in (d.needs | d.runs_on)
-            and not self.schedule.idle(d.name)
-            and not d.finished(step)
-            for d in self.detectors
-        )
+        return self.schedule.reads(statistic, self.last_step + 1)
 
     def escalate(self, step: int, epoch: int, reason: str) -> None:
         """Run every detector from ``step`` on: the adapter saw, outside the detectors,
@@ -322,7 +316,7 @@ class Monitor:
         self.ledger.call_sinks("epoch_end", summary)
         self.ledger.call_sinks("flush")
         self.ledger.new_epoch(escalations=self.sampler.escalations)
-        self._measure_epoch_start()
+        self.schedule.open_epoch(self.last_step + 1)
         return summary
 
     def summary(self, epoch: int) -> EpochSummary:
@@ -381,7 +375,7 @@ class Monitor:
         self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
         self.ledger.last_sent = dict(state.get("last_sent", {}))
         self.judge.last_step = int(state.get("last_step", -1))
-        self._measure_epoch_start()  # a resumed run's first step
+        self.schedule.open_epoch(self.last_step + 1)  # a resumed run's first step
 
     def describe(self) -> dict[str, Any]:
         """The detectors and the sampler as plain data: each detector's base interval and
@@ -416,19 +410,7 @@ class Monitor:
             self.reset()
         self.judge.stopped_by = None
         self._closed = False
-        self._measure_epoch_start()
-
-    def _measure_epoch_start(self) -> None:
-        """Measure at the next step (an epoch's or a run's first) what the detectors
-        taking part read there (see ``Detector.at_epoch_start``)."""
-        step = self.last_step + 1
-        wanted = [
-            d.at_epoch_start
-            for d in self.detectors
-            if d.at_epoch_start and not self.schedule.idle(d.name) and not d.finished(step)
-        ]
-        if wanted:
-            self.planner.measure_next(frozenset().union(*wanted))
+        self.schedule.open_epoch(self.last_step + 1)
 
     def reset(self) -> None:
         """Forget every baseline and the schedule (a fresh run)."""

@@ -65,6 +65,22 @@ class Schedule:
         """Detectors that take no part in this run from now on."""
         self.planner.set_idle(self.planner.idle | names)
 
+    def open_epoch(self, step: int) -> None:
+        """Measure at ``step``, the next one (an epoch's or a run's first), what the
+        detectors taking part read there (see ``Detector.at_epoch_start``)."""
+        wanted = [d.at_epoch_start for d in self._taking_part(step) if d.at_epoch_start]
+        if wanted:
+            self.planner.measure_next(frozenset().union(*wanted))
+
+    def reads(self, statistic: str, step: int) -> bool:
+        """Whether a detector taking part at ``step`` needs ``statistic`` or runs on its
+        arrival (``Detector.runs_on``)."""
+        return any(statistic in (d.needs | d.runs_on) for d in self._taking_part(step))
+
+    def _taking_part(self, step: int) -> list:
+        """The detectors neither idle in this run nor finished at ``step``."""
+        return [d for d in self.detectors if not self.idle(d.name) and not d.finished(step)]
+
     def idle(self, name: str) -> bool:
         """Whether the detector ``name`` takes no part in this run."""
         return name in self.planner.idle

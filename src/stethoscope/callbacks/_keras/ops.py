@@ -13,14 +13,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from stethoscope.statistics import (
-    DISTRIBUTION_BINS,
-    DISTRIBUTION_EDGES,
-    PRINT_PRIME,
-    PRINT_WIDTH,
-    SATURATION_BOUNDS,
-    print_weights,
-)
+from stethoscope.prints import PRINT_PRIME, PRINT_WIDTH, print_weights
+from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
 
 __all__ = [
     "MAX_CLASSES",
@@ -298,7 +292,7 @@ def sample_prints(x: Any, max_prints: int) -> Any | None:
     """The ``prints`` statistic of the first tensor of ``x``: two numbers for each of its
     first ``max_prints`` samples, flattened in pairs and padded with NaN to ``2 *
     max_prints``, exact integers below 2**24 (see
-    :func:`~stethoscope.statistics.print_weights`; the Lightning adapter prints a sample
+    :func:`~stethoscope.prints.print_weights`; the Lightning adapter prints a sample
     alike). None: no tensor, or a backend other than TensorFlow (a float's bit pattern
     is read with ``tf.bitcast``, which ``keras.ops`` lacks)."""
     t = next((t for t in keras.tree.flatten(x) if t is not None), None)

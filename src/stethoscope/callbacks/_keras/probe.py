@@ -32,7 +32,7 @@ from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
 from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_KEY, StepWrappers
 from stethoscope.observation import Observation
-from stethoscope.statistics import join_prints
+from stethoscope.prints import join_prints
 
 __all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe"]
 

@@ -15,7 +15,10 @@ for it (its ``group``), and the points of the train step where it measures (its
   to be updated, to keep what the reduction compares against;
 - ``"update"``: :meth:`~KerasReduction.on_update` with the weights after the update,
   and what ``before_update`` kept;
-- ``"layer"``: :meth:`~KerasReduction.on_layer` with a leaf layer's output.
+- ``"layer"``: :meth:`~KerasReduction.on_layer` with a leaf layer's output;
+- ``"test_batch"``: :meth:`~KerasReduction.on_test_batch` with a test step's inputs (a
+  validation's, within ``fit``), outside any switch: it runs only where a detector reads
+  a validation's statistics.
 
 A reduction hands its tensors to a :class:`Store`, which writes them where the regime
 says (a variable, or the step's own outputs); :meth:`~KerasReduction.decode` reads them
@@ -35,13 +38,8 @@ from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import BY_REPLICAS, Slot
 from stethoscope.observation import Observation
-from stethoscope.statistics import (
-    DISTRIBUTION_BINS,
-    MAX_FEATURES,
-    MAX_PRINTS,
-    STATISTICS,
-    join_prints,
-)
+from stethoscope.prints import MAX_PRINTS, join_prints
+from stethoscope.statistics import DISTRIBUTION_BINS, MAX_FEATURES, STATISTICS
 
 __all__ = [
     "NOT_IN_FIT",
@@ -142,7 +140,7 @@ class KerasReduction:
     #: Other switches its graph code runs under (it measures inside their branch).
     requires: ClassVar[frozenset[str]] = frozenset()
     #: Where the train step calls it: "batch", "gradients", "before_update", "update",
-    #: "layer".
+    #: "layer"; and "test_batch", where the test step does.
     hooks: ClassVar[frozenset[str]] = frozenset()
     #: Whether its fields are per parameter (read only on the step actually sampled).
     per_parameter: ClassVar[bool] = False
@@ -156,6 +154,9 @@ class KerasReduction:
         raise NotImplementedError
 
     def on_gradients(self, store: Store, grads: dict[int, Any], scale: Any) -> None:
+        raise NotImplementedError
+
+    def on_test_batch(self, store: Store, x: Any) -> None:
         raise NotImplementedError
 
     def before_update(self, store: Store, tvars: list[Any]) -> Any:
@@ -407,7 +408,7 @@ class SamplePrints(KerasReduction):
 
     statistics = frozenset({"prints"})
     group = "prints"
-    hooks = frozenset({"batch"})
+    hooks = frozenset({"batch", "test_batch"})
     #: Validation batches printed per validation at most (a later one takes the last row).
     VAL_ROWS = 8
 
@@ -430,6 +431,17 @@ class SamplePrints(KerasReduction):
         prints = kops.sample_prints(x, MAX_PRINTS)
         if prints is not None:
             store.put("sample_prints", prints)
+
+    def on_test_batch(self, store: Store, x: Any) -> None:
+        """Write the prints of a test step's batch into the next row of ``val_prints``
+        (the last row, once they are all written)."""
+        prints = kops.sample_prints(x, MAX_PRINTS)
+        if prints is None:
+            return
+        printed, rows = store.variable("val_printed"), store.variable("val_prints")
+        row = ops.minimum(ops.cast(printed[0], "int32"), self.VAL_ROWS - 1)
+        kops.put(rows, row, prints)
+        printed.assign(printed + 1.0)
 
     def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
         pairs = src.read("sample_prints")

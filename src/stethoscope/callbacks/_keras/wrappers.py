@@ -33,11 +33,11 @@ from keras import ops
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.gate import UpdateGate
 from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
+from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
-from stethoscope.statistics import MAX_PRINTS
 
 __all__ = ["PROBES_KEY", "RING_KEY", "VERDICT_KEY", "StepWrappers"]
 
@@ -131,7 +131,7 @@ class StepWrappers:
         )
         self.at = {
             hook: tuple(r for r in reductions if hook in r.hooks)
-            for hook in ("batch", "gradients", "before_update", "update")
+            for hook in ("batch", "test_batch", "gradients", "before_update", "update")
         }
         self.switches = switches
         self.saw_loss = False
@@ -142,47 +142,35 @@ class StepWrappers:
         self.handed: set[int] = set()
         self.with_grad: set[int] = set()
         self._traces: dict[int, _Trace] = {}
-        self._installed: list[tuple[Any, str]] = []
+        self._patches = Patches()
 
     # -- installing ------------------------------------------------------------------------
     def install(self) -> None:
         """Wrap compute_loss, optimizer.apply (and the all-reduce under a strategy), the
         train step where it hands values back, and the watched layers' call."""
         model, opt = self.model, self.optimizer
-        self._wrap(model, "compute_loss", self._compute_loss(model.compute_loss))
+        self._patches.put(model, "compute_loss", self._compute_loss(model.compute_loss))
         if self.regime.outputs:
-            self._wrap(model, "train_step", self._train_step(model.train_step))
-        self._wrap(opt, "apply", self._apply(opt.apply))
+            self._patches.put(model, "train_step", self._train_step(model.train_step))
+        self._patches.put(opt, "apply", self._apply(opt.apply))
         if self.gate is not None:
             current = opt._get_current_learning_rate
-            self._wrap(opt, "_get_current_learning_rate", self.gate.learning_rate(current))
+            self._patches.put(opt, "_get_current_learning_rate", self.gate.learning_rate(current))
         if self.strategy is not None:
             reduce = opt._all_reduce_sum_gradients
-            self._wrap(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
+            self._patches.put(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
         for row, layer in enumerate(self.layers):
-            self._wrap(layer, "call", self._call(row, layer.call))
+            self._patches.put(layer, "call", self._call(row, layer.call))
 
     @property
     def installed(self) -> bool:
-        return bool(self._installed)
+        return bool(self._patches)
 
     def remove(self) -> None:
         """Take every wrapper off; forget what the traces carried."""
-        for owner, attr in reversed(self._installed):
-            if attr in vars(owner):
-                delattr(owner, attr)
-        self._installed = []
+        self._patches.remove()
         self._traces.clear()
         self.switches.forget()
-
-    def _wrap(self, owner: Any, attr: str, fn: Any) -> None:
-        if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
-            raise RuntimeError(
-                f"stethoscope: {type(owner).__name__}.{attr} is already replaced on this "
-                "instance (another KerasStethoscope in the same fit?); use one per model"
-            )
-        setattr(owner, attr, fn)
-        self._installed.append((owner, attr))
 
     # -- what a store of the reductions needs ----------------------------------------------
     def variable(self, name: str) -> Any:
@@ -231,9 +219,10 @@ class StepWrappers:
                 loss = original(x, y, y_pred, sample_weight, training=training)
             else:
                 loss = original(x, y, y_pred, sample_weight)
-            if not training:
+            if not training:  # a test step: a validation's, within fit
                 if self.printing_validation and not kops.is_symbolic(loss):
-                    self._print_validation(x)
+                    for r in self.at["test_batch"]:
+                        r.on_test_batch(self, x)
                 return loss
             if self.switches.off or kops.is_symbolic(loss):
                 return loss
@@ -256,18 +245,6 @@ class StepWrappers:
             return loss
 
         return compute_loss
-
-    def _print_validation(self, x: Any) -> None:
-        """Write the prints of a test step's batch into the next row of ``val_prints``
-        (the last row, once they are all written)."""
-        prints = kops.sample_prints(x, MAX_PRINTS)
-        if prints is None:
-            return
-        printed = self.variables["val_printed"]
-        rows = self.variables["val_prints"]
-        row = ops.minimum(ops.cast(printed[0], "int32"), rows.shape[0] - 1)
-        kops.put(rows, row, prints)
-        printed.assign(printed + 1.0)
 
     def _train_step(self, original: Any) -> Any:
         @functools.wraps(original)

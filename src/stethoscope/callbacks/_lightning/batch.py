@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stethoscope.statistics import (
-    MAX_FEATURES,
+from stethoscope.prints import (
     MAX_PRINTS,
     MAX_VAL_PRINTS,
     PRINT_PRIME,
@@ -17,6 +16,7 @@ from stethoscope.statistics import (
     join_prints,
     print_weights,
 )
+from stethoscope.statistics import MAX_FEATURES
 
 __all__ = [
     "INPUT_KEYS",
@@ -136,7 +136,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def sample_prints(x: Any) -> torch.Tensor | None:
     """The ``prints`` statistic of the inputs ``x``: two numbers for each of its first
     ``MAX_PRINTS`` samples, shape ``(samples, 2)``, exact integers below 2**24 held in
-    float32 (see :func:`~stethoscope.statistics.print_weights`). None: no tensor."""
+    float32 (see :func:`~stethoscope.prints.print_weights`). None: no tensor."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not len(x) or x.is_complex():
         return None
     with torch.no_grad():
@@ -159,7 +159,7 @@ _WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _weights(width: int, device: torch.device) -> torch.Tensor:
-    """:func:`~stethoscope.statistics.print_weights` on ``device``, made once per width."""
+    """:func:`~stethoscope.prints.print_weights` on ``device``, made once per width."""
     key = (width, device)
     if key not in _WEIGHTS:
         _WEIGHTS[key] = torch.from_numpy(print_weights(width)).to(device)

@@ -1,23 +1,12 @@
-"""The Lightning adapter's reduction of each statistic: what the hooks measure on the
-device, and how the host's copy becomes observation fields, side by side.
+"""The Lightning adapter's reductions of the parameters (gradient, weight and update
+norms, unit rows, histograms), the set of every reduction of a run, and how a step's
+reading becomes an observation.
 
-Each :class:`Reduction` serves a statistic of :mod:`stethoscope.statistics` (the forward
-hooks serve three at once). It measures at the hooks it needs, on the steps whose plan
-names its statistic, and hands the tensors to the step's :class:`StepMeasures`:
-
-- :meth:`~Reduction.at_start`: the step's first batch, before its forward pass;
-- :meth:`~Reduction.micro_batch`: each later micro-batch of the step (accumulation);
-- :meth:`~Reduction.before_step`: before an optimizer steps the watched parameters
-  ``indices`` (their gradients complete);
-- :meth:`~Reduction.at_end`: after a batch, and so after the optimizer step on the
-  step's last micro-batch.
-
-:meth:`~Reduction.decode` turns the statistic's numbers back into fields; per-parameter
-arrays follow ``measures.params``, the parameters the optimizers stepped, in order.
-
-The statistics gathered from every rank where the ranks meet are not per step: their
-reductions (:class:`ReplicaChecksums`, :class:`RankTiming`) hand the meeting this rank's
-values instead (``shared``).
+The reductions of a step's batch and forward pass are in
+:mod:`~stethoscope.callbacks._lightning.batch_reductions`; what a reduction is, in
+:mod:`~stethoscope.callbacks._lightning.reduction`. The statistics gathered from every
+rank where the ranks meet are not per step: their reductions (:class:`ReplicaChecksums`,
+:class:`RankTiming`) hand the meeting this rank's values instead (``shared``).
 """
 
 from __future__ import annotations
@@ -25,20 +14,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.batch import (
-    BatchParts,
-    class_labels,
-    input_moments,
-    loader_order,
-    sample_prints,
+from stethoscope.callbacks._lightning.batch import BatchParts
+from stethoscope.callbacks._lightning.batch_reductions import (
+    ClassLabels,
+    ForwardStatistics,
+    InputScale,
+    Loss,
+    LossGraph,
+    Predictions,
+    SamplePrints,
+    TrainMode,
 )
 from stethoscope.callbacks._lightning.forward import ForwardProbe
-from stethoscope.callbacks._lightning.loss_graph import broadcast_in_loss
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -46,73 +38,22 @@ from stethoscope.callbacks._lightning.parameters import (
     magnitude_histograms,
     zero_rows,
 )
-from stethoscope.callbacks._lightning.predictions import output_tensor, probability_rows
+from stethoscope.callbacks._lightning.reduction import Reduction
 from stethoscope.observation import Observation
-from stethoscope.statistics import DISTRIBUTION_BINS, join_prints
+from stethoscope.statistics import DISTRIBUTION_BINS
 
 __all__ = [
-    "ClassLabels",
     "Distributions",
-    "ForwardStatistics",
     "GradNorms",
-    "InputScale",
-    "Loss",
-    "LossGraph",
-    "Predictions",
     "RankTiming",
-    "Reduction",
     "ReductionSet",
     "ReplicaChecksums",
-    "SamplePrints",
+    "StaleGrads",
     "UnitRows",
     "UpdateNorms",
     "WeightNorms",
     "make_reductions",
 ]
-
-
-class Reduction:
-    """The measuring and decoding of one statistic (or a few that share a probe)."""
-
-    #: The statistics it serves.
-    statistics: ClassVar[frozenset[str]] = frozenset()
-    #: The name its parts carry in a step's measures (its statistic's, or its probe's).
-    name: ClassVar[str] = ""
-    #: Whether it measures the parameters an optimizer steps (the callback then tells the
-    #: measures which ones, in :meth:`before_step`'s order).
-    per_parameter: ClassVar[bool] = False
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        """The step's first batch, before its forward pass."""
-
-    def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
-        """A later micro-batch of the same step."""
-
-    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
-        """Before the step's first backward pass of ``loss``."""
-
-    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        """Before an optimizer steps the watched parameters ``indices``."""
-
-    def at_end(self, measures: StepMeasures) -> None:
-        """After a batch (after the optimizer step, on the step's last micro-batch)."""
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        """Fill ``obs`` from this statistic's numbers and the contexts of its parts."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """The fit is over: take off anything left on the user's model."""
-
-
-class Loss(Reduction):
-    """The batch's training loss, every step (the callback measures it at batch end)."""
-
-    statistics = frozenset({"loss"})
-    name = "loss"
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.loss = float(values[0])
 
 
 class GradNorms(Reduction):
@@ -253,201 +194,6 @@ class UnitRows(Reduction):
         obs.unit_names = tuple(name for name, _ in layers)
         cuts = np.cumsum([units for _, units in layers])[:-1]
         obs.unit_zero = tuple(part.astype(bool) for part in np.split(values, cuts))
-
-
-class InputScale(Reduction):
-    """The per-feature mean square of the step's first batch of inputs."""
-
-    statistics = frozenset({"inputs"})
-    name = "inputs"
-
-    def __init__(self, inputs_of: Callable[[Any], Any]) -> None:
-        self.inputs_of = inputs_of
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        moments = input_moments(self.inputs_of(batch))
-        if moments is not None:
-            measures.add("inputs", moments[0], moments[1])
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.input_sq, obs.input_count = values, contexts[0]
-
-
-class SamplePrints(Reduction):
-    """A fingerprint of each sample of the step's first batch of inputs, with the order
-    the training loader was asked for (a fact of the host)."""
-
-    statistics = frozenset({"prints"})
-    name = "prints"
-
-    def __init__(self, inputs_of: Callable[[Any], Any], trainer_of: Callable[[], Any]) -> None:
-        self.inputs_of, self.trainer_of = inputs_of, trainer_of
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        prints = sample_prints(self.inputs_of(batch))
-        if prints is not None:
-            measures.add("prints", prints, loader_order(self.trainer_of()))
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.sample_prints = join_prints(values)
-        obs.data_order = contexts[0]
-
-
-class ClassLabels(Reduction):
-    """The step's first batch of class labels, with a validity flag decided on the device
-    (a float target that is not rows of probabilities holds no class labels)."""
-
-    statistics = frozenset({"labels"})
-    name = "labels"
-
-    def __init__(self, labels_of: Callable[[Any], Any]) -> None:
-        self.labels_of = labels_of
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        labels = class_labels(self.labels_of(batch))
-        if labels is not None:
-            measures.add("labels", labels)
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        if values[-1] == 1.0:  # the validity flag: class labels after all
-            obs.labels = values[:-1].astype(np.int64)
-
-
-class Predictions(Reduction):
-    """Whether the rows the model outputs are probabilities, and what the loss would be
-    for each way of taking them (see :func:`probability_rows`). Forward hooks on the model
-    and on its direct children keep the last float tensor of at least one dimension that
-    one of them returned (the model's own output when the training step calls it, else
-    its head's: a loss or metric module called after returns a scalar); it is judged on
-    the device, with the batch's labels, just before the backward pass."""
-
-    statistics = frozenset({"predictions"})
-    name = "predictions"
-
-    def __init__(self, model: torch.nn.Module, labels_of: Callable[[Any], Any]) -> None:
-        self.modules = [model, *model.children()]
-        self.labels_of = labels_of
-        self._hooks: list[Any] = []
-        self._last: torch.Tensor | None = None
-        self._labels: Any = None
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        self.close()
-        self._labels = self.labels_of(batch)
-
-        def seen(module: torch.nn.Module, args: Any, output: Any) -> None:
-            t = output_tensor(output)
-            if t is not None and t.dim() >= 1 and t.is_floating_point():
-                self._last = t
-
-        self._hooks = [m.register_forward_hook(seen) for m in self.modules]
-
-    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
-        last, labels = self._last, self._labels
-        self.close()
-        rows = probability_rows(last, labels) if last is not None else None
-        if rows is not None:
-            measures.add("predictions", rows[0], rows[1])
-
-    def at_end(self, measures: StepMeasures) -> None:
-        self.close()  # never left on the model past its step
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks, self._last, self._labels = [], None, None
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.output_probs, obs.output_width = float(values[0]), contexts[0]
-        if not np.isnan(values[1]):
-            obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[1:4].tolist()
-
-
-class LossGraph(Reduction):
-    """Whether the loss's last operations broadcast a prediction against a target of
-    another shape, read from its autograd graph on the host (see
-    :func:`broadcast_in_loss`): no device work."""
-
-    statistics = frozenset({"loss_graph"})
-    name = "loss_graph"
-
-    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
-        found = broadcast_in_loss(loss)
-        if found is not None:
-            measures.note("loss_graph", found)
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.loss_broadcast = contexts[0]
-
-
-class TrainMode(Reduction):
-    """The modules in eval mode at a training step's start, seen on the host: the model
-    itself, its dropout modules, and its batch norms whose scale and shift still train
-    (one frozen on purpose, the usual way to keep its statistics, is not listed)."""
-
-    statistics = frozenset({"train_mode"})
-    name = "train_mode"
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.watched = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.dropout._DropoutNd)
-            or (
-                isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                and any(p.requires_grad for p in m.parameters(recurse=False))
-            )
-        ]
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        off = ["<model>"] if not self.model.training else []
-        off += [name for name, m in self.watched if not m.training]
-        measures.note("train_mode", tuple(off))
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.eval_modules = contexts[0]
-
-
-class ForwardStatistics(Reduction):
-    """Forward hooks for one step: the inputs of tanh and sigmoid activations
-    (``activations``), the outputs of layers with units (``outputs``), and whether each
-    module's output was finite, in the order they ran (``trace``)."""
-
-    statistics = frozenset({"activations", "outputs", "trace"})
-    name = "forward"
-
-    def __init__(self, forward: ForwardProbe) -> None:
-        self.forward = forward
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        plan = measures.plan
-        self.forward.attach(
-            activations="activations" in plan, outputs="outputs" in plan, trace="trace" in plan
-        )
-        measures.forward = True
-
-    def at_end(self, measures: StepMeasures) -> None:
-        if not measures.forward:
-            return
-        measures.forward = False
-        names, kinds, values = self.forward.collect()
-        if values is not None:
-            measures.add("forward", values, (tuple(names), tuple(kinds)))
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        ((names, kinds),) = contexts
-        acts = [i for i, k in enumerate(kinds) if k != "trace"]
-        offsets = np.cumsum([0] + [1 if k == "trace" else 3 for k in kinds])
-        if acts:
-            rows = np.stack([values[offsets[i] : offsets[i] + 3] for i in acts])
-            obs.act_names = tuple(names[i] for i in acts)
-            obs.act_kinds = tuple(kinds[i] for i in acts)
-            obs.act_saturated, obs.act_rms, obs.act_max = rows[:, 0], rows[:, 1], rows[:, 2]
-        traced = [i for i, k in enumerate(kinds) if k == "trace"]
-        if traced:
-            obs.trace_names = tuple(names[i] for i in traced)
-            obs.trace_finite = np.array([values[offsets[i]] for i in traced]) == 1.0
 
 
 class Distributions(Reduction):
