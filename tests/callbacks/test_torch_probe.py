@@ -10,7 +10,7 @@ from _models import TinyMLP, fit
 from torch import nn
 
 from stethoscope import LightningStethoscope
-from stethoscope.callbacks._lightning import parameters, reductions
+from stethoscope.callbacks._lightning import batch_reductions, parameters, reductions
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -94,6 +94,9 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         "zero_rows": [],
         "input_moments": [],
         "class_labels": [],
+        "sample_prints": [],
+        "probability_rows": [],
+        "broadcast_in_loss": [],
     }
     sink = CapturingSink()
     cb = LightningStethoscope(sinks=[sink])
@@ -110,10 +113,21 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     monkeypatch.setattr(ParameterProbe, "snapshot", spy("snapshot", ParameterProbe.snapshot))
     monkeypatch.setattr(ParameterProbe, "weight_norms", spy("weights", ParameterProbe.weight_norms))
     monkeypatch.setattr(ForwardProbe, "attach", spy("attach", ForwardProbe.attach))
-    for fn in ("zero_rows", "input_moments", "class_labels"):  # module functions, called bare
-        original = getattr(reductions, fn)
+    bare = [(reductions, "zero_rows")]  # module functions, called bare
+    bare += [
+        (batch_reductions, fn)
+        for fn in (
+            "input_moments",
+            "class_labels",
+            "sample_prints",
+            "probability_rows",
+            "broadcast_in_loss",
+        )
+    ]
+    for module, fn in bare:
+        original = getattr(module, fn)
         monkeypatch.setattr(
-            reductions,
+            module,
             fn,
             lambda *a, _fn=fn, _orig=original: calls[_fn].append(cb._measures.step) or _orig(*a),
         )
@@ -125,10 +139,13 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     )
     planned: list[int] = []
     planned_updates: list[int] = []
+    sampled: list[int] = []  # steps that measure more than the loss
     plan = cb.monitor.plan
 
     def recording_plan(step):
         probes = plan(step)
+        if probes != {"loss"}:
+            sampled.append(step)
         if "grads" in probes:
             planned.append(step)
         if "updates" in probes:
@@ -147,6 +164,11 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         assert calls[probe] == planned, probe  # hooks and unit stats: sampled steps only
     for probe in ("input_moments", "class_labels"):  # on sampled steps only
         assert calls[probe] and set(calls[probe]) <= set(planned), probe
+    # the prints also at each epoch's first step; the output and the loss graph before
+    # the backward pass of a sampled step: never on a quiet one
+    for probe in ("sample_prints", "probability_rows", "broadcast_in_loss"):
+        assert calls[probe] and set(calls[probe]) <= set(sampled), probe
+    assert len(calls["sample_prints"]) < 0.3 * 1000
     # the inputs' scale is judged once, early; the labels' order (unshuffled_data) all run
     assert max(calls["input_moments"]) < 32, max(calls["input_moments"])
     assert set(steps_seen) == set(planned)
