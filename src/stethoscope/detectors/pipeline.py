@@ -124,7 +124,10 @@ class _Persistent(Detector):
     """A mistake seen on sampled steps: it is named once it has held on ``patience`` of
     them in a row, and then the detector has done."""
 
-    patience: int
+    def __init__(self, *, patience: int = 2) -> None:
+        check_positive(self.name, "patience", patience, integer=True)
+        self.patience = patience
+        super().__init__()
 
     def _initial_state(self) -> dict:
         return {"streak": 0, "fired": False}
@@ -166,11 +169,6 @@ class EvalMode(_Persistent):
     needs = frozenset({"train_mode"})
     base_interval = 16
     advice = "call model.train() after an evaluation inside training"
-
-    def __init__(self, *, patience: int = 2) -> None:
-        check_positive(self.name, "patience", patience, integer=True)
-        self.patience = patience
-        super().__init__()
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -225,9 +223,8 @@ class UnzeroedGradients(_Persistent):
 
     def __init__(self, *, fraction: float = 0.9, patience: int = 2) -> None:
         check_fraction(self.name, "fraction", fraction)
-        check_positive(self.name, "patience", patience, integer=True)
-        self.fraction, self.patience = float(fraction), patience
-        super().__init__()
+        self.fraction = float(fraction)
+        super().__init__(patience=patience)
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -306,11 +303,6 @@ class LogitsMismatch(_Persistent):
     base_interval = 16
     advice = "feed the loss what it takes: logits, or set from_logits"
     blind_to = "the model's output was not seen (the training step calls no model)"
-
-    def __init__(self, *, patience: int = 2) -> None:
-        check_positive(self.name, "patience", patience, integer=True)
-        self.patience = patience
-        super().__init__()
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -395,11 +387,6 @@ class BroadcastLoss(_Persistent):
     needs = frozenset({"loss_graph"})
     base_interval = 16
     advice = "give the prediction and the target the same shape"
-
-    def __init__(self, *, patience: int = 2) -> None:
-        check_positive(self.name, "patience", patience, integer=True)
-        self.patience = patience
-        super().__init__()
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
