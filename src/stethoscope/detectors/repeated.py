@@ -33,8 +33,8 @@ class RepeatedData(Detector):
     mistakes are warned of, each once:
 
     - *stuck*: a batch equal to the one just before it in the same epoch (a repeat seen
-      on a sampled step asks for the next step's batch too): the loader serves one batch
-      again and again;
+      on a sampled step asks for the next step's batch too, and so does every epoch's
+      first batch): the loader serves one batch again and again;
     - *same order*: an epoch's first batch equals the one before's, or a batch comes back
       later in the same epoch, while shuffling was not turned off (a sequential sampler,
       as ``shuffle=False`` or Lightning's ``overfit_batches`` make, orders the data on
@@ -165,15 +165,19 @@ class RepeatedData(Detector):
                 "loader that saves its position (a stateful dataloader).",
                 value=float(st["length"] - ran),
             )
-        elif before is not None and not resumed and obs.epoch == before + 1 and ran > 1:
+        elif before is not None and not resumed and obs.epoch == before + 1:
             st["length"] = ran
-            if key == st["first"] and obs.data_order != "sequential":
+            # the very batch seen last, again: a stuck loader, which the next step tells
+            stuck = key == st["last"][1]
+            if ran > 1 and key == st["first"] and not stuck and obs.data_order != "sequential":
                 found += self._same_order(
                     obs,
                     f"epoch {obs.epoch} began with the very batch epoch {before} began "
                     "with (the same samples, in the same order)",
                 )
         st["epoch"], st["start"], st["first"], st["seen"] = obs.epoch, obs.step, key, {}
+        if st["length"] != 1:  # the epoch's second batch: a stuck loader shows at once
+            self.request = self.needs
         return found
 
     def _resumed_within(self, obs: Observation, key: str) -> list[Finding]:
