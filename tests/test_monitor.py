@@ -171,10 +171,14 @@ def test_an_epochs_first_step_measures_what_detectors_compare_epochs_by():
     prints = np.arange(8.0)
     m.observe(Observation(step=21, epoch=1, loss=2.3, sample_prints=prints))
     assert m.detectors[0].state["epoch"] == 1 and m.detectors[0].state["start"] == 21
-    assert m.plan(22) == m.plan(23) == {"loss"}  # the observation never came: forgotten
+    # the epoch's second batch, which the detector asks for (a stuck loader shows there)
+    assert m.plan(22) == {"loss", "prints"}
+    m.observe(Observation(step=22, epoch=1, loss=2.3, sample_prints=prints + 100))
+    assert m.plan(23) == {"loss"}
     assert m.plan(32) == {"loss", "prints"}  # the detector's own schedule
     m.load_state_dict(m.state_dict())  # a resumed run's first step
-    assert m.plan(25) == {"loss", "prints"} and m.plan(26) == {"loss"}
+    assert m.plan(25) == {"loss", "prints"}
+    assert m.plan(26) == {"loss"}  # its observation never came: forgotten
     # a validation's prints run it too, whatever it needs on a training step
     m.observe_validation(40, 2, None, prints=np.arange(64.0))
     assert m.detectors[0].state["epoch"] == 1  # judged (no training batch moved it)

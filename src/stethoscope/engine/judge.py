@@ -257,10 +257,8 @@ class Judge:
             findings.extend(r.findings)
             if r.suspect:
                 suspects.append(f"{r.detector.name}: {r.suspect}")
-            if r.request:
+            if r.request:  # for the steps after this one, whatever this one carried
                 self.planner.requested |= r.request
-        if raised:
-            self.planner.fulfilled(obs.has)
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
             return NOTHING
         held = self.held
