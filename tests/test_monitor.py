@@ -171,11 +171,13 @@ def test_an_epochs_first_step_measures_what_detectors_compare_epochs_by():
     prints = np.arange(8.0)
     m.observe(Observation(step=21, epoch=1, loss=2.3, sample_prints=prints))
     assert m.detectors[0].state["epoch"] == 1 and m.detectors[0].state["start"] == 21
-    # the epoch's second batch, which the detector asks for (a stuck loader shows there)
-    assert m.plan(22) == {"loss", "prints"}
-    m.observe(Observation(step=22, epoch=1, loss=2.3, sample_prints=prints + 100))
-    assert m.plan(23) == {"loss"}
-    assert m.plan(32) == {"loss", "prints"}  # the detector's own schedule
+    # a batch seen before asks for the next one: a request is for the steps after the one
+    # that raised it, even one that carried the statistic
+    m.observe(Observation(step=32, epoch=1, loss=2.3, sample_prints=prints))
+    assert m.plan(33) == {"loss", "prints"}
+    m.observe(Observation(step=33, epoch=1, loss=2.3, sample_prints=prints + 100))
+    assert m.plan(34) == {"loss"}
+    assert m.plan(48) == {"loss", "prints"}  # the detector's own schedule
     m.load_state_dict(m.state_dict())  # a resumed run's first step
     assert m.plan(25) == {"loss", "prints"}
     assert m.plan(26) == {"loss"}  # its observation never came: forgotten

@@ -32,9 +32,9 @@ class RepeatedData(Detector):
     ``prints`` statistic), and so are a validation's first batches (``val_prints``). Four
     mistakes are warned of, each once:
 
-    - *stuck*: a batch equal to the one just before it in the same epoch (a repeat seen
-      on a sampled step asks for the next step's batch too, and so does every epoch's
-      first batch): the loader serves one batch again and again;
+    - *stuck*: a batch equal to the one just before it in the same epoch (a batch seen
+      before, on a sampled step or at an epoch's start, asks for the next step's batch
+      too): the loader serves one batch again and again;
     - *same order*: an epoch's first batch equals the one before's, or a batch comes back
       later in the same epoch, while shuffling was not turned off (a sequential sampler,
       as ``shuffle=False`` or Lightning's ``overfit_batches`` make, orders the data on
@@ -175,9 +175,9 @@ class RepeatedData(Detector):
                     f"epoch {obs.epoch} began with the very batch epoch {before} began "
                     "with (the same samples, in the same order)",
                 )
+        if key == st["last"][1] and st["length"] != 1:
+            self.request = self.needs  # the batch seen last, again: is the next one too?
         st["epoch"], st["start"], st["first"], st["seen"] = obs.epoch, obs.step, key, {}
-        if st["length"] != 1:  # the epoch's second batch: a stuck loader shows at once
-            self.request = self.needs
         return found
 
     def _resumed_within(self, obs: Observation, key: str) -> list[Finding]:
