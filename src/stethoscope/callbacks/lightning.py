@@ -239,7 +239,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
-        backward = self._backward_always or not plan.isdisjoint(BACKWARD_READS)
+        backward = self._backward_always or not plan.isdisjoint(self._reductions.before_backward)
         if backward is not self._backward_on:  # the backward hook: only where it has work
             self._hooks.set("on_before_backward", backward)
             self._backward_on = backward
@@ -429,11 +429,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         decision = look_if_nonfinite(judged, self._measures.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
-
-
-#: The statistics measured just before the step's first backward pass (its hook is on
-#: where a plan names one).
-BACKWARD_READS = frozenset({"stale_grads", "predictions", "loss_graph"})
 
 
 def _gradient_interval(monitor: Monitor) -> float:

@@ -145,14 +145,17 @@ class RepeatedData(Detector):
             "augmenting it, and remove duplicates across the splits.",
             value=share,
             threshold=self.OVERLAP,
+            where="validation data",
         )
 
-    # -- the three mistakes -----------------------------------------------------
+    # -- the mistakes --------------------------------------------------------------
     def _new_epoch(self, obs: Observation, key: str, resumed: bool) -> list[Finding]:
         """An epoch's first batch: compare it with the last epoch's first."""
         st = self.state
         found: list[Finding] = []
         before, ran = st["epoch"], obs.step - st["start"]
+        # the very batch seen last, again: a stuck loader, which the next step tells
+        again = key == st["last"][1]
         if before is not None and resumed and 0 < ran < st["length"]:
             # the checkpoint was taken ``ran`` batches into epoch ``before``
             found += self._warn(
@@ -167,16 +170,14 @@ class RepeatedData(Detector):
             )
         elif before is not None and not resumed and obs.epoch == before + 1:
             st["length"] = ran
-            # the very batch seen last, again: a stuck loader, which the next step tells
-            stuck = key == st["last"][1]
-            if ran > 1 and key == st["first"] and not stuck and obs.data_order != "sequential":
+            if ran > 1 and key == st["first"] and not again and obs.data_order != "sequential":
                 found += self._same_order(
                     obs,
                     f"epoch {obs.epoch} began with the very batch epoch {before} began "
                     "with (the same samples, in the same order)",
                 )
-        if key == st["last"][1] and st["length"] != 1:
-            self.request = self.needs  # the batch seen last, again: is the next one too?
+        if again and st["length"] != 1:
+            self.request = self.needs  # is the next batch the same one too?
         st["epoch"], st["start"], st["first"], st["seen"] = obs.epoch, obs.step, key, {}
         return found
 
@@ -256,12 +257,12 @@ class RepeatedData(Detector):
         *,
         value: float,
         threshold: float = 0.0,
-    ) -> list:
+        where: str = "data",
+    ) -> list[Finding]:
         warned = self.state["warned"]
         if mistake in warned:
             return []
         warned.append(mistake)
-        where = "validation data" if mistake == "overlap" else "data"
         return [
             self.finding(obs, "warning", message, value=value, threshold=threshold, where=where)
         ]

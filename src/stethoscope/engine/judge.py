@@ -194,14 +194,10 @@ class Judge:
                         i = taken
                         continue
                 else:
-                    s = None
-                    if not (d.runs_on and any(map(has, d.runs_on))):
-                        for s in d.needs:  # does the one step carry what d needs?
-                            if not has(s):
-                                break
-                        else:
-                            s = None
-                    if s is not None:
+                    # a detector runs on what arrived (Detector.runs_on), whatever else it
+                    # needs; else only where the one step carries all it needs
+                    arrived = d.runs_on and any(map(has, d.runs_on))
+                    if not arrived and not all(map(has, d.needs)):
                         if d.blind_to:
                             self._unread(d, numbers[i])
                         break

@@ -304,6 +304,14 @@ class ReductionSet:
         # per plan: the reductions it runs, and those of them that need the parameters an
         # optimizer steps (a handful of plans per run)
         self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
+        #: The statistics measured just before a step's first backward pass: those of the
+        #: reductions that have a ``before_backward`` (its hook is on where a plan names one).
+        self.before_backward = frozenset(
+            s
+            for r in self.all
+            if type(r).before_backward is not Reduction.before_backward
+            for s in r.statistics
+        )
 
     def close(self) -> None:
         """The fit is over (or failed): every reduction takes its hooks off the model."""
