@@ -51,7 +51,10 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
 
 
 def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
-    """The three losses of :func:`probability_rows`, or None without matching labels."""
+    """The three losses of :func:`probability_rows` (NaN where no label is kept), or None
+    without matching labels. Each reads the labels' entries of the rows, gathered, and a
+    log-sum-exp per row: no selection whose size depends on the labels (on a GPU that
+    would wait for the device), and no log of every entry."""
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
         return None
     y = labels.detach().reshape(-1)
@@ -59,10 +62,10 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
         return None
     y = y.long()
     kept = y >= 0  # ignore_index (-100) and other negative targets are left out
-    rows, y = rows[kept], y[kept]
-    if not len(y):
-        return None
-    as_logits = torch.nn.functional.cross_entropy(rows, y)
-    as_log_probs = torch.nn.functional.nll_loss(rows, y)
-    as_probs = torch.nn.functional.nll_loss(torch.log(rows.clamp_min(1e-30)), y)
+    picked = rows.gather(1, torch.where(kept, y, 0)[:, None]).squeeze(1)
+    weight = kept.to(rows.dtype)
+    count = weight.sum()
+    as_logits = ((torch.logsumexp(rows, dim=1) - picked) * weight).sum() / count
+    as_log_probs = -(picked * weight).sum() / count
+    as_probs = -(torch.log(picked.clamp_min(1e-30)) * weight).sum() / count
     return torch.stack([as_logits, as_log_probs, as_probs])
