@@ -75,15 +75,70 @@ def test_skips_during_a_cool_down_roll_back_then_cool_again_then_stop():
     assert "the updates of steps 1…6 are discarded" in found[0].message
     assert "roll back 1 of 1" in found[0].message
     assert ladder.cooling(7) and not ladder.was_skipped(3)  # the window starts afresh
+    ladder.applied(7)  # the restored weights moved again
     ladder.skipped(8, 0, "x")
-    found, action = ladder.skipped(9, 0, "x")
+    found, action = ladder.skipped(10, 0, "x")
     assert action == "stop"
     stop = found[-1]
     assert stop.severity == "error" and stop.where == "stop"
     assert "gave up" in stop.message and "after 1 roll backs" in stop.message
-    assert "skipped 7 steps (from step 1 to 9)" in stop.message  # the history, in short
+    assert "skipped 7 steps (from step 1 to 10)" in stop.message  # the history, in short
     assert "cool at 3; rollback at 6; cool at 6" in stop.message
     assert ladder.counts == {"skip": 7, "cool": 2, "rollback": 1, "stop": 1}
+
+
+def test_two_steps_judged_bad_right_after_an_applied_one_roll_back_at_once():
+    ladder = _ladder(cool_after=5)
+    ladder.applied(149)
+    found, action = ladder.skipped(150, 0, "the loss is past its bar")  # a bad batch?
+    assert action is None and [f.where for f in found] == ["skip"]
+    _, action = ladder.skipped(151, 0, "the loss is past its bar")  # no: the weights
+    assert action == "rollback"
+    # one bad batch between two applied steps is only skipped
+    other = _ladder(cool_after=5)
+    for step in (10, 20, 30):
+        other.applied(step - 1)
+        assert other.skipped(step, 0, "x")[1] is None
+        other.applied(step + 1)
+    assert other.counts["rollback"] == 0
+
+
+def test_skips_right_after_a_roll_back_are_the_data_and_roll_back_no_more():
+    ladder = _ladder(rollback_after=1, window=10)
+    ladder.applied(40)
+    ladder.skipped(41, 0, "x")
+    assert ladder.skipped(42, 0, "x")[1] == "rollback"
+    ladder.rolled_back(42, 0, to_step=30, what="x")
+    # the restored weights are healthy: a stretch of bad batches is skipped, no more
+    for step in range(43, 50):
+        assert ladder.skipped(step, 0, "x")[1] is None
+    # ... but a run whose every step is skipped ends in a stop, not a loop
+    found, action = ladder.skipped(50, 0, "x")  # 41 to 50
+    assert action == "stop" and "every one of the last 10 steps was skipped" in found[-1].message
+
+
+def test_after_a_roll_back_the_cool_down_starts_from_the_snapshots_learning_rate():
+    ladder = _ladder(cool_steps=20)
+    assert ladder.lr_ceiling(5) is None
+    ladder.rolled_back(50, 0, to_step=40, what="x", learning_rates=[[0.01, 0.02]])
+    assert ladder.lr_ceiling(51) == [[0.01, 0.02]] and ladder.lr_scale(51) == 0.1
+    again = _ladder(cool_steps=20)
+    again.load_state_dict(ladder.state_dict())  # a checkpoint keeps it
+    assert again.lr_ceiling(60) == [[0.01, 0.02]]
+    ladder.saw(71, 0, troubled=False)  # the cool-down is over: the schedule's own again
+    assert ladder.lr_ceiling(72) is None
+
+
+def test_a_snapshot_taken_shortly_before_the_trouble_began_is_not_trusted():
+    ladder = _ladder(snapshot_every=100, trust_after=20)
+    assert Recovery(snapshot_every=50).trust_after == 10  # a fifth of it, by default
+    ladder.applied(149)
+    ladder.skipped(150, 0, "x")
+    assert not ladder.trusted(140) and ladder.trusted(130) and ladder.trusted(100)
+    ladder.saw(170, 0, troubled=True)  # the same trouble goes on: it began at 150
+    assert ladder.trusted(130)
+    ladder.saw(400, 0, troubled=True)  # a new one, after a quiet stretch
+    assert ladder.trusted(380) and not ladder.trusted(390)
 
 
 def test_an_error_on_an_applied_step_rolls_back():

@@ -9,15 +9,20 @@ validation after every epoch) three ways for each seed:
 * **with recovery**: ``LightningStethoscope(recover=True)``.
 
 and reports, per way, the steps trained, whether the run was stopped, and the final
-validation loss (the last validation), against the twin's. The transient faults last
-from step 150: one NaN input batch, one poison batch (inputs x30 and every label
-wrong), a stretch of 8 batches with wrong labels, the learning rate x30 for 4 steps.
+validation loss (the last validation), against the twin's. The transient faults start
+at step 150:
+* in the data: one NaN input batch, one poison batch (inputs x30 and every label
+  wrong), a stretch of 8 batches with wrong labels;
+* in the update, where the gate sees nothing wrong before it is applied: the learning
+  rate x30, x300 and x3000 for 1, 4 and 16 steps, and (with SGD, momentum 0.9, and its
+  twin likewise) the momentum buffer multiplied by 1000, as one huge gradient that
+  entered it unseen would leave it.
 The persistent ones: the learning rate 100x too high from the start (900 steps: room for
 the whole ladder), and random labels.
 The healthy control must take no action.
 
 Run:
-    python -m benchmarks.faults.recovery                 # 3 seeds, about 4 minutes
+    python -m benchmarks.faults.recovery                 # 3 seeds, about 1 minute
     python -m benchmarks.faults.recovery --seeds 1 --only nan_batch
 """
 
@@ -46,7 +51,12 @@ from stethoscope.findings import RECOVERY
 from stethoscope.testing import CapturingSink
 
 ONSET = 150
+#: What the poisoned momentum buffer is multiplied by.
+POISON = 1000.0
 TRAIN = TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, validate=True)
+#: The training of the momentum case (and its twin's): SGD, whose buffer carries a past
+#: gradient into every later update.
+SGD = replace(TRAIN, optimizer="sgd", lr=0.05, momentum=0.9)
 DATA = DataSpec(n_train=2048, n_val=512)
 
 
@@ -57,11 +67,17 @@ class Case:
     name: str
     kind: str  # "transient", "persistent" or "control"
     what: str
-    fault: str | None = None  # "nan_input", "poison", "corrupt_labels" or "lr_spike"
+    #: "nan_input", "poison", "corrupt_labels", "lr_spike" or "poisoned_momentum"
+    fault: str | None = None
     steps: int = 1  # how many steps a batch or learning-rate fault lasts
     factor: float = 1.0  # the learning rate's, for "lr_spike"
     train: TrainSpec = TRAIN
     data: DataSpec = DATA
+    healthy: TrainSpec = TRAIN  # the twin's training
+
+    def twin(self) -> Case:
+        """The same case without its fault: the healthy twin."""
+        return replace(self, fault=None, train=self.healthy, data=DATA)
 
 
 CASES: tuple[Case, ...] = (
@@ -79,13 +95,26 @@ CASES: tuple[Case, ...] = (
         "corrupt_labels",
         steps=8,
     ),
+    *(
+        Case(
+            f"lr_x{factor}_for_{steps}",
+            "transient",
+            f"the learning rate x{factor} for {steps} step{'s' if steps > 1 else ''} from step 150",
+            "lr_spike",
+            steps=steps,
+            factor=float(factor),
+        )
+        for factor in (30, 300, 3000)
+        for steps in (1, 4, 16)
+    ),
     Case(
-        "lr_spike",
+        "poisoned_momentum",
         "transient",
-        "the learning rate x30 for 4 steps from step 150",
-        "lr_spike",
-        steps=4,
-        factor=30.0,
+        "SGD (lr 0.05, momentum 0.9): at step 150 the momentum buffer x1000, as one huge "
+        "gradient the gate never saw would leave it",
+        "poisoned_momentum",
+        train=SGD,
+        healthy=SGD,
     ),
     Case(
         "lr_too_high",
@@ -118,6 +147,10 @@ class RecoveryModule(SuiteModule):
         return self.case.fault is not None and ONSET <= self.global_step < ONSET + self.case.steps
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.case.fault == "poisoned_momentum" and self.global_step == ONSET:
+            for opt in self.trainer.optimizers:
+                for state in opt.state.values():
+                    state["momentum_buffer"].mul_(POISON)
         if self.case.fault == "lr_spike":
             lr = self.base_lr * (self.case.factor if self._faulty() else 1.0)
             for opt in self.trainer.optimizers:
@@ -152,7 +185,7 @@ class Outcome:
 
 def _train(case: Case, seed: int, *, faulty: bool, recover: bool | None) -> Outcome:
     """One fit: ``recover`` None means no stethoscope at all (the twin)."""
-    the_case = case if faulty else replace(case, fault=None, train=TRAIN, data=DATA)
+    the_case = case if faulty else case.twin()
     torch.manual_seed(seed)
     arrays = make_data(the_case.data, seed)
     model = RecoveryModule(the_case, arrays)

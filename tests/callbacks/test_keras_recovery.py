@@ -198,14 +198,49 @@ def test_with_several_steps_per_execution_a_roll_back_waits_for_the_execution_to
     m = model("sgd")
     m.compile(m.optimizer, m.loss, steps_per_execution=4)
     fit(m, x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
-    # executions take steps 8-11 and 12-15: the snapshot after 8-11 (its step 8 was due),
-    # the roll back once 12-15 have all run
+    # executions take steps 8-11 and 12-15: a snapshot after 8-11 (its step 8 was due),
+    # the roll back once 12-15 have all run. It passes over the snapshot of step 11,
+    # taken after the trouble began (the skip at 10), for the one of step 7 (after 4-7)
     assert acts(sink)[:4] == [(10, "skip"), (10, "cool"), (12, "skip"), (15, "rollback")]
     rollback = next(f for f in sink.findings if f.where == "rollback")
-    assert "snapshot of step 11" in rollback.message
-    for now, snapshot in zip(seen.before[16], seen.after[11], strict=True):
+    assert "snapshot of step 7" in rollback.message
+    for now, snapshot in zip(seen.before[16], seen.after[7], strict=True):
         np.testing.assert_array_equal(now, snapshot)
     assert not m.stop_training
+
+
+class SpikedLearningRate(keras.callbacks.Callback):
+    """Sets the learning rate x1000 for steps 30..45 before each batch (a schedule gone
+    wrong); after the stethoscope in the list, so it overrides what a roll back restored."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.model.optimizer.learning_rate = 100.0 if 30 <= batch <= 45 else 0.1
+
+
+def test_a_spike_the_gate_cannot_see_is_rolled_back_and_its_rest_cooled_from_before_it():
+    import tensorflow as tf
+
+    x, y = data(80)
+    settings = Recovery(snapshot_every=10, cool_steps=30, trust_after=5)
+    sink, seen = CapturingSink(), Weights()
+    m = model("plain-sgd", lr=0.1)
+    fit(m, x, y, [KerasStethoscope(sinks=[sink], recover=settings), SpikedLearningRate(), seen])
+    rollbacks = [f for f in sink.findings if f.where == "rollback"]
+    assert len(rollbacks) == 1 and not m.stop_training
+    # back to a snapshot from before the spike (20; 30 is the spike's first step)
+    assert "snapshot of step 20" in rollbacks[0].message
+    # the rest of the spike is cooled from the snapshot's learning rate: an update of
+    # plain SGD is the learning rate times the gradient, 0.1 x 0.1 here, not 100 x 0.1
+    step = 40
+    assert seen.lr[step] == 100.0  # what the schedule asks for
+    for v, before in zip(m.trainable_variables, seen.before[step], strict=True):
+        v.assign(before)
+    rows = slice(step * BATCH, (step + 1) * BATCH)
+    with tf.GradientTape() as tape:
+        loss = m.loss(y[rows], m(x[rows]))
+    grads = tape.gradient(loss, m.trainable_variables)
+    for g, before, after in zip(grads, seen.before[step], seen.after[step], strict=True):
+        np.testing.assert_allclose(after - before, -0.01 * g.numpy(), rtol=1e-4, atol=1e-7)
 
 
 def test_trouble_soon_after_a_roll_back_goes_back_to_the_snapshot_before():

@@ -34,8 +34,15 @@ class _State:
         default_factory=lambda: {"skip": 0, "cool": 0, "rollback": 0, "stop": 0}
     )
     history: list[Rung] = field(default_factory=list)
-    trouble: int = -(10**9)  # the last step with a skip or a warning
+    trouble: int = -(10**9)  # the last step with a warning on an applied step
+    onset: int = -(10**9)  # the first step of the trouble under way (a skip or a warning)
+    troubled_at: int = -(10**9)  # the last step with a skip or a warning
     rolled_back_at: int = -(10**9)  # the step of the last roll back
+    applied_at: int = -(10**9)  # the last step whose update was applied
+    in_a_row: int = 0  # steps skipped since the last applied one
+    #: While cooling after a roll back: the learning rates the snapshot had, per optimizer
+    #: and parameter group, above which no step goes (see :meth:`Ladder.lr_ceiling`).
+    ceiling: list[list[float]] | None = None
 
 
 class Ladder:
@@ -52,6 +59,8 @@ class Ladder:
         self.settings = settings
         self.s = _State()
         self._unapplied: deque[int] = deque(maxlen=64)  # steps a GradScaler skipped
+        #: Why the last roll back the ladder asked for is needed.
+        self.rollback_why = ""
 
     # -- what happened --------------------------------------------------------------------
     def skipped(self, step: int, epoch: int, why: str) -> tuple[list[Finding], str | None]:
@@ -61,8 +70,24 @@ class Ladder:
         s.skips.append(step)  # the weights stay healthy: no block on the next snapshot
         while s.skips and s.skips[0] <= step - cfg.window:
             s.skips.popleft()
+        self._troubled(step)
+        s.in_a_row += 1
         kept = "the weights and the optimizer's state stay as they were"
         found = [self._act(step, epoch, "skip", f"skipped step {step}: {why}; {kept}", "info")]
+        if s.in_a_row >= cfg.window:
+            why = f"every one of the last {s.in_a_row} steps was skipped"
+            found.append(self._stop(step, epoch, why))
+            return found, "stop"
+        if self._damaged_by_last_update(step):
+            why = (
+                f"steps {step - 1} and {step}, the two after step {s.applied_at}'s update, "
+                "were both judged bad: the weights that update left are suspect"
+            )
+            return found, self._need_rollback(step, epoch, why, found)
+        if not self._weights_moved_since_rollback():
+            # the roll back restored healthy weights and none was applied since: what is
+            # skipped is the data, which another roll back would not mend
+            return found, None
         if self.cooling(step):
             s.skips_cooling += 1
             if s.skips_cooling >= cfg.rollback_after:
@@ -77,10 +102,16 @@ class Ladder:
     def failed(self, step: int, epoch: int, finding: Finding) -> tuple[list[Finding], str]:
         """An error a skip could not prevent (``finding``, on an applied step): roll back,
         or stop when that is no longer possible."""
+        self._troubled(finding.step)
         self.s.trouble = step
         found: list[Finding] = []
         why = f"{finding.detector} ({finding.severity}) at step {finding.step}"
         return found, self._need_rollback(step, epoch, why, found)
+
+    def applied(self, step: int) -> None:
+        """Step ``step``'s update was applied."""
+        self.s.applied_at = step
+        self.s.in_a_row = 0
 
     def was_skipped(self, step: int) -> bool:
         """Whether ``step`` was not applied: a recent skip, or a step something else
@@ -96,18 +127,30 @@ class Ladder:
         """Step ``step`` was judged (``troubled``: a warning or an error the ladder
         answers): it is unhealthy for snapshots. Reports the end of a cool-down."""
         if troubled:
+            self._troubled(step)
             self.s.trouble = max(self.s.trouble, step)
         return self._end_of_cooling(step, epoch)
 
-    def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> list[Finding]:
+    def rolled_back(
+        self,
+        step: int,
+        epoch: int,
+        to_step: int,
+        what: str,
+        learning_rates: list[list[float]] | None = None,
+        because: str | None = None,
+    ) -> list[Finding]:
         """The adapter restored the snapshot of ``to_step`` at ``step`` (``what``: what it
-        restored). The ladder cools down again from here."""
+        restored; ``learning_rates``: the ones it restored, per optimizer and parameter
+        group; ``because``: why). The ladder cools down again from here, below those
+        learning rates."""
         s = self.s
         s.rollbacks += 1
         s.rolled_back_at = step
         s.skips.clear()
         s.skips_cooling = 0
         s.trouble = step
+        self._troubled(step)
         found = [
             self._act(
                 step,
@@ -115,11 +158,13 @@ class Ladder:
                 "rollback",
                 f"rolled back to the snapshot of step {to_step} ({what}): the updates of "
                 f"steps {to_step + 1}…{step} are discarded and training goes on with the "
-                f"next batch (roll back {s.rollbacks} of {self.settings.max_rollbacks})",
+                f"next batch (roll back {s.rollbacks} of {self.settings.max_rollbacks})"
+                + (f", because {because}" if because else ""),
                 "warning",
             )
         ]
         found.append(self._cool(step, epoch, "after the roll back"))
+        s.ceiling = [list(map(float, group)) for group in learning_rates or ()] or None
         return found
 
     # -- what to do -----------------------------------------------------------------------
@@ -130,6 +175,15 @@ class Ladder:
         """The factor on the learning rate at ``step``: ``cool_factor`` while cooling."""
         return self.settings.cool_factor if self.cooling(step) else 1.0
 
+    def lr_ceiling(self, step: int) -> list[list[float]] | None:
+        """The learning rates no update at ``step`` goes above before the cool-down's
+        factor, per optimizer and parameter group, or None: while cooling after a roll
+        back, those of the snapshot it went to. The schedule (or whatever set the
+        learning rate) may still be where it did the damage, a spike that lasts longer
+        than the stretch rolled back: the cool-down starts from the snapshot's learning
+        rate, not from the spike's."""
+        return self.s.ceiling if self.cooling(step) else None
+
     def snapshot_due(self, step: int) -> bool:
         """Whether to snapshot after ``step``: on the cadence, and healthy since the last
         ``snapshot_every`` steps (no warning on a step that was applied; skipped steps
@@ -137,6 +191,14 @@ class Ladder:
         leave only an old one to roll back to)."""
         every = self.settings.snapshot_every
         return step % every == 0 and step - self.s.trouble >= every
+
+    def trusted(self, snapshot_step: int) -> bool:
+        """Whether the snapshot of ``snapshot_step`` may be rolled back to: the trouble
+        under way began at least ``trust_after`` steps after it. A snapshot is taken after
+        a stretch without a warning, but the update that did the damage may be in it: a
+        learning-rate spike's first step is applied before any bar moves, and its harm
+        shows on the next steps."""
+        return self.s.onset - snapshot_step >= self.settings.trust_after
 
     def newest_suspect(self, step: int) -> bool:
         """Whether a roll back needed at ``step`` should pass over the newest snapshot:
@@ -168,7 +230,12 @@ class Ladder:
             "counts": dict(s.counts),
             "history": [asdict(r) for r in s.history],
             "trouble": s.trouble,
+            "onset": s.onset,
+            "troubled_at": s.troubled_at,
             "rolled_back_at": s.rolled_back_at,
+            "applied_at": s.applied_at,
+            "in_a_row": s.in_a_row,
+            "ceiling": s.ceiling,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,7 +249,31 @@ class Ladder:
         s.history = [Rung(**r) for r in state.get("history", ())]
         s.trouble = int(state.get("trouble", s.trouble))
         s.rolled_back_at = int(state.get("rolled_back_at", s.rolled_back_at))
+        s.onset = int(state.get("onset", s.onset))
+        s.troubled_at = int(state.get("troubled_at", s.troubled_at))
+        s.applied_at = int(state.get("applied_at", s.applied_at))
+        s.in_a_row = int(state.get("in_a_row", 0))
+        s.ceiling = state.get("ceiling")
         self.s = s
+
+    # -- the signs of damage --------------------------------------------------------------
+    def _troubled(self, step: int) -> None:
+        """Trouble at ``step``: it begins a new stretch of trouble after a quiet one."""
+        s = self.s
+        if step - s.troubled_at >= self.settings.snapshot_every:
+            s.onset = step
+        s.troubled_at = max(s.troubled_at, step)
+
+    def _damaged_by_last_update(self, step: int) -> bool:
+        """Whether the two steps after an applied one were both skipped: one bad batch is
+        skipped and the next is fine, but weights an update harmed are judged bad on the
+        next batches too (a learning-rate spike, a poisoned momentum)."""
+        s = self.s
+        return s.in_a_row == 2 and s.applied_at == step - 2 and self._weights_moved_since_rollback()
+
+    def _weights_moved_since_rollback(self) -> bool:
+        s = self.s
+        return s.rollbacks == 0 or s.applied_at > s.rolled_back_at
 
     # -- the rungs ------------------------------------------------------------------------
     def _cool(self, step: int, epoch: int, why: str) -> Finding:
@@ -202,6 +293,7 @@ class Ladder:
         if s.cool_from is None or step < s.cool_until:
             return []
         s.cool_from = None
+        s.ceiling = None
         why = "the cool-down is over: the learning rate follows the schedule again"
         return [self._act(step, epoch, "restore_lr", why, "info")]
 
@@ -210,6 +302,7 @@ class Ladder:
         if s.rollbacks >= cfg.max_rollbacks:
             found.append(self._stop(step, epoch, f"{why}, after {s.rollbacks} roll backs"))
             return "stop"
+        self.rollback_why = why
         return "rollback"
 
     def stop_without_snapshot(self, step: int, epoch: int, why: str) -> Finding:

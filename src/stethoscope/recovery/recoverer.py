@@ -10,7 +10,7 @@ from stethoscope.engine import Decision
 from stethoscope.findings import Finding, Severity
 from stethoscope.recovery.ladder import Ladder
 from stethoscope.recovery.settings import DAMAGE, RECOVERABLE, Recovery
-from stethoscope.recovery.snapshots import SnapshotStore
+from stethoscope.recovery.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["Recoverer"]
 
@@ -70,6 +70,8 @@ class Recoverer:
         """The optimizer step of ``step`` was applied or skipped: answer the errors that
         waited for it."""
         self.settled = step
+        if not self.ladder.was_skipped(step):
+            self.ladder.applied(step)
         if not self._pending:  # every step of a healthy run: nothing waited
             return _CARRY_ON
         ready = [f for f in self._pending if f.step <= step]
@@ -110,32 +112,47 @@ class Recoverer:
         """Step ``step`` went by with no trouble of its own: a cool-down may end."""
         self.monitor.tell(self.ladder.saw(step, epoch, troubled=False))
 
-    def rolled_back(self, step: int, epoch: int, to_step: int, what: str) -> None:
-        """The adapter restored the snapshot of ``to_step``."""
-        self.rollback_due = None
-        self.monitor.tell(self.ladder.rolled_back(step, epoch, to_step, what))
+    def rolled_back(
+        self,
+        step: int,
+        epoch: int,
+        to_step: int,
+        what: str,
+        learning_rates: list[list[float]] | None = None,
+    ) -> None:
+        """The adapter restored the snapshot of ``to_step`` (and ``learning_rates``)."""
+        because, self.rollback_due = self.rollback_due, None
+        found = self.ladder.rolled_back(step, epoch, to_step, what, learning_rates, because)
+        self.monitor.tell(found)
 
     def roll_back(
         self,
         step: int,
         epoch: int,
         snapshots: SnapshotStore,
-        put_back: Callable[[dict[str, Any]], None],
+        put_back: Callable[[dict[str, Any]], list[list[float]] | None],
         what: str,
     ) -> Decision:
-        """Pay the roll back owed at ``step``: ``put_back`` restores the newest snapshot's
-        state (``what`` says what that holds). The newest is passed over when the last roll
-        back went to it only lately (see :meth:`Ladder.newest_suspect`); with none left,
-        training stops."""
+        """Pay the roll back owed at ``step``: ``put_back`` restores the newest healthy
+        snapshot's state (``what`` says what that holds) and returns the learning rates it
+        restored (per optimizer and parameter group; the cool-down stays below them).
+        Passed over: the newest, when the last roll back went to it only lately (see
+        :meth:`Ladder.newest_suspect`), and any taken too shortly before the trouble
+        began (see :meth:`Ladder.trusted`). With none left, training stops."""
         if self.ladder.newest_suspect(step):
+            snapshots.discard_newest()
+        while snapshots.kept and not self._trusted(snapshots.kept[-1]):
             snapshots.discard_newest()
         newest = snapshots.newest()
         if newest is None:
             return self.no_snapshot(step, epoch)
         snap, state = newest
-        put_back(state)
-        self.rolled_back(step, epoch, snap.step, what)
+        learning_rates = put_back(state)
+        self.rolled_back(step, epoch, snap.step, what, learning_rates)
         return _CARRY_ON
+
+    def _trusted(self, snapshot: Snapshot) -> bool:
+        return snapshot.first or self.ladder.trusted(snapshot.step)
 
     def no_snapshot(self, step: int, epoch: int) -> Decision:
         """The roll back owed has nowhere to go: stop."""
@@ -145,7 +162,7 @@ class Recoverer:
     def _act(self, found: list[Finding], action: str | None, why: str) -> Decision:
         self.monitor.tell(found)
         if action == "rollback":
-            self.rollback_due = why
+            self.rollback_due = self.ladder.rollback_why or why
         if action != "stop":
             return Decision()
         reason = found[-1]

@@ -90,6 +90,10 @@ class Recovery:
         snapshot_every: Steps between snapshots, taken only when the run was healthy
             (no warning on an applied step in those steps). One is taken at the start.
         keep_snapshots: Snapshots kept at most (the oldest go first).
+        trust_after: A roll back goes to a snapshot only if the trouble it answers began
+            at least this many steps after it (None: a fifth of ``snapshot_every``): the
+            update that did the damage may be in a snapshot taken just before its harm
+            showed. The snapshot taken when training starts is always trusted.
         snapshot_in: ``"memory"`` (host memory), ``"disk"`` (``snapshot_dir``, or a
             temporary directory), or ``"auto"``: memory for state under
             ``memory_limit_bytes``, else disk.
@@ -108,6 +112,7 @@ class Recovery:
     max_rollbacks: int = 3
     snapshot_every: int = 100
     keep_snapshots: int = 2
+    trust_after: int | None = None
     snapshot_in: str = "auto"
     snapshot_dir: str | os.PathLike[str] | None = None
     memory_limit_bytes: int = 2 * 1024**3
@@ -117,6 +122,9 @@ class Recovery:
             _positive_int(name, getattr(self, name))
         _positive_int("keep_snapshots", self.keep_snapshots)
         _positive_int("max_rollbacks", self.max_rollbacks, minimum=0)
+        if self.trust_after is None:
+            object.__setattr__(self, "trust_after", self.snapshot_every // 5)
+        _positive_int("trust_after", self.trust_after, minimum=0)
         _positive_int("memory_limit_bytes", self.memory_limit_bytes, minimum=0)
         factor = self.cool_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:

@@ -28,6 +28,7 @@ class Snapshot:
     path: Path | None
     nbytes: int
     seconds: float  # what taking it cost, copy and write included
+    first: bool = False  # the run's first: its state before any update of this run
 
 
 def _pickle_save(state: dict[str, Any], path: Path) -> None:
@@ -62,6 +63,7 @@ class SnapshotStore:
         self.kept: deque[Snapshot] = deque()
         self._save, self._load, self._suffix = save, load, suffix
         self._dir: Path | None = None
+        self._taken = 0
 
     def keep(self, step: int, state: dict[str, Any], nbytes: int, began: float) -> Snapshot:
         """Keep ``state`` (``nbytes`` of arrays, copied since ``began``, a
@@ -71,7 +73,8 @@ class SnapshotStore:
             path = self._directory() / f"snapshot-{step}{self._suffix}"
             self._save(state, path)
             state = None
-        snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began)
+        snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began, self._taken == 0)
+        self._taken += 1
         self.kept.append(snap)
         while len(self.kept) > self.settings.keep_snapshots:
             self._drop(self.kept.popleft())

@@ -3,7 +3,8 @@
 
 The verdict compares the step's loss and its gradients' global norm with the bars the
 host last wrote to the probe's ``recovery`` variable (``loss_spike``'s, then
-``exploding_gradients``', then the cool-down's factor on the learning rate). A skipped
+``exploding_gradients``', then the cool-down's factor on the learning rate and the
+learning rate it scales at most, after a roll back the snapshot's). A skipped
 step leaves the weights, the optimizer's slots and its ``iterations`` as they were, and
 counts itself in the probe's ``skipped`` variable (see ``ops.step_index``).
 """
@@ -90,16 +91,17 @@ class UpdateGate:
 
     def learning_rate(self, original: Any) -> Any:
         """The optimizer's learning rate, scaled by the cool-down's factor inside the
-        update alone: whatever else reads it (a callback such as ``ReduceLROnPlateau``,
-        the host) sees the schedule's own."""
+        update alone (after a roll back, from the snapshot's learning rate at most):
+        whatever else reads it (a callback such as ``ReduceLROnPlateau``, the host) sees
+        the schedule's own."""
 
         @functools.wraps(original)
         def current():
             lr = original()
             if not self.cooling:
                 return lr
-            scale = kops.value(self.variables["recovery"])[2]
-            return ops.multiply(ops.cast(lr, "float32"), scale)
+            bars = kops.value(self.variables["recovery"])
+            return ops.multiply(ops.minimum(ops.cast(lr, "float32"), bars[3]), bars[2])
 
         return current
 

@@ -126,7 +126,7 @@ class GraphProbe:
         self._returned_lr: Any = None
         self._returned_step: Any = None
         self._verdict: Any = None  # recover=: the last execution's verdict, not yet read
-        self._bars = (math.inf, math.inf, 1.0)  # ... and what the host last wrote
+        self._bars = (math.inf, math.inf, 1.0, math.inf)  # ... and what the host last wrote
         #: Samples per batch, once the inputs were measured (0: unknown).
         self.batch_samples = 0
 
@@ -283,18 +283,20 @@ class GraphProbe:
         return np.array([[float(np.asarray(handed)), norm]])
 
     @property
-    def bars(self) -> tuple[float, float, float]:
-        """What the steps judge themselves against: the loss bar, the gradient-norm bar
-        and the learning rate's factor (as last written)."""
+    def bars(self) -> tuple[float, float, float, float]:
+        """What the steps judge themselves against: the loss bar, the gradient-norm bar,
+        the learning rate's factor and its ceiling (as last written)."""
         return self._bars
 
-    def set_bars(self, loss_bar: float, grad_bar: float, lr_scale: float) -> None:
-        """Write the bars (``math.inf``: none) and the factor for the next steps; only a
-        change worth it is written (a bar moves a little every step; 1% of it is
+    def set_bars(
+        self, loss_bar: float, grad_bar: float, lr_scale: float, lr_ceiling: float = math.inf
+    ) -> None:
+        """Write the bars (``math.inf``: none), the factor on the learning rate for the
+        next steps and the learning rate it applies to at most (``math.inf``: none); only
+        a change worth it is written (a bar moves a little every step; 1% of it is
         nothing against a spike, and a write costs an op)."""
-        old = self._bars
-        new = (loss_bar, grad_bar, lr_scale)
-        if lr_scale == old[2] and _close(loss_bar, old[0]) and _close(grad_bar, old[1]):
+        old, new = self._bars, (loss_bar, grad_bar, lr_scale, lr_ceiling)
+        if new[2:] == old[2:] and _close(loss_bar, old[0]) and _close(grad_bar, old[1]):
             return
         self._bars = new
         self.variables.write("recovery", np.array(new, dtype=np.float32))
@@ -480,12 +482,18 @@ def _layout(
 
 
 def _recovery_slots(regime: Regime) -> list[Slot]:
-    """recover=: host -> graph, the bars a step is judged against and the learning
-    rate's factor; the steps skipped so far (see ``ops.step_index``); and with several
+    """recover=: host -> graph, the bars a step is judged against, the learning rate's
+    factor and its ceiling; the steps skipped so far (see ``ops.step_index``); and with several
     steps per execution, each step's verdict and gradient norm (a direct step hands its
     own back)."""
     slots = [
-        Slot("recovery", (3,), np.array([np.inf, np.inf, 1.0]), combine="first", returned=False),
+        Slot(
+            "recovery",
+            (4,),
+            np.array([np.inf, np.inf, 1.0, np.inf]),
+            combine="first",
+            returned=False,
+        ),
         Slot("skipped", (), 0, "int64", combine="first", returned=False),
     ]
     if not regime.direct:

@@ -118,7 +118,7 @@ class KerasRecovery:
         report a skip, then the step settled."""
         code, norm = int(verdict[0]), float(verdict[1])
         if code:
-            loss_bar, grad_bar, _ = self.probe.bars
+            loss_bar, grad_bar, *_ = self.probe.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
             self.act(self.recoverer.skipped(step, epoch, why))
@@ -138,16 +138,17 @@ class KerasRecovery:
             return
         if self.recoverer.rollback_due is not None:
 
-            def put_back(state: dict[str, Any]) -> None:
+            def put_back(state: dict[str, Any]) -> list[list[float]]:
                 self._put_back(state)
                 self.probe.continue_from(step + 1)  # the optimizer's count went back
+                return [[_learning_rate(self.model.optimizer)]]
 
             self.act(self.recoverer.roll_back(step, epoch, self.snapshots, put_back, _RESTORED))
             self._bars_due = True
         elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)
         cadence = any(s % BARS_EVERY == 0 for s in range(first + 1, step + 2))
-        if self._bars_due or cadence or ladder.lr_scale(step + 1) != self.probe.bars[2]:
+        if self._bars_due or cadence or self._lr_bars(step + 1) != self.probe.bars[2:]:
             self._write_bars(step + 1)
 
     def close(self) -> None:
@@ -187,8 +188,20 @@ class KerasRecovery:
         self.probe.set_bars(
             math.inf if loss_bar is None else loss_bar,
             math.inf if grad_bar is None else grad_bar,
-            self.recoverer.ladder.lr_scale(step),
+            *self._lr_bars(step),
         )
+
+    def _lr_bars(self, step: int) -> tuple[float, float]:
+        """The learning rate's factor at ``step`` and the learning rate it applies to at
+        most (``math.inf``: the schedule's own, whatever it is)."""
+        ladder = self.recoverer.ladder
+        ceiling = ladder.lr_ceiling(step)
+        return ladder.lr_scale(step), ceiling[0][0] if ceiling else math.inf
+
+
+def _learning_rate(optimizer: Any) -> float:
+    """The optimizer's learning rate now (its schedule's, at the step count it has)."""
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
 def _on_accelerator(model: Any) -> bool:

@@ -109,12 +109,14 @@ class StepGate:
 
     # -- installing --------------------------------------------------------------------
     def install(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        for opt in optimizers:
+        for index, opt in enumerate(optimizers):
             had = opt.__dict__.get("step")
             original = opt.step
 
-            def guarded(*args: Any, _opt=opt, _original=original, **kwargs: Any) -> Any:
-                return self._step(_opt, _original, args, kwargs)
+            def guarded(
+                *args: Any, _opt=opt, _original=original, _index=index, **kwargs: Any
+            ) -> Any:
+                return self._step(_opt, _index, _original, args, kwargs)
 
             # keep the marks of who wrapped it before (an LR scheduler checks for its own)
             functools.update_wrapper(guarded, original)
@@ -210,7 +212,9 @@ class StepGate:
             )
         return None
 
-    def _step(self, opt: torch.optim.Optimizer, original: Any, args: tuple, kwargs: dict) -> Any:
+    def _step(
+        self, opt: torch.optim.Optimizer, index: int, original: Any, args: tuple, kwargs: dict
+    ) -> Any:
         closure = kwargs.pop("closure", None)
         if closure is None and args:
             closure, args = args[0], args[1:]
@@ -219,7 +223,7 @@ class StepGate:
         if code is not None:  # decided on the device: the optimizer skips itself
             self.verdicts.hand_to(opt, code)
             try:
-                self._apply(opt, original, args, kwargs, result)
+                self._apply(opt, index, original, args, kwargs, result)
             finally:
                 scalers = self.verdicts.taken_back(opt)
             if self._sent_step != self.step:  # several optimizers: one verdict per step
@@ -230,7 +234,7 @@ class StepGate:
         if why is not None:
             self._skip(self.step, why)
         else:
-            self._apply(opt, original, args, kwargs, result)
+            self._apply(opt, index, original, args, kwargs, result)
         self.on_settle(self.step)
         return result
 
@@ -250,15 +254,23 @@ class StepGate:
             self._skipped_step = step
             self.on_skip(step, why)
 
-    def _apply(self, opt: Any, original: Any, args: tuple, kwargs: dict, result: Any) -> None:
-        """The optimizer's own step, at the cooled learning rate while the ladder cools."""
-        scale = self.recoverer.ladder.lr_scale(self.step)
-        if scale == 1.0:
+    def _apply(
+        self, opt: Any, index: int, original: Any, args: tuple, kwargs: dict, result: Any
+    ) -> None:
+        """The optimizer's own step, at the cooled learning rate while the ladder cools
+        (and, after a roll back, at most the snapshot's learning rate before the factor)."""
+        ladder = self.recoverer.ladder
+        scale, ceiling = ladder.lr_scale(self.step), ladder.lr_ceiling(self.step)
+        if scale == 1.0 and ceiling is None:
             original(*args, closure=lambda: result, **kwargs)
             return
+        caps = ceiling[index] if ceiling is not None and index < len(ceiling) else None
         saved = [group["lr"] for group in opt.param_groups]
-        for group in opt.param_groups:
-            group["lr"] = group["lr"] * scale
+        for g, group in enumerate(opt.param_groups):
+            lr = group["lr"]
+            if caps is not None and g < len(caps):
+                lr = lr.clamp(max=caps[g]) if isinstance(lr, torch.Tensor) else min(lr, caps[g])
+            group["lr"] = lr * scale
         try:
             original(*args, closure=lambda: result, **kwargs)
         finally:
@@ -359,8 +371,9 @@ class LightningRecovery:
         self.recoverer.carried_on(step, self.epoch)
         if self.recoverer.rollback_due is not None:
 
-            def put_back(state: dict[str, Any]) -> None:
+            def put_back(state: dict[str, Any]) -> list[list[float]]:
                 self.snapshots.put_back(state, trainer, module, self.monitor)
+                return [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
 
             self.act(
                 self.recoverer.roll_back(step, self.epoch, self.snapshots, put_back, _RESTORED)
