@@ -129,6 +129,25 @@ def test_after_a_roll_back_the_cool_down_starts_from_the_snapshots_learning_rate
     assert ladder.lr_ceiling(72) is None
 
 
+def test_after_a_rise_of_the_learning_rate_the_cool_down_caps_it_then_cools_if_need_be():
+    ladder = _ladder(cool_steps=20)
+    # the learning rate rose 300x since the snapshot: a spike explains the damage
+    found = ladder.rolled_back(
+        50, 0, to_step=40, what="x", learning_rates=[[0.01]], replaced=[[3.0]]
+    )
+    assert "had risen 300x above the snapshot's" in found[-1].message
+    assert ladder.lr_scale(51) == 1.0 and ladder.lr_ceiling(51) == [[0.01]]
+    # trouble again during that cool-down: the cap was not enough, it cools as well
+    found = ladder.rolled_back(
+        60, 0, to_step=40, what="x", learning_rates=[[0.01]], replaced=[[3.0]]
+    )
+    assert "scaled by 0.1" in found[-1].message and ladder.lr_scale(61) == 0.1
+    # no rise: the usual cool-down, below the snapshot's learning rate
+    other = _ladder(cool_steps=20)
+    other.rolled_back(50, 0, to_step=40, what="x", learning_rates=[[0.01]], replaced=[[0.01]])
+    assert other.lr_scale(51) == 0.1 and other.lr_ceiling(51) == [[0.01]]
+
+
 def test_a_snapshot_taken_shortly_before_the_trouble_began_is_not_trusted():
     ladder = _ladder(snapshot_every=100, trust_after=20)
     assert Recovery(snapshot_every=50).trust_after == 10  # a fifth of it, by default

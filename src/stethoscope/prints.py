@@ -4,6 +4,8 @@ host reads it back."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 __all__ = [
@@ -11,6 +13,7 @@ __all__ = [
     "MAX_VAL_PRINTS",
     "PRINT_PRIME",
     "PRINT_WIDTH",
+    "batch_fingerprint",
     "join_prints",
     "print_weights",
 ]
@@ -48,3 +51,11 @@ def join_prints(pairs: np.ndarray) -> np.ndarray:
     one exact number each (below 2**48 in a float64)."""
     pairs = np.asarray(pairs, dtype=np.float64).reshape(-1, 2)
     return pairs[:, 0] * PRINT_PRIME + pairs[:, 1]
+
+
+def batch_fingerprint(pairs: np.ndarray) -> str:
+    """A batch's fingerprint, from the prints of its samples (``pairs``, as the
+    ``prints`` statistic gives them): twelve hexadecimal digits, the same for the same
+    samples in the same order, in either framework."""
+    joined = join_prints(pairs).astype("<f8")
+    return hashlib.sha1(joined.tobytes()).hexdigest()[:12]

@@ -40,12 +40,14 @@ FAULTY = 1
 
 class RankFault(TinyMLP):
     """TinyMLP whose ``rank_fault`` happens on rank :data:`FAULTY` only: ``nan`` (its loss
-    is NaN at step ``onset``), ``perturb`` (its ``net.2.weight`` moves after the optimizer
+    is NaN at step ``onset``), ``flaky`` (the same, on the step's first computation
+    only: a replay computes it clean), ``perturb`` (its ``net.2.weight`` moves after the optimizer
     step at ``onset``) or ``sleep`` (50 ms more per step in its forward pass)."""
 
     def __init__(self, *, rank_fault: str = "none", **kw: Any) -> None:
         super().__init__(**kw)
         self.rank_fault = rank_fault
+        self.flaked = False
 
     def _mine(self) -> bool:
         return self.trainer.global_rank == FAULTY
@@ -53,6 +55,10 @@ class RankFault(TinyMLP):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         if self.rank_fault == "nan" and self._mine() and self.global_step == self.onset:
+            loss = loss * math.nan
+        flaky = self.rank_fault == "flaky" and self._mine() and self.global_step == self.onset
+        if flaky and not self.flaked:
+            self.flaked = True
             loss = loss * math.nan
         if self.rank_fault == "sleep" and self._mine():
             time.sleep(0.05)
@@ -107,6 +113,15 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
     "buffers": ({"norm": True}, {}, 24, {"broadcast_buffers": False}, False),
     # the recovery ladder: rank 1's NaN at step 37 is skipped by both ranks, at once
     "recover": ({"rank_fault": "nan", "onset": 37}, {"recover": True}, 64, {}, False),
+    # rank 1's NaN at step 37 on the first computation alone: both ranks replay the step,
+    # which is fine, and apply it
+    "recover_replay": (
+        {"rank_fault": "flaky", "onset": 37},
+        {"recover": Recovery(replay=True)},
+        64,
+        {},
+        False,
+    ),
     # an error on an applied step that rank 1 alone sees: held until the ranks meet, then
     # every rank rolls back to the same snapshot
     "recover_rollback": (

@@ -34,6 +34,7 @@ SCENARIOS = (
     "sleep",
     "buffers",
     "recover",
+    "recover_replay",
     "recover_rollback",
 )
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
@@ -187,6 +188,16 @@ def test_a_nan_batch_on_one_rank_is_skipped_by_both_and_the_run_finishes(runs):
     [skip] = [f for f in found if f["detector"] == "recovery"]
     assert skip["step"] == 37 and "on another rank, the loss is non-finite" in skip["message"]
     assert any(f["detector"] == "nonfinite_loss" and f["rank"] == 1 for f in found)
+
+
+def test_a_fault_one_rank_met_once_is_replayed_by_both_and_applied(runs):
+    first, second = ranks(runs, "recover_replay")
+    for r in (first, second):
+        assert r["global_step"] == 64 and not r["should_stop"] and r["skips"] == 0
+        assert [(step, act) for step, act, _ in r["ladder"]] == [(37, "replay")]
+    assert first["checksum"] == second["checksum"]  # both applied the same replayed step
+    [replay] = [f for f in findings(runs, "recover_replay") if f["detector"] == "recovery"]
+    assert replay["step"] == 37 and "transient fault" in replay["message"]
 
 
 def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs):

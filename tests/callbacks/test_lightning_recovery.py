@@ -188,10 +188,13 @@ def test_a_spike_the_gate_cannot_see_is_rolled_back_and_its_rest_cooled_from_bef
     # back to a snapshot from before the spike (20; 30 is the spike's own step)
     rollback = next(f for f in sink.findings if f.where == "rollback")
     assert "snapshot of step 20" in rollback.message
-    # the spike goes on to step 45: cooled from the snapshot's learning rate, not from it
+    # the spike goes on to step 45: the learning rate had risen 1000x since the snapshot,
+    # so it goes no higher than the snapshot's (0.1) for the cool-down's 30 steps
     skipped = first - 31
     assert len(applied) == 80 - skipped
-    assert applied[first - skipped : 46 - skipped] == pytest.approx([0.1 * 0.1] * (46 - first))
+    assert applied[first - skipped : 46 - skipped] == pytest.approx([0.1] * (46 - first))
+    [cool] = [f for f in sink.findings if f.where == "cool"]
+    assert "the learning rate had risen 1e+03x above the snapshot's" in cool.message
     assert trainer.global_step == 80 and not trainer.should_stop
 
 

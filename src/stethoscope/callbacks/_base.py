@@ -71,7 +71,17 @@ class StethoscopeBase:
         self.monitor = Monitor(settings)
         self.summaries = []
         #: The recovery ladder (``recover=``), or ``None``.
-        self.recoverer = Recoverer(self.monitor, ladder) if ladder is not None else None
+        keep = self.recorder.keep_skipped if self.recorder is not None else None
+        self.recoverer = Recoverer(self.monitor, ladder, keep) if ladder is not None else None
+
+    def _remember_skipped(self, share: Callable[[Any], Any] | None = None) -> None:
+        """A run resumed from a checkpoint, into the record of the run it continues: the
+        batches that run skipped past the checkpoint are skipped again where they come
+        back (PaLM's rewind-and-skip), besides those the checkpoint holds. ``share``:
+        hands rank zero's (who reads the record) to every rank, which must skip alike."""
+        if self.recorder is not None and self.recoverer is not None:
+            ahead = self.recorder.skipped_ahead
+            self.recoverer.remember(share(ahead) if share is not None else ahead)
 
     def _describe(self, framework: dict[str, Any]) -> dict[str, Any]:
         """The run's configuration for its record: ``framework``'s description of the
@@ -104,13 +114,13 @@ class StethoscopeBase:
         """What a checkpoint keeps of the callback: the monitor's state, the ladder's."""
         state = {"version": 1, "monitor": self.monitor.state_dict()}
         if self.recoverer is not None:
-            state["recovery"] = self.recoverer.ladder.state_dict()
+            state["recovery"] = self.recoverer.state_dict()
         return state
 
     def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state.get("monitor", {}))
         if self.recoverer is not None and "recovery" in state:
-            self.recoverer.ladder.load_state_dict(state["recovery"])
+            self.recoverer.load_state_dict(state["recovery"])
 
     @property
     def stopped_by(self) -> Finding | None:

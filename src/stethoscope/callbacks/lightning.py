@@ -215,6 +215,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._printer = context.printer
         self.monitor.start(context)
         if self.recoverer is not None:
+            self._remember_skipped(trainer.strategy.broadcast if trainer.world_size > 1 else None)
             self._recovery = LightningRecovery(self.recoverer, self._act)
             self._recovery.start(trainer, pl_module)
         if self._ranks is not None:
@@ -227,7 +228,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         measures = self._measures
         step = trainer.global_step
         if self._recovery is not None and step != measures.step:
-            self._recovery.new_step(step, trainer.current_epoch)
+            self._recovery.new_step(step, trainer.current_epoch, batch_idx, batch)
         if step == measures.step:  # a later micro-batch of an accumulated step
             if measures.sampled:
                 for r in self._reductions.run(measures.plan):
@@ -252,6 +253,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     ) -> None:
         if self._recovery is not None:
             self._recovery.judge(optimizer)
+            if self._recovery.replaying:  # the step again: its statistics were taken
+                return
         measures = self._measures
         if measures.sampled:  # else nothing to do here
             scale = pending_scale(scaler_of(trainer), optimizer)
@@ -298,6 +301,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
+        if self._recovery is not None and self._recovery.replaying:
+            self._recovery.saw_loss(trainer, pl_module, loss)  # the step again: the gate's
+            return
         measures = self._measures
         if measures.sampled and not measures.backward:
             measures.backward = True

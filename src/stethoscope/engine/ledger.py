@@ -284,6 +284,7 @@ _ACT_WORDS = {
     "cool": ("cooled the LR once", "cooled the LR {n}x"),
     "restore_lr": ("restored the LR", "restored the LR {n}x"),
     "rollback": ("rolled back once", "rolled back {n}x"),
+    "replay": ("met a transient fault", "met {n} transient faults"),
     "stop": ("then stopped", "then stopped"),
 }
 

@@ -14,6 +14,7 @@ import numpy as np
 from stethoscope.findings import Finding
 from stethoscope.record.store import RecordError, connect_reader, record_file
 from stethoscope.record.writer import DISTRIBUTION_KINDS, LAYER_KINDS
+from stethoscope.recovery.skipped import BatchName, SkippedBatch
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
 __all__ = ["Curve", "LayerSeries", "RunRecord", "Sampled"]
@@ -219,6 +220,22 @@ class RunRecord:
                 rank=r[8],
             )
             for r in rows
+        ]
+
+    def skipped_batches(self) -> list[SkippedBatch]:
+        """Every batch the recovery ladder skipped, by step (none in a record written
+        before the record kept them)."""
+        known = self._query(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'skipped_batches'"
+        )
+        if not known:
+            return []
+        rows = self._query(
+            "SELECT step, epoch, batch, fingerprint, why, replay FROM skipped_batches ORDER BY step"
+        )
+        return [
+            SkippedBatch(step, BatchName(epoch, index, printed), why, replay)
+            for step, epoch, index, printed, why, replay in rows
         ]
 
     def epochs(self) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ import numpy as np
 from stethoscope.findings import RECOVERY, Finding
 from stethoscope.record.reader import Curve, RunRecord
 from stethoscope.record.store import record_file
+from stethoscope.recovery.skipped import SkippedBatch
 from stethoscope.statistics import DISTRIBUTION_EDGES
 
 if TYPE_CHECKING:
@@ -426,6 +427,7 @@ def _page(record: RunRecord, built: dict[str, go.Figure | str]) -> str:
             )
         parts.append("</section>")
     parts.append(_findings_table(findings))
+    parts.append(_skipped_table(record.skipped_batches()))
     written = datetime.now(timezone.utc).isoformat(timespec="seconds")
     from stethoscope import __version__
 
@@ -554,6 +556,28 @@ def _findings_table(findings: list[Finding]) -> str:
             f'<td class="sev">{sev}</td><td>{html.escape(f.where or "")}</td>'
             f'<td class="num">{_value(f.value)}</td><td class="num">{_value(f.threshold)}</td>'
             f"<td>{html.escape(f.message)}</td></tr>"
+        )
+    out.append("</tbody></table></section>")
+    return "\n".join(out)
+
+
+def _skipped_table(skipped: list[SkippedBatch]) -> str:
+    """The batches the recovery ladder skipped (nothing when it skipped none): a run
+    resumed from an earlier checkpoint into this record skips them again."""
+    if not skipped:
+        return ""
+    out = [
+        f'<section id="skipped"><h2>Skipped batches ({len(skipped)})</h2>',
+        '<table class="findings"><thead><tr><th>step</th><th>epoch</th><th>batch</th>'
+        "<th>fingerprint</th><th>replay</th><th>why</th></tr></thead><tbody>",
+    ]
+    for s in skipped[:MAX_TABLE_ROWS]:
+        b = s.batch
+        out.append(
+            f'<tr><td class="num"><a href="#loss" onclick="return stShow({s.step}, this)">'
+            f'{s.step}</a></td><td class="num">{b.epoch}</td><td class="num">{b.index}</td>'
+            f"<td>{html.escape(b.fingerprint or '')}</td><td>{html.escape(s.replay or '')}"
+            f"</td><td>{html.escape(s.why)}</td></tr>"
         )
     out.append("</tbody></table></section>")
     return "\n".join(out)

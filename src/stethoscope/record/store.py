@@ -51,6 +51,12 @@ CREATE TABLE IF NOT EXISTS layers (
     step INTEGER NOT NULL, kind TEXT NOT NULL, layout INTEGER NOT NULL,
     data BLOB NOT NULL, PRIMARY KEY (kind, step)
 ) WITHOUT ROWID;
+-- the batches the recovery ladder skipped (a run resumed from an earlier checkpoint
+-- skips them again where they come back), a batch skipped again with a row of its step
+CREATE TABLE IF NOT EXISTS skipped_batches (
+    step INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, batch INTEGER NOT NULL,
+    fingerprint TEXT, why TEXT NOT NULL, replay TEXT
+);
 CREATE TABLE IF NOT EXISTS findings (
     id INTEGER PRIMARY KEY, step INTEGER NOT NULL, epoch INTEGER NOT NULL,
     detector TEXT NOT NULL, severity TEXT NOT NULL, message TEXT NOT NULL,

@@ -29,6 +29,7 @@ import numpy as np
 from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation, global_norm
 from stethoscope.record.store import FILE_NAME, FORMAT_VERSION, connect_writer
+from stethoscope.recovery.skipped import BatchName, SkippedBatch
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.summary import EpochSummary
 
@@ -119,6 +120,7 @@ class RunRecorder(Sink):
         self._describe: Callable[[], dict[str, Any]] | None = None
         self._failed = False
         self._reset_buffers()
+        self.skipped_ahead: list[SkippedBatch] = []  # see start
 
     def _reset_buffers(self) -> None:
         self._steps: list[int] = []
@@ -127,6 +129,7 @@ class RunRecorder(Sink):
         self._sampled: list[tuple] = []
         self._layers: list[tuple[int, str, tuple[str, ...], np.ndarray]] = []
         self._findings: list[tuple] = []
+        self._skipped: list[tuple] = []
         self._validation: list[tuple] = []
         self._summaries: list[tuple[int, str]] = []
         self._next_flush = 0.0
@@ -158,6 +161,9 @@ class RunRecorder(Sink):
             "python": platform.python_version(),
         }
         self._con = connect_writer(self.path, meta)
+        #: The batches skipped past the step a resumed run starts from: it will meet them
+        #: again (the rows stay: the record keeps every batch a run skipped).
+        self.skipped_ahead = self._skipped_since(first) if first > 0 else []
         if first > 0:  # a resumed run: what the record holds past the checkpoint is replaced
             for table, column in (
                 ("sampled", "step"),
@@ -253,6 +259,24 @@ class RunRecorder(Sink):
         if f.severity is Severity.ERROR:
             self.flush()  # what stops a run is on disk before anything else can happen
 
+    def keep_skipped(self, skipped: SkippedBatch) -> None:
+        """A batch the recovery ladder skipped (written with the next flush)."""
+        b = skipped.batch
+        self._skipped.append(
+            (skipped.step, b.epoch, b.index, b.fingerprint, skipped.why, skipped.replay)
+        )
+
+    def _skipped_since(self, first: int) -> list[SkippedBatch]:
+        rows = self._con.execute(
+            "SELECT step, epoch, batch, fingerprint, why, replay FROM skipped_batches "
+            "WHERE step >= ? ORDER BY step",
+            (first,),
+        )
+        return [
+            SkippedBatch(step, BatchName(epoch, index, printed), why, replay)
+            for step, epoch, index, printed, why, replay in rows
+        ]
+
     def epoch_end(self, summary: EpochSummary) -> None:
         self._summaries.append((summary.epoch, json.dumps(summary.to_dict(), default=str)))
 
@@ -307,6 +331,9 @@ class RunRecorder(Sink):
             '"where", rank) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)',
             self._findings,
         )
+        con.executemany(
+            "INSERT OR REPLACE INTO skipped_batches VALUES (?, ?, ?, ?, ?, ?)", self._skipped
+        )
         con.executemany("INSERT OR REPLACE INTO validation VALUES (?, ?, ?, ?)", self._validation)
         con.executemany("INSERT OR REPLACE INTO epochs VALUES (?, ?)", self._summaries)
         for kinds, cap in (
@@ -327,6 +354,7 @@ class RunRecorder(Sink):
             self._sampled,
             self._layers,
             self._findings,
+            self._skipped,
             self._validation,
             self._summaries,
         ):

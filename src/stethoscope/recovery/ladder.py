@@ -10,6 +10,7 @@ from typing import Any
 
 from stethoscope.findings import RECOVERY, Finding
 from stethoscope.recovery.settings import Recovery
+from stethoscope.recovery.skipped import BatchName, SkippedBatch
 
 __all__ = ["Ladder", "Rung"]
 
@@ -28,6 +29,7 @@ class _State:
     skips: deque[int] = field(default_factory=deque)  # recent skipped steps
     cool_from: int | None = None  # the step the cool-down began, while cooling
     cool_until: int = -1  # the first step at the user's learning rate again
+    cool_scale: float = 1.0  # the factor on the learning rate while cooling
     skips_cooling: int = 0  # skipped steps since the cool-down began
     rollbacks: int = 0
     counts: dict[str, int] = field(
@@ -40,6 +42,7 @@ class _State:
     rolled_back_at: int = -(10**9)  # the step of the last roll back
     applied_at: int = -(10**9)  # the last step whose update was applied
     in_a_row: int = 0  # steps skipped since the last applied one
+    transients: int = 0  # steps judged bad whose replay was fine
     #: While cooling after a roll back: the learning rates the snapshot had, per optimizer
     #: and parameter group, above which no step goes (see :meth:`Ladder.lr_ceiling`).
     ceiling: list[list[float]] | None = None
@@ -59,13 +62,16 @@ class Ladder:
         self.settings = settings
         self.s = _State()
         self._unapplied: deque[int] = deque(maxlen=64)  # steps a GradScaler skipped
+        self._replaced: deque[int] = deque(maxlen=64)  # steps applied from their replay
         #: Why the last roll back the ladder asked for is needed.
         self.rollback_why = ""
 
     # -- what happened --------------------------------------------------------------------
-    def skipped(self, step: int, epoch: int, why: str) -> tuple[list[Finding], str | None]:
-        """Step ``step`` was not applied because ``why``. Returns the findings and what
-        to do next: None, ``"rollback"`` or ``"stop"``."""
+    def skipped(
+        self, step: int, epoch: int, why: str, batch: BatchName | None = None
+    ) -> tuple[list[Finding], str | None]:
+        """Step ``step`` (on ``batch``, when known) was not applied because ``why``.
+        Returns the findings and what to do next: None, ``"rollback"`` or ``"stop"``."""
         s, cfg = self.s, self.settings
         s.skips.append(step)  # the weights stay healthy: no block on the next snapshot
         while s.skips and s.skips[0] <= step - cfg.window:
@@ -73,7 +79,9 @@ class Ladder:
         self._troubled(step)
         s.in_a_row += 1
         kept = "the weights and the optimizer's state stay as they were"
-        found = [self._act(step, epoch, "skip", f"skipped step {step}: {why}; {kept}", "info")]
+        named = f" ({batch})" if batch is not None else ""
+        said = f"skipped step {step}{named}: {why}; {kept}"
+        found = [self._act(step, epoch, "skip", said, "info")]
         if s.in_a_row >= cfg.window:
             why = f"every one of the last {s.in_a_row} steps was skipped"
             found.append(self._stop(step, epoch, why))
@@ -108,6 +116,37 @@ class Ladder:
         why = f"{finding.detector} ({finding.severity}) at step {finding.step}"
         return found, self._need_rollback(step, epoch, why, found)
 
+    def transient(self, step: int, epoch: int, why: str, batch: BatchName | None) -> Finding:
+        """Step ``step`` was judged bad (``why``), but computed again from the same state
+        with the same batch it was fine, and that second computation was applied."""
+        s = self.s
+        s.transients += 1
+        self._replaced.append(step)
+        named = f" ({batch})" if batch is not None else ""
+        return self._act(
+            step,
+            epoch,
+            "replay",
+            f"step {step}{named} was judged bad ({why}), but computed again from the same "
+            "state with the same batch it was fine: a transient fault of the machine (its "
+            "device or memory), not the data; the second computation was applied "
+            f"({s.transients} transient fault{'s' if s.transients > 1 else ''} in this run)",
+            "warning",
+        )
+
+    def skipped_again(self, step: int, epoch: int, before: SkippedBatch) -> Finding:
+        """Step ``step`` trains on a batch skipped before (by this run, or the run it
+        resumes): it is not applied either. It says nothing new about the weights."""
+        self._unapplied.append(step)
+        return self._act(
+            step,
+            epoch,
+            "skip",
+            f"skipped step {step} ({before.batch}): it was skipped at step {before.step} "
+            f"({before.why}), and is skipped again",
+            "info",
+        )
+
     def applied(self, step: int) -> None:
         """Step ``step``'s update was applied."""
         self.s.applied_at = step
@@ -117,6 +156,11 @@ class Ladder:
         """Whether ``step`` was not applied: a recent skip, or a step something else
         skipped (:meth:`not_applied`)."""
         return step in self.s.skips or step in self._unapplied
+
+    def harmless(self, step: int) -> bool:
+        """Whether what was judged of step ``step`` did the weights no harm: the step was
+        not applied, or what was applied is its replay, not what was judged."""
+        return self.was_skipped(step) or step in self._replaced
 
     def not_applied(self, step: int) -> None:
         """Step ``step`` was not applied, by another's decision (a GradScaler's): no act of
@@ -139,12 +183,21 @@ class Ladder:
         what: str,
         learning_rates: list[list[float]] | None = None,
         because: str | None = None,
+        replaced: list[list[float]] | None = None,
     ) -> list[Finding]:
         """The adapter restored the snapshot of ``to_step`` at ``step`` (``what``: what it
         restored; ``learning_rates``: the ones it restored, per optimizer and parameter
-        group; ``because``: why). The ladder cools down again from here, below those
-        learning rates."""
-        s = self.s
+        group, ``replaced``: those they replaced; ``because``: why). The ladder cools down
+        again from here, below the restored learning rates.
+
+        How it cools. When the learning rate had risen (2x or more) since the snapshot, a
+        spike explains the damage: for ``cool_steps`` the learning rate goes no higher
+        than the snapshot's, and is not scaled down. Otherwise, and when that was not
+        enough (a roll back during a cool-down after one), it is scaled by
+        ``cool_factor`` as well."""
+        s, n = self.s, self.settings.skip_ahead
+        again = self.cooling(step) and s.ceiling is not None
+        risen = _risen(replaced, learning_rates)
         s.rollbacks += 1
         s.rolled_back_at = step
         s.skips.clear()
@@ -159,11 +212,15 @@ class Ladder:
                 f"rolled back to the snapshot of step {to_step} ({what}): the updates of "
                 f"steps {to_step + 1}…{step} are discarded and training goes on with the "
                 f"next batch (roll back {s.rollbacks} of {self.settings.max_rollbacks})"
-                + (f", because {because}" if because else ""),
+                + (f", because {because}" if because else "")
+                + (f"; the next {n} batches are skipped (skip_ahead)" if n else ""),
                 "warning",
             )
         ]
-        found.append(self._cool(step, epoch, "after the roll back"))
+        if risen >= 2.0 and not again:
+            found.append(self._cap(step, epoch, risen))
+        else:
+            found.append(self._cool(step, epoch, "after the roll back"))
         s.ceiling = [list(map(float, group)) for group in learning_rates or ()] or None
         return found
 
@@ -173,7 +230,7 @@ class Ladder:
 
     def lr_scale(self, step: int) -> float:
         """The factor on the learning rate at ``step``: ``cool_factor`` while cooling."""
-        return self.settings.cool_factor if self.cooling(step) else 1.0
+        return self.s.cool_scale if self.cooling(step) else 1.0
 
     def lr_ceiling(self, step: int) -> list[list[float]] | None:
         """The learning rates no update at ``step`` goes above before the cool-down's
@@ -191,6 +248,14 @@ class Ladder:
         leave only an old one to roll back to)."""
         every = self.settings.snapshot_every
         return step % every == 0 and step - self.s.trouble >= every
+
+    def skipping_ahead(self, step: int) -> str | None:
+        """Why step ``step`` is skipped, when it is among the ``skip_ahead`` steps after
+        the last roll back; else None."""
+        back, n = self.s.rolled_back_at, self.settings.skip_ahead
+        if not 0 < step - back <= n:
+            return None
+        return f"one of the {n} batches after the roll back at step {back} (skip_ahead)"
 
     def trusted(self, snapshot_step: int) -> bool:
         """Whether the snapshot of ``snapshot_step`` may be rolled back to: the trouble
@@ -225,6 +290,7 @@ class Ladder:
             "skips": list(s.skips),
             "cool_from": s.cool_from,
             "cool_until": s.cool_until,
+            "cool_scale": s.cool_scale,
             "skips_cooling": s.skips_cooling,
             "rollbacks": s.rollbacks,
             "counts": dict(s.counts),
@@ -235,6 +301,7 @@ class Ladder:
             "rolled_back_at": s.rolled_back_at,
             "applied_at": s.applied_at,
             "in_a_row": s.in_a_row,
+            "transients": s.transients,
             "ceiling": s.ceiling,
         }
 
@@ -243,6 +310,7 @@ class Ladder:
         s.skips = deque(int(v) for v in state.get("skips", ()))
         s.cool_from = state.get("cool_from")
         s.cool_until = int(state.get("cool_until", -1))
+        s.cool_scale = float(state.get("cool_scale", self.settings.cool_factor))
         s.skips_cooling = int(state.get("skips_cooling", 0))
         s.rollbacks = int(state.get("rollbacks", 0))
         s.counts.update(state.get("counts", {}))
@@ -253,14 +321,17 @@ class Ladder:
         s.troubled_at = int(state.get("troubled_at", s.troubled_at))
         s.applied_at = int(state.get("applied_at", s.applied_at))
         s.in_a_row = int(state.get("in_a_row", 0))
+        s.transients = int(state.get("transients", 0))
         s.ceiling = state.get("ceiling")
         self.s = s
 
     # -- the signs of damage --------------------------------------------------------------
     def _troubled(self, step: int) -> None:
-        """Trouble at ``step``: it begins a new stretch of trouble after a quiet one."""
+        """Trouble at ``step``: it begins a new stretch of trouble after ``window`` quiet
+        steps (harm done without a sign, by a spike's applied steps, can take dozens of
+        steps to show: it is still the same trouble)."""
         s = self.s
-        if step - s.troubled_at >= self.settings.snapshot_every:
+        if step - s.troubled_at >= self.settings.window:
             s.onset = step
         s.troubled_at = max(s.troubled_at, step)
 
@@ -279,12 +350,29 @@ class Ladder:
     def _cool(self, step: int, epoch: int, why: str) -> Finding:
         s, cfg = self.s, self.settings
         s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + cfg.cool_steps, 0
+        s.cool_scale = cfg.cool_factor
         return self._act(
             step,
             epoch,
             "cool",
             f"{why}: the learning rate is scaled by {cfg.cool_factor:g} for {cfg.cool_steps} "
             f"steps (to step {s.cool_until - 1}), on top of the schedule",
+            "warning",
+        )
+
+    def _cap(self, step: int, epoch: int, risen: float) -> Finding:
+        """A cool-down after a roll back that follows a rise of the learning rate: the
+        snapshot's learning rate at most, not scaled down."""
+        s, cfg = self.s, self.settings
+        s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + cfg.cool_steps, 0
+        s.cool_scale = 1.0
+        return self._act(
+            step,
+            epoch,
+            "cool",
+            f"after the roll back: the learning rate had risen {risen:.3g}x above the "
+            f"snapshot's, so for {cfg.cool_steps} steps (to step {s.cool_until - 1}) it "
+            "goes no higher than the snapshot's, whatever the schedule says",
             "warning",
         )
 
@@ -335,3 +423,15 @@ class Ladder:
         s.history.append(Rung(step, act, why))
         message = why[0].upper() + why[1:] + "."
         return Finding(step, epoch, RECOVERY, severity, message, where=act)
+
+
+def _risen(now: list[list[float]] | None, then: list[list[float]] | None) -> float:
+    """How many times the largest learning rate of ``now`` is its group's in ``then``
+    (1 when either is unknown, or a group's was 0)."""
+    ratios = [
+        a / b
+        for groups_now, groups_then in zip(now or (), then or (), strict=False)
+        for a, b in zip(groups_now, groups_then, strict=False)
+        if b > 0
+    ]
+    return max(ratios, default=1.0)

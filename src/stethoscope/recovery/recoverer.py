@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from stethoscope.engine import Decision
-from stethoscope.findings import Finding, Severity
+from stethoscope.findings import RECOVERY, Finding, Severity
 from stethoscope.recovery.ladder import Ladder
 from stethoscope.recovery.settings import DAMAGE, RECOVERABLE, Recovery
+from stethoscope.recovery.skipped import BatchName, SkippedBatch, SkippedData
 from stethoscope.recovery.snapshots import Snapshot, SnapshotStore
 
 __all__ = ["Recoverer"]
@@ -32,9 +33,15 @@ class Recoverer:
     Args:
         monitor: The callback's monitor; its policy spares :data:`RECOVERABLE` from now.
         settings: The ladder's thresholds.
+        keep_skipped: Called with each batch skipped (the run's record keeps them).
     """
 
-    def __init__(self, monitor: Any, settings: Recovery) -> None:
+    def __init__(
+        self,
+        monitor: Any,
+        settings: Recovery,
+        keep_skipped: Callable[[SkippedBatch], None] | None = None,
+    ) -> None:
         self.monitor = monitor
         self.ladder = Ladder(settings)
         monitor.spare(RECOVERABLE)
@@ -43,11 +50,71 @@ class Recoverer:
         #: The last step whose optimizer step was applied or skipped (see :meth:`settle`).
         self.settled = -1
         self._pending: list[Finding] = []  # errors judged before their step was settled
+        #: The batches the run skipped (kept in the checkpoint and the record).
+        self.skipped_data = SkippedData(keep_skipped)
 
-    def skipped(self, step: int, epoch: int, why: str) -> Decision:
-        """The adapter did not apply step ``step``, because ``why``."""
-        found, action = self.ladder.skipped(step, epoch, why)
+    def skipped(
+        self,
+        step: int,
+        epoch: int,
+        why: str,
+        batch: BatchName | None = None,
+        replay: str | None = None,
+    ) -> Decision:
+        """The adapter did not apply step ``step``, on ``batch`` (when it knows which),
+        because ``why``; ``replay``: ``"reproduces"`` when the step was computed again
+        from the same state with the same batch and judged bad again."""
+        said = why
+        if replay == "reproduces":
+            said += (
+                "; computed again from the same state with the same batch, it was judged "
+                "bad again: the batch (or the numerics), not the machine"
+            )
+        if batch is not None:
+            self.skipped_data.add(SkippedBatch(step, batch, why, replay))
+        found, action = self.ladder.skipped(step, epoch, said, batch)
         return self._act(found, action, why)
+
+    def transient(self, step: int, epoch: int, why: str, batch: BatchName | None) -> None:
+        """Step ``step`` was judged bad (``why``), but its replay was fine and applied."""
+        self.monitor.tell([self.ladder.transient(step, epoch, why, batch)])
+
+    def skip_again(self, epoch: int, index: int) -> SkippedBatch | None:
+        """The batch skipped before at ``index`` of ``epoch``, if any: a step that trains on
+        it again is skipped again (see :meth:`skipped_again`)."""
+        return self.skipped_data.at(epoch, index)
+
+    def not_the_same(self, step: int, epoch: int, before: SkippedBatch) -> None:
+        """Step ``step`` trains where ``before`` was skipped, on another batch: the
+        loader's order changed since, and it is not skipped."""
+        said = (
+            f"Step {step} trains on batch {before.batch.index} of epoch {epoch}, where the "
+            f"batch skipped at step {before.step} was, but on other samples (its "
+            f"fingerprint was {before.batch.fingerprint}): the loader's order changed, "
+            "so it is not skipped."
+        )
+        self.monitor.tell([Finding(step, epoch, RECOVERY, "info", said, where="resume")])
+
+    def ahead(self, step: int) -> str | None:
+        """Why step ``step`` is skipped before it is judged: one of the ``skip_ahead``
+        batches after a roll back (see :meth:`skipped_ahead`), or None."""
+        return self.ladder.skipping_ahead(step)
+
+    def skipped_ahead(self, step: int, why: str, batch: BatchName | None) -> None:
+        """The adapter did not apply step ``step``, skipped ahead after a roll back: kept
+        with the skipped batches, without a finding of its own (the roll back said so)."""
+        self.ladder.not_applied(step)
+        if batch is not None:
+            self.skipped_data.add(SkippedBatch(step, batch, why))
+
+    def remember(self, batches: list[SkippedBatch]) -> None:
+        """Batches a run this one resumes skipped past its checkpoint (from the record):
+        where they come back, they are skipped again."""
+        self.skipped_data.remember(batches)
+
+    def skipped_again(self, step: int, epoch: int, before: SkippedBatch) -> None:
+        """The adapter did not apply step ``step``, whose batch was skipped before."""
+        self.monitor.tell([self.ladder.skipped_again(step, epoch, before)])
 
     def review(self, decision: Decision) -> Decision:
         """The monitor judged a step: answer its spared findings (an error on a step
@@ -61,7 +128,7 @@ class Recoverer:
         # a warning on a step that was applied makes the run unhealthy for snapshots; on a
         # skipped one it did no harm
         settled = [f for f in decision.spared if f.step <= self.settled]
-        troubled = any(not self.ladder.was_skipped(f.step) for f in settled)
+        troubled = any(not self.ladder.harmless(f.step) for f in settled)
         found = self.ladder.saw(step, epoch, troubled=troubled)
         out = self._answer([f for f in decision.spared if f.step <= self.settled], found)
         return out if out.stop or not decision.stop else decision
@@ -76,7 +143,7 @@ class Recoverer:
             return _CARRY_ON
         ready = [f for f in self._pending if f.step <= step]
         self._pending = [f for f in self._pending if f.step > step]
-        if any(not self.ladder.was_skipped(f.step) for f in ready):
+        if any(not self.ladder.harmless(f.step) for f in ready):
             self.ladder.saw(step, ready[-1].epoch, troubled=True)
         return self._answer(ready, [])
 
@@ -94,7 +161,7 @@ class Recoverer:
         applied (not skipped), or a warning that the weights have already drifted
         (:data:`DAMAGE`)."""
         for f in spared:
-            if self.ladder.was_skipped(f.step):
+            if self.ladder.harmless(f.step):
                 continue
             if f.severity < Severity.ERROR and f.detector not in DAMAGE:
                 continue
@@ -119,10 +186,14 @@ class Recoverer:
         to_step: int,
         what: str,
         learning_rates: list[list[float]] | None = None,
+        replaced: list[list[float]] | None = None,
     ) -> None:
-        """The adapter restored the snapshot of ``to_step`` (and ``learning_rates``)."""
+        """The adapter restored the snapshot of ``to_step`` (and ``learning_rates``, in
+        place of ``replaced``)."""
         because, self.rollback_due = self.rollback_due, None
-        found = self.ladder.rolled_back(step, epoch, to_step, what, learning_rates, because)
+        found = self.ladder.rolled_back(
+            step, epoch, to_step, what, learning_rates, because, replaced
+        )
         self.monitor.tell(found)
 
     def roll_back(
@@ -132,10 +203,12 @@ class Recoverer:
         snapshots: SnapshotStore,
         put_back: Callable[[dict[str, Any]], list[list[float]] | None],
         what: str,
+        learning_rates: Callable[[], list[list[float]]] | None = None,
     ) -> Decision:
         """Pay the roll back owed at ``step``: ``put_back`` restores the newest healthy
         snapshot's state (``what`` says what that holds) and returns the learning rates it
-        restored (per optimizer and parameter group; the cool-down stays below them).
+        restored (per optimizer and parameter group; the cool-down stays below them);
+        ``learning_rates`` reads them (before the restore: whether they had risen).
         Passed over: the newest, when the last roll back went to it only lately (see
         :meth:`Ladder.newest_suspect`), and any taken too shortly before the trouble
         began (see :meth:`Ladder.trusted`). With none left, training stops."""
@@ -147,8 +220,9 @@ class Recoverer:
         if newest is None:
             return self.no_snapshot(step, epoch)
         snap, state = newest
-        learning_rates = put_back(state)
-        self.rolled_back(step, epoch, snap.step, what, learning_rates)
+        replaced = learning_rates() if learning_rates is not None else None
+        restored = put_back(state)
+        self.rolled_back(step, epoch, snap.step, what, restored, replaced)
         return _CARRY_ON
 
     def _trusted(self, snapshot: Snapshot) -> bool:
@@ -158,6 +232,15 @@ class Recoverer:
         """The roll back owed has nowhere to go: stop."""
         why, self.rollback_due = self.rollback_due or "a roll back was needed", None
         return self._act([self.ladder.stop_without_snapshot(step, epoch, why)], "stop", why)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The ladder's state and the batches skipped."""
+        return {**self.ladder.state_dict(), "skipped_batches": self.skipped_data.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ladder.load_state_dict(state)
+        self.skipped_data.load_state_dict(state.get("skipped_batches", []))
 
     def _act(self, found: list[Finding], action: str | None, why: str) -> Decision:
         self.monitor.tell(found)

@@ -99,6 +99,13 @@ class Recovery:
             ``memory_limit_bytes``, else disk.
         snapshot_dir: Where ``"disk"`` snapshots go.
         memory_limit_bytes: The ``"auto"`` bound on a snapshot kept in memory.
+        skip_ahead: Batches skipped after each roll back (PaLM skipped 200 to 500): the
+            data right after the trouble may be what caused it. They are kept with the
+            other skipped batches.
+        replay: Compute a step judged bad once more, from the same state with the same
+            batch, before skipping it: judged bad again, it is the batch (or the
+            numerics), and it is skipped; fine, it was a transient fault of the machine,
+            and the second computation is applied. Costs nothing on a step judged fine.
 
     Raises:
         ValueError: A bad value, named with the valid range.
@@ -116,16 +123,21 @@ class Recovery:
     snapshot_in: str = "auto"
     snapshot_dir: str | os.PathLike[str] | None = None
     memory_limit_bytes: int = 2 * 1024**3
+    skip_ahead: int = 0
+    replay: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cool_after", "window", "cool_steps", "rollback_after", "snapshot_every"):
             _positive_int(name, getattr(self, name))
         _positive_int("keep_snapshots", self.keep_snapshots)
         _positive_int("max_rollbacks", self.max_rollbacks, minimum=0)
+        _positive_int("skip_ahead", self.skip_ahead, minimum=0)
         if self.trust_after is None:
             object.__setattr__(self, "trust_after", self.snapshot_every // 5)
         _positive_int("trust_after", self.trust_after, minimum=0)
         _positive_int("memory_limit_bytes", self.memory_limit_bytes, minimum=0)
+        if not isinstance(self.replay, bool):
+            raise ValueError(f"Recovery: replay={self.replay!r} must be True or False")
         factor = self.cool_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
             raise ValueError(f"Recovery: cool_factor={factor!r} must be a number in (0, 1)")

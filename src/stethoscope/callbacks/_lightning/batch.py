@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from stethoscope.callbacks._lightning.device import to_host
 from stethoscope.prints import (
     MAX_PRINTS,
     MAX_VAL_PRINTS,
     PRINT_PRIME,
     PRINT_WIDTH,
+    batch_fingerprint,
     join_prints,
     print_weights,
 )
@@ -164,6 +166,14 @@ def _weights(width: int, device: torch.device) -> torch.Tensor:
     if key not in _WEIGHTS:
         _WEIGHTS[key] = torch.from_numpy(print_weights(width)).to(device)
     return _WEIGHTS[key]
+
+
+def fingerprint(batch: Any) -> str | None:
+    """The fingerprint of a batch's inputs (see ``stethoscope.prints``), or None without
+    an input tensor. On an accelerator its read waits for the device: for a skipped
+    step only."""
+    prints = sample_prints(split_batch(batch)[0])
+    return None if prints is None else batch_fingerprint(to_host(prints).wait().numpy())
 
 
 def loader_order(trainer: Any) -> str:

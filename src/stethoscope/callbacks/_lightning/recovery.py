@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning import device
+from stethoscope.callbacks._lightning.batch import fingerprint
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
@@ -43,6 +44,7 @@ from stethoscope.recovery.settings import (
     NONFINITE_LOSS,
     REASONS,
 )
+from stethoscope.recovery.skipped import BatchName, SkippedBatch
 
 __all__ = ["LightningRecovery", "StepGate", "refuse_unrecoverable"]
 
@@ -77,10 +79,15 @@ class StepGate:
         recoverer: The ladder (its ``lr_scale``) and where skips are reported.
         spike: The detector that keeps the loss's bar (``loss_spike``), or None.
         explode: The one that keeps the gradient norm's (``exploding_gradients``), or None.
-        on_skip: Called with ``(step, why)`` when a step was skipped.
+        on_skip: Called with ``(step, why, replay)`` when a step was skipped
+            (``replay``: ``"reproduces"`` when its replay was judged bad too, or None).
         on_settle: Called with the step once its optimizer step was applied or skipped.
         on_unapplied: Called with the step when a GradScaler will skip it itself (its
             loss or a gradient is not finite): not the ladder's skip, not applied either.
+        on_transient: Called with ``(step, why)`` when a step judged bad was fine on its
+            replay (and the replay applied).
+        replay: Compute a step judged bad once more before skipping it (its closure,
+            from the same state with the same batch).
     """
 
     def __init__(
@@ -91,8 +98,18 @@ class StepGate:
         on_skip: Callable[[int, str], None],
         on_settle: Callable[[int], None],
         on_unapplied: Callable[[int], None] = lambda step: None,
+        on_transient: Callable[[int, str], None] = lambda step, why: None,
+        *,
+        replay: bool = False,
     ) -> None:
         self.recoverer = recoverer
+        self.on_transient = on_transient
+        self.replay = replay
+        #: A step is being computed again (see :meth:`_replay`): the hooks that watch the
+        #: first computation leave it alone.
+        self.replaying = False
+        #: Which steps skip whatever their verdict (a batch skipped before), and why.
+        self.forced: str | None = None
         self.on_unapplied = on_unapplied
         self.spike, self.explode = spike, explode
         self.on_skip = on_skip
@@ -133,8 +150,10 @@ class StepGate:
         self._installed.clear()
 
     # -- per step ----------------------------------------------------------------------
-    def new_step(self, step: int) -> None:
+    def new_step(self, step: int, forced: str | None = None) -> None:
+        """Step ``step`` begins; ``forced``: why it is skipped whatever its verdict."""
         self.step = step
+        self.forced = forced
         self._losses.clear()
         self._verdicts.clear()
         self._codes.clear()
@@ -154,7 +173,11 @@ class StepGate:
         (before clipping; multiplied by ``grad_scale``, when a GradScaler left them
         scaled): keep why it must be skipped, or None. Under DDP every rank takes the
         verdict of the worst of them (a NaN batch on one rank is skipped by all), so the
-        replicas stay the same."""
+        replicas stay the same. A forced skip needs no verdict (every rank is forced
+        alike)."""
+        if self.forced is not None:
+            self._verdicts[id(optimizer)] = self.forced
+            return
         if self._on_device(optimizer, grads):
             code = self.verdicts.verdict(
                 self._losses,
@@ -179,6 +202,8 @@ class StepGate:
     def _on_device(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
         """Whether this step's verdict stays on the device (see ``skip_on_device``): a
         fused optimizer's, on an accelerator (in host memory the host reads it at once)."""
+        if self.replay:  # a replay is decided on the host, right after the step
+            return False
         return skips_on_device(optimizer) and bool(grads) and not device.is_host(grads[0].device)
 
     def _why(
@@ -231,8 +256,14 @@ class StepGate:
                 self.verdicts.send(self.step, code, scalers)
             return result  # settled when the verdict lands (see ``landed``)
         why = self._verdicts.pop(id(opt), None)
-        if why is not None:
-            self._skip(self.step, why)
+        replayed = None
+        if why is not None and self.replay and closure is not None and self.forced is None:
+            why, result = self._replay(opt, closure, why, result)
+            replayed = "reproduces" if why is not None else None
+        if why is not None and self.forced is not None:
+            self._skip(self.step, why, "again")
+        elif why is not None:
+            self._skip(self.step, why, replayed)
         else:
             self._apply(opt, index, original, args, kwargs, result)
         self.on_settle(self.step)
@@ -249,10 +280,28 @@ class StepGate:
                 self._skip(verdict.step, verdict.why)
             self.on_settle(verdict.step)
 
-    def _skip(self, step: int, why: str) -> None:
+    def _replay(
+        self, opt: torch.optim.Optimizer, closure: Any, first: str, result: Any
+    ) -> tuple[str | None, Any]:
+        """Compute the step judged bad (``first``) once more: its closure runs the training
+        step, the backward pass and the verdict again, from the same weights (nothing was
+        applied) with the same batch. Returns the new verdict and the new result. Every
+        rank replays: they agreed on the skip, and the backward pass all-reduces."""
+        self._losses.clear()
+        self.replaying = True
+        try:
+            result = closure()
+        finally:
+            self.replaying = False
+        again = self._verdicts.pop(id(opt), None)
+        if again is None:
+            self.on_transient(self.step, first)
+        return again, result
+
+    def _skip(self, step: int, why: str, replayed: str | None = None) -> None:
         if self._skipped_step != step:  # several optimizers: one skip per step
             self._skipped_step = step
-            self.on_skip(step, why)
+            self.on_skip(step, why, replayed)
 
     def _apply(
         self, opt: Any, index: int, original: Any, args: tuple, kwargs: dict, result: Any
@@ -320,9 +369,18 @@ class LightningRecovery:
             self._skipped,
             self._settled,
             self._unapplied,
+            self._transient,
+            replay=recoverer.ladder.settings.replay,
         )
         self.epoch = 0
         self.scaler: Any = None  # the precision plugin's GradScaler (AMP with float16)
+        #: The step's batch and its index in the epoch (its first micro-batch's).
+        self._batch: Any = None
+        self._index = 0
+        self._fingerprints = True  # one batch per step: a skipped batch is printed
+        self._ranks = 1
+        self._before: SkippedBatch | None = None  # the step's batch, skipped before
+        self._ahead: str | None = None  # why the step is skipped ahead after a roll back
 
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
@@ -340,12 +398,30 @@ class LightningRecovery:
                 stacklevel=2,
             )
         self.gate.scaler_skips_nonfinite = self.scaler is not None
+        self._ranks = trainer.world_size
+        self._fingerprints = trainer.accumulate_grad_batches == 1
+        if self.gate.replay:
+            self.gate.replay = self._can_replay(trainer, module)
         self.gate.install(trainer.optimizers)
         self.snapshots.take(trainer.global_step, trainer, module, self.monitor)
 
-    def new_step(self, step: int, epoch: int) -> None:
-        self.gate.new_step(step)
-        self.epoch = epoch
+    def new_step(self, step: int, epoch: int, index: int, batch: Any) -> None:
+        """Step ``step`` begins on ``batch``, batch ``index`` of epoch ``epoch``: skipped
+        again when it was skipped before and comes back where it was."""
+        self.epoch, self._index, self._batch = epoch, index, batch
+        before = self.recoverer.skip_again(epoch, index)
+        if before is not None and not self._same_batch(before.batch.fingerprint):
+            self.recoverer.not_the_same(step, epoch, before)
+            before = None
+        self._ahead = self.recoverer.ahead(step) if before is None else None
+        forced = self._ahead or (None if before is None else f"batch {index} of epoch {epoch}")
+        self.gate.new_step(step, forced)
+        self._before = before
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the step is being computed again: only the gate watches it."""
+        return self.gate.replaying
 
     def saw_loss(self, trainer: Any, module: Any, loss: torch.Tensor) -> None:
         automatic = getattr(module, "automatic_optimization", True)
@@ -371,12 +447,17 @@ class LightningRecovery:
         self.recoverer.carried_on(step, self.epoch)
         if self.recoverer.rollback_due is not None:
 
-            def put_back(state: dict[str, Any]) -> list[list[float]]:
-                self.snapshots.put_back(state, trainer, module, self.monitor)
+            def learning_rates() -> list[list[float]]:
                 return [[float(g["lr"]) for g in o.param_groups] for o in trainer.optimizers]
 
+            def put_back(state: dict[str, Any]) -> list[list[float]]:
+                self.snapshots.put_back(state, trainer, module, self.monitor)
+                return learning_rates()
+
             self.act(
-                self.recoverer.roll_back(step, self.epoch, self.snapshots, put_back, _RESTORED)
+                self.recoverer.roll_back(
+                    step, self.epoch, self.snapshots, put_back, _RESTORED, learning_rates
+                )
             )
         elif self.recoverer.ladder.snapshot_due(step):
             self.snapshots.take(step, trainer, module, self.monitor)
@@ -386,8 +467,65 @@ class LightningRecovery:
         self.gate.uninstall()
         self.snapshots.close()
 
-    def _skipped(self, step: int, why: str) -> None:
-        self.act(self.recoverer.skipped(step, self.epoch, why))
+    def _skipped(self, step: int, why: str, replayed: str | None) -> None:
+        if replayed == "again" and self._before is not None:
+            self.recoverer.skipped_again(step, self.epoch, self._before)
+            return
+        if replayed == "again":  # skipped ahead after a roll back
+            self.recoverer.skipped_ahead(step, why, self._name(step))
+            return
+        batch = self._name(step)
+        self.act(self.recoverer.skipped(step, self.epoch, why, batch, replayed))
+
+    def _transient(self, step: int, why: str) -> None:
+        self.recoverer.transient(step, self.epoch, why, self._name(step))
+
+    def _name(self, step: int) -> BatchName | None:
+        """The batch of ``step``, when it is the step in progress (a verdict decided on the
+        device lands a step or so later: its batch is gone by then)."""
+        if step != self.gate.step or self._batch is None:
+            return None
+        printed = fingerprint(self._batch) if self._fingerprints else None
+        return BatchName(self.epoch, self._index, printed)
+
+    def _same_batch(self, printed: str | None) -> bool:
+        """Whether the batch in progress is the one printed ``printed`` before. Under DDP,
+        where each rank has its own shard and the checkpoint holds rank 0's prints, the
+        position alone decides, alike on every rank."""
+        if printed is None or self._ranks > 1 or not self._fingerprints:
+            return True
+        now = fingerprint(self._batch)
+        return now == printed
+
+    def _can_replay(self, trainer: Any, module: Any) -> bool:
+        """Whether a step can be computed again (its closure holds the whole step): not
+        with manual optimization, nor with gradients accumulated over micro-batches."""
+        why = None
+        if not getattr(module, "automatic_optimization", True):
+            why = "with manual optimization, the optimizer's step has no closure to run again"
+        elif trainer.accumulate_grad_batches != 1:
+            why = (
+                f"with accumulate_grad_batches={trainer.accumulate_grad_batches}, the step's "
+                "closure holds its last micro-batch only"
+            )
+        if why is not None:
+            warnings.warn(
+                f"stethoscope: Recovery(replay=True) cannot replay a step here ({why}); "
+                "a step judged bad is skipped without a replay",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        root = trainer.strategy.root_device
+        if not device.is_host(root):
+            warnings.warn(
+                f"stethoscope: Recovery(replay=True) judges every step on the host, which on "
+                f"{root.type} waits for the device each step; without replay a fused "
+                "optimizer skips on the device without waiting",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return True
 
     def _settled(self, step: int) -> None:
         self.act(self.recoverer.settle(step))

@@ -1,0 +1,92 @@
+"""The batches a run skipped, kept for good: which batch each was (its epoch, its index in
+the epoch and a fingerprint of its samples), when, and why. They go into the checkpoint
+(a resumed run skips them again when they come back where they were) and into the run's
+record (``stethoscope report`` lists them). Framework-free: the adapters name the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["BatchName", "SkippedBatch", "SkippedData"]
+
+
+@dataclass(frozen=True)
+class BatchName:
+    """Which batch a step trained on: its epoch, its index in the epoch, and a fingerprint
+    of its samples (None where the adapter could not take one without waiting)."""
+
+    epoch: int
+    index: int
+    fingerprint: str | None = None
+
+    def __str__(self) -> str:
+        named = f"batch {self.index} of epoch {self.epoch}"
+        return named + (f" (fingerprint {self.fingerprint})" if self.fingerprint else "")
+
+
+@dataclass(frozen=True)
+class SkippedBatch:
+    """One batch a step skipped: the step, the batch, why, and what a replay of the step
+    found (``"reproduces"``, or None when it was not replayed)."""
+
+    step: int
+    batch: BatchName
+    why: str
+    replay: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "batch": asdict(self.batch)}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> SkippedBatch:
+        return cls(
+            int(state["step"]),
+            BatchName(**state["batch"]),
+            str(state["why"]),
+            state.get("replay"),
+        )
+
+
+class SkippedData:
+    """The skipped batches of a run, in the order they were skipped, and a way to know a
+    batch that comes back where one of them was (by epoch and index: no fingerprint is
+    taken on a healthy step).
+
+    Args:
+        on_add: Called with each batch skipped from now (the run's record keeps them).
+    """
+
+    def __init__(self, on_add: Callable[[SkippedBatch], None] | None = None) -> None:
+        self.batches: list[SkippedBatch] = []
+        self._where: dict[tuple[int, int], SkippedBatch] = {}
+        self._on_add = on_add
+
+    def add(self, skipped: SkippedBatch) -> None:
+        self._keep(skipped)
+        if self._on_add is not None:
+            self._on_add(skipped)
+
+    def remember(self, batches: Iterable[SkippedBatch]) -> None:
+        """Batches skipped before, by a run this one resumes (read back from its record):
+        kept, not reported again."""
+        for skipped in batches:
+            if self.at(skipped.batch.epoch, skipped.batch.index) is None:
+                self._keep(skipped)
+
+    def _keep(self, skipped: SkippedBatch) -> None:
+        self.batches.append(skipped)
+        self._where[(skipped.batch.epoch, skipped.batch.index)] = skipped
+
+    def at(self, epoch: int, index: int) -> SkippedBatch | None:
+        """The skipped batch that was batch ``index`` of epoch ``epoch``, or None."""
+        return self._where.get((epoch, index)) if self._where else None
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [b.to_dict() for b in self.batches]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.batches, self._where = [], {}
+        for entry in state:
+            self._keep(SkippedBatch.from_dict(entry))
