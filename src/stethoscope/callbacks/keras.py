@@ -24,12 +24,17 @@ from stethoscope.callbacks._keras.describe import describe_run, loss_expects, tr
 from stethoscope.callbacks._keras.fit_call import data_order
 from stethoscope.callbacks._keras.layers import distribution
 from stethoscope.callbacks._keras.probe import GraphProbe
-from stethoscope.callbacks._keras.recovery import KerasRecovery, refuse_unrecoverable
+from stethoscope.callbacks._keras.recovery import (
+    KerasRecovery,
+    can_replay,
+    refuse_unrecoverable,
+)
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.detectors import Detector
 from stethoscope.engine import Settings, StopOn
 from stethoscope.observation import Observation
 from stethoscope.recovery import Recovery
+from stethoscope.recovery.skipped import BatchName
 from stethoscope.sinks import ConsoleSink, RunContext, Sink
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasStethoscope"]
@@ -70,8 +75,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             step whose loss or gradients are non-finite or past the detectors' bars, cool
             the learning rate after repeated skips, roll back to a healthy snapshot, and
             only then stop. Each step judges itself inside the train step, so a bad one
-            is never applied. Refused at the start of ``fit`` where it cannot skip (see
-            ``docs/recovery.md``).
+            is never applied (with ``Recovery(replay=True)``, a step judged bad is
+            computed again inside it first). Refused at the start of ``fit`` where it
+            cannot skip (see ``docs/recovery.md``).
         overhead_budget: The share of step time the sampled steps may cost (default
             ``0.01``, 1%): measured as training runs, their detectors' intervals stretch,
             up to every 256 steps, to stay within it; the every-step sentinels and the
@@ -145,8 +151,9 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
         self._next = 0  # the global step of the next train step
-        # the execution launched last and not yet judged: (first step, sampled step, plan)
-        self._pending: tuple[int, int, frozenset[str]] | None = None
+        # the execution launched last and not yet judged: (first step, its batch's index in
+        # the epoch, sampled step, plan)
+        self._pending: tuple[int, int, int, frozenset[str]] | None = None
         self._warned_no_loss = False
         #: The order fit was asked to serve the data in (see ``fit_call.data_order``).
         self._data_order = ""
@@ -176,9 +183,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if strategy is not None:
             _check_optimizer(model.optimizer, strategy)
         recover = self.recoverer is not None
+        replay = recover and self.recoverer.ladder.settings.replay
         if recover:
             regime = Regime.of(steps_per_execution=model.steps_per_execution, strategy=strategy)
             refuse_unrecoverable(model, regime)
+            replay = replay and can_replay(strategy)
         key = GraphProbe.key(model, forward=forward, strategy=strategy)
         probe = self._probe
         if probe is None or self._key != key:  # else a fit in a row: its functions are traced
@@ -188,6 +197,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 forward=forward,
                 strategy=strategy,
                 recover=recover,
+                replay=replay,
             )
             self._key = key
         # the steps taken: the optimizer's count, and with recover= the steps it skipped
@@ -257,7 +267,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             return
         chosen, plan = self.monitor.first_sampled(self._next, probe.regime.steps)
         probe.schedule(chosen, plan)
-        self._pending = (self._next, chosen, plan)
+        self._pending = (self._next, batch, chosen, plan)
         self._clock.start(self.monitor, sampled=chosen >= 0, steps=probe.regime.steps)
 
     def _collect(self) -> None:
@@ -266,7 +276,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if probe is None or pending is None:
             return
         self._pending = None
-        first, planned, plan = pending
+        first, index, planned, plan = pending
         k, direct = probe.regime.steps, probe.regime.direct
         # with several steps per execution, the last one of an epoch may run fewer
         count = 1 if k == 1 else probe.steps_run() - first
@@ -324,7 +334,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             if replica_losses and loss is not None and not math.isfinite(loss):
                 obs.rank = _first_nonfinite(replica_losses, step % k)
             if recovery is not None:
-                recovery.settle(step, self._epoch, verdicts[step % k], obs.loss)
+                batch = BatchName(self._epoch, index + step - first)
+                recovery.settle(step, batch, verdicts[step % k], obs.loss)
             if step == planned:
                 probe.decode(obs, plan, fresh=measured == step)
                 if obs.sample_prints is not None:

@@ -6,19 +6,24 @@ host last wrote to the probe's ``recovery`` variable (``loss_spike``'s, then
 ``exploding_gradients``', then the cool-down's factor on the learning rate and the
 learning rate it scales at most, after a roll back the snapshot's). A skipped
 step leaves the weights, the optimizer's slots and its ``iterations`` as they were, and
-counts itself in the probe's ``skipped`` variable (see ``ops.step_index``).
+counts itself in the probe's ``skipped`` variable (see ``ops.step_index``). With
+``Recovery(replay=True)`` a step judged bad is computed once more before it is skipped
+(see :mod:`~stethoscope.callbacks._keras.replay`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT, StepReplay, StepStart
 from stethoscope.callbacks._keras.variables import ProbeVariables
 from stethoscope.recovery.settings import (
     GRADIENT_PAST_BAR,
@@ -27,7 +32,7 @@ from stethoscope.recovery.settings import (
     NONFINITE_LOSS,
 )
 
-__all__ = ["UpdateGate"]
+__all__ = ["UpdateGate", "verdict_rows"]
 
 
 class UpdateGate:
@@ -40,6 +45,8 @@ class UpdateGate:
             where the step cannot hand its verdict back itself).
         position: Each trainable variable's position, by id.
         strategy: The model's ``MirroredStrategy``, or None.
+        replay: What computes a step judged bad once more (``Recovery(replay=True)``;
+            never under a strategy), or None: such a step is skipped.
     """
 
     def __init__(
@@ -50,44 +57,91 @@ class UpdateGate:
         variables: ProbeVariables,
         position: dict[int, int],
         strategy: Any,
+        replay: StepReplay | None = None,
     ) -> None:
         self.optimizer, self.regime, self.variables = optimizer, regime, variables
-        self.position, self.strategy = position, strategy
+        self.position, self.strategy, self.replay = position, strategy, replay
         #: The update is being traced: its reads of the learning rate are scaled.
         self.cooling = False
         #: ... with gradients summed across replicas already (the optimizer's all-reduce
         #: hands them on as they are).
         self.summed = False
 
+    def install(self, patches: Patches) -> None:
+        """Wrap the optimizer's learning rate (see :meth:`learning_rate`), and let the
+        replay watch the state the step assigns."""
+        current = self.optimizer._get_current_learning_rate
+        patches.put(self.optimizer, "_get_current_learning_rate", self.learning_rate(current))
+        if self.replay is not None:
+            self.replay.install(patches)
+
     def update(
         self, original: Any, grads: list, tvars: list, loss: list, squares: dict[int, Any]
     ) -> Any:
         """The optimizer's update (``original``), in a ``cond`` on the step's verdict:
-        applied, at the cooled learning rate while the ladder cools, or skipped. Returns
-        the verdict for the step to hand back with its logs, or None where it is kept in
-        ``verdicts`` instead. ``squares``: the gradients' half sums of squares by
+        applied, at the cooled learning rate while the ladder cools, or skipped (with a
+        replay: computed again first). Returns the verdict for the step to hand back with
+        its logs (its code, and with a replay what the replay found), or None where it is
+        kept in ``verdicts`` instead. ``squares``: the gradients' half sums of squares by
         position, when the step has them already (the direct ring)."""
         if self.strategy is not None:
             self._across_replicas(original, grads, tvars, loss)
             return None
-        if not self.regime.direct:
+        direct = self.regime.direct
+        if not direct:
             squares = kops.squares_by_position(grads, tvars, self.position)
         code, norm = self._verdict(loss, squares)
-        if not self.regime.direct:
-            self._keep(code, norm)
+        start = self.replay.take() if self.replay is not None else None
+        if start is None:
+            if not direct:
+                self._keep(self._slot(), code, norm)
+            ops.cond(ops.equal(code, 0), lambda: self._apply(original, grads, tvars), self._skip)
+            return code if direct else None
+        slot = None if direct else self._slot()  # the step's, read before its update
 
-        def applied() -> None:
-            self.cooling = True
-            try:
-                original(grads, tvars)
-            finally:
-                self.cooling = False
+        def applied() -> Any:
+            self._apply(original, grads, tvars)
+            return ops.convert_to_tensor(np.int32(0))
 
-        def skipped() -> None:
-            self.variables["skipped"].assign_add(np.int64(1))
+        def judged_bad() -> Any:
+            return _apart(lambda: self._replayed(original, tvars, loss, start))
 
-        ops.cond(ops.equal(code, 0), applied, skipped)
-        return code if self.regime.direct else None
+        found = ops.cond(ops.equal(code, 0), applied, judged_bad)
+        if direct:
+            return ops.stack([code, found])
+        self._keep(slot, code, norm, found)
+        return None
+
+    def _replayed(self, original: Any, tvars: list, loss: list, start: StepStart) -> Any:
+        """The step was judged bad: compute it again and judge that. Fine, its gradients
+        are applied (and its state kept); bad again, the step is skipped (and its state
+        put back). Returns :data:`TRANSIENT` or :data:`REPRODUCES`."""
+        again = self.replay.recompute(start, tvars)
+        squares = kops.squares_by_position(again.grads, tvars, self.position)
+        code, _ = self._verdict([again.loss] if loss else [], squares)
+
+        def transient() -> Any:
+            again.keep_state()
+            self._apply(original, again.grads, tvars)
+            return ops.convert_to_tensor(np.int32(TRANSIENT))
+
+        def reproduces() -> Any:
+            again.undo_state()
+            self._skip()
+            return ops.convert_to_tensor(np.int32(REPRODUCES))
+
+        return ops.cond(ops.equal(code, 0), transient, reproduces)
+
+    def _apply(self, original: Any, grads: list, tvars: list) -> None:
+        """The optimizer's update, its learning rate cooled (see :meth:`learning_rate`)."""
+        self.cooling = True
+        try:
+            original(grads, tvars)
+        finally:
+            self.cooling = False
+
+    def _skip(self) -> None:
+        self.variables["skipped"].assign_add(np.int64(1))
 
     def learning_rate(self, original: Any) -> Any:
         """The optimizer's learning rate, scaled by the cool-down's factor inside the
@@ -105,10 +159,15 @@ class UpdateGate:
 
         return current
 
-    def _keep(self, code: Any, norm: Any) -> None:
-        """Several steps per execution, or replicas: every step keeps its own verdict."""
-        row = ops.stack([ops.cast(code, "float32"), norm])
-        slot = ops.mod(kops.step_index(self.optimizer, self.variables), self.regime.steps)
+    def _slot(self) -> Any:
+        """Where this step keeps its verdict in ``verdicts`` (several steps per
+        execution, or replicas)."""
+        return ops.mod(kops.step_index(self.optimizer, self.variables), self.regime.steps)
+
+    def _keep(self, slot: Any, code: Any, norm: Any, found: Any = 0) -> None:
+        """Every step keeps its own verdict: its code, the gradient norm it was judged on,
+        and what its replay found (0: none)."""
+        row = ops.stack([ops.cast(code, "float32"), norm, ops.cast(found, "float32")])
         kops.put(self.variables["verdicts"], slot, row)
 
     def _across_replicas(self, original: Any, grads: list, tvars: list, loss: list) -> None:
@@ -128,7 +187,7 @@ class UpdateGate:
         total = [context.all_reduce(tf.distribute.ReduceOp.SUM, loss[0])] if loss else []
         squares = kops.squares_by_position(summed, tvars, self.position)
         code, norm = self._verdict(total, squares)
-        self._keep(code, norm)
+        self._keep(self._slot(), code, norm)
 
         def across(distribution: Any, code: Any) -> None:
             decided = distribution.experimental_local_results(code)[0]  # the same on each
@@ -141,9 +200,7 @@ class UpdateGate:
                     self.cooling = self.summed = False
 
             def skipped() -> None:
-                distribution.extended.call_for_each_replica(
-                    lambda: self.variables["skipped"].assign_add(np.int64(1))
-                )
+                distribution.extended.call_for_each_replica(self._skip)
 
             ops.cond(ops.equal(decided, 0), applied, skipped)
 
@@ -165,3 +222,33 @@ class UpdateGate:
             code = ops.where(ops.greater(value, bars[0]), ops.maximum(code, LOSS_PAST_BAR), code)
             code = ops.where(ops.isfinite(value), code, NONFINITE_LOSS)
         return ops.cast(code, "int32"), ops.sqrt(ops.cast(total, "float32"))
+
+
+def _apart(fn: Any) -> Any:
+    """``fn()``, traced as a function of its own where a graph is being built. TensorFlow
+    inlines a ``cond``'s branches, and on a step that takes the other branch passes over
+    each of their ops (some 50 ns each): a replay's branch, a forward and a backward pass
+    and an update, would cost every healthy step that much. A call it does not inline
+    is passed over as one op."""
+    if kops.graph() is None:  # eager (torch, or run_eagerly): only the branch taken runs
+        return fn()
+    import tensorflow as tf
+
+    return tf.function(fn, autograph=False, experimental_attributes={"_noinline": True})()
+
+
+def verdict_rows(regime: Regime, handed: Any, ring: np.ndarray, variables: ProbeVariables) -> Any:
+    """The verdicts of an execution, a row per ring slot: the code (of
+    :data:`~stethoscope.recovery.REASONS`; 0: the update was applied), the global gradient
+    norm it was judged on and what the step's replay found (0: not replayed,
+    :data:`TRANSIENT`, :data:`REPRODUCES`). ``handed``: what the step handed back with its
+    logs (a direct step: its code, and with a replay what it found; its norm is the
+    ``ring``'s), else None where ``verdicts`` must be read."""
+    if not regime.direct:
+        rows = handed if handed is not None else variables.read("verdicts")
+        return np.asarray(rows, dtype=np.float64).reshape(regime.steps, 3)
+    if handed is None:
+        return np.zeros((1, 3))
+    code, *found = np.asarray(handed).reshape(-1).tolist()
+    norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
+    return np.array([[code, norm, found[0] if found else 0]], dtype=np.float64)

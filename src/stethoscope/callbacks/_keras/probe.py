@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from stethoscope.callbacks._keras.describe import optimizers_of
+from stethoscope.callbacks._keras.gate import verdict_rows
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
     feeds_activation,
@@ -58,6 +59,7 @@ class GraphProbe:
         strategy: The model's ``MirroredStrategy`` (see ``layers.distribution``), or None.
         recover: Whether each step judges itself before its update (``recover=``): the
             update runs in a ``cond`` on the verdict, against the bars the host writes.
+        replay: Whether a step judged bad is computed again before it is skipped.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class GraphProbe:
         forward: bool,
         strategy: Any = None,
         recover: bool = False,
+        replay: bool = False,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
         self.regime = regime = Regime.of(steps_per_execution=steps_per_execution, strategy=strategy)
@@ -110,6 +113,7 @@ class GraphProbe:
             layers=self._layers,
             strategy=strategy,
             recover=recover,
+            replay=replay,
         )
         # the switches each statistic needs, and what a whole heavy function can measure
         self._groups_of: dict[str, frozenset[str]] = {}
@@ -270,17 +274,9 @@ class GraphProbe:
 
     # -- recover= --------------------------------------------------------------------------------
     def verdicts(self, ring: np.ndarray) -> np.ndarray:
-        """The last execution's verdicts, a row per ring slot: the code (of
-        :data:`~stethoscope.recovery.REASONS`; 0: the update was applied) and the global
-        gradient norm it was judged on (a direct step's from its ``ring``)."""
+        """The last execution's verdicts, a row per ring slot (see ``gate.verdict_rows``)."""
         handed, self._verdict = self._verdict, None
-        if not self.regime.direct:  # under a strategy nothing is handed back: read it
-            rows = handed if handed is not None else self.variables.read("verdicts")
-            return np.asarray(rows, dtype=np.float64).reshape(self.regime.steps, 2)
-        if handed is None:
-            return np.zeros((1, 2))
-        norm = math.sqrt(2.0 * float(np.sum(ring[1:], dtype=np.float64)))
-        return np.array([[float(np.asarray(handed)), norm]])
+        return verdict_rows(self.regime, handed, ring, self.variables)
 
     @property
     def bars(self) -> tuple[float, float, float, float]:
@@ -484,8 +480,8 @@ def _layout(
 def _recovery_slots(regime: Regime) -> list[Slot]:
     """recover=: host -> graph, the bars a step is judged against, the learning rate's
     factor and its ceiling; the steps skipped so far (see ``ops.step_index``); and with several
-    steps per execution, each step's verdict and gradient norm (a direct step hands its
-    own back)."""
+    steps per execution, each step's verdict, gradient norm and what its replay found (a
+    direct step hands its own back)."""
     slots = [
         Slot(
             "recovery",
@@ -497,7 +493,7 @@ def _recovery_slots(regime: Regime) -> list[Slot]:
         Slot("skipped", (), 0, "int64", combine="first", returned=False),
     ]
     if not regime.direct:
-        slots.append(Slot("verdicts", (regime.steps, 2), 0.0, combine="first", returned=False))
+        slots.append(Slot("verdicts", (regime.steps, 3), 0.0, combine="first", returned=False))
     return slots
 
 

@@ -15,6 +15,10 @@ a variable that the last step's logs hand back whole). The bars are written when
 move by more than 1%, and the cool-down factor when it changes. With several steps per
 execution, the steps of one execution are all taken before the host judges any of them:
 a roll back comes at the end of the execution, and takes its later steps with it.
+Each skip names its batch (its epoch and its index in the epoch). With
+``Recovery(replay=True)`` the ``cond`` computes a step judged bad once more before it
+skips it (see :mod:`~stethoscope.callbacks._keras.replay`), and the verdict says what
+the replay found; under a strategy it warns and skips without a replay.
 
 On the torch backend the train step runs eagerly: the same code decides in Python, which
 on a GPU waits for the device every step (it warns). Settings it cannot recover in (a
@@ -37,12 +41,14 @@ import numpy as np
 from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
 from stethoscope.recovery.settings import skip_reason
+from stethoscope.recovery.skipped import BatchName
 from stethoscope.recovery.snapshots import SnapshotStore
 
-__all__ = ["KerasRecovery", "refuse_unrecoverable"]
+__all__ = ["KerasRecovery", "can_replay", "refuse_unrecoverable"]
 
 #: Steps between two looks at the bars on a healthy stretch: a bar moves a little every
 #: step, and computing it (a median and a spread over the loss window) and writing it to
@@ -51,6 +57,23 @@ __all__ = ["KerasRecovery", "refuse_unrecoverable"]
 BARS_EVERY = 8
 #: What a roll back puts back, for its finding.
 _RESTORED = "weights, optimizer state and step count, detectors and sampler"
+
+
+def can_replay(strategy: Any) -> bool:
+    """Whether ``Recovery(replay=True)`` can compute a step judged bad once more in this
+    fit; where it cannot, it says why (a ``RuntimeWarning``) and such a step is skipped
+    without a replay."""
+    if strategy is None:
+        return True
+    warnings.warn(
+        f"stethoscope: Recovery(replay=True) cannot replay a step under "
+        f"{type(strategy).__name__}: the replicas decide a skip together, across replicas "
+        "(a merge_call), where the step's forward and backward passes cannot run again; a "
+        "step judged bad is skipped without a replay",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def refuse_unrecoverable(model: Any, regime: Regime) -> None:
@@ -113,16 +136,21 @@ class KerasRecovery:
         self._take(step)
         self._write_bars(step)
 
-    def settle(self, step: int, epoch: int, verdict: np.ndarray, loss: float | None) -> None:
-        """Step ``step`` ran with ``verdict`` (its code and gradient norm) and ``loss``:
-        report a skip, then the step settled."""
-        code, norm = int(verdict[0]), float(verdict[1])
+    def settle(self, step: int, batch: BatchName, verdict: np.ndarray, loss: float | None) -> None:
+        """Step ``step`` ran on ``batch`` with ``verdict`` (its code, the gradient norm it
+        was judged on and what its replay found) and ``loss``: report a skip, or a replay
+        that was fine and applied, then the step settled."""
+        code, norm, found = int(verdict[0]), float(verdict[1]), int(verdict[2])
         if code:
             loss_bar, grad_bar, *_ = self.probe.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
-            self.act(self.recoverer.skipped(step, epoch, why))
-            self._bars_due = True
+            if found == TRANSIENT:
+                self.recoverer.transient(step, batch.epoch, why, batch)
+            else:
+                replay = "reproduces" if found == REPRODUCES else None
+                self.act(self.recoverer.skipped(step, batch.epoch, why, batch, replay))
+                self._bars_due = True
         decision = self.recoverer.settle(step)
         if decision.stop or decision.spared:
             self.act(decision)
@@ -143,7 +171,13 @@ class KerasRecovery:
                 self.probe.continue_from(step + 1)  # the optimizer's count went back
                 return [[_learning_rate(self.model.optimizer)]]
 
-            self.act(self.recoverer.roll_back(step, epoch, self.snapshots, put_back, _RESTORED))
+            def learning_rates() -> list[list[float]]:  # before the restore: had it risen?
+                return [[_learning_rate(self.model.optimizer)]]
+
+            decision = self.recoverer.roll_back(
+                step, epoch, self.snapshots, put_back, _RESTORED, learning_rates
+            )
+            self.act(decision)
             self._bars_due = True
         elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)

@@ -36,6 +36,7 @@ from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
 from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.replay import StepReplay
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
 
@@ -89,6 +90,7 @@ class StepWrappers:
         recover: Whether the step judges itself before the optimizer applies it (the
             recovery ladder's skip and cool-down; the probe's ``recovery`` and
             ``skipped`` variables).
+        replay: Whether a step judged bad is computed again before it is skipped.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class StepWrappers:
         layers: list[Any],
         strategy: Any,
         recover: bool = False,
+        replay: bool = False,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
         #: recover=: the verdict and the cond around the optimizer's update.
@@ -114,6 +117,7 @@ class StepWrappers:
                 variables=variables,
                 position=position,
                 strategy=strategy,
+                replay=StepReplay(model, switches) if replay else None,
             )
             if recover
             else None
@@ -154,8 +158,7 @@ class StepWrappers:
             self._patches.put(model, "train_step", self._train_step(model.train_step))
         self._patches.put(opt, "apply", self._apply(opt.apply))
         if self.gate is not None:
-            current = opt._get_current_learning_rate
-            self._patches.put(opt, "_get_current_learning_rate", self.gate.learning_rate(current))
+            self.gate.install(self._patches)
         if self.strategy is not None:
             reduce = opt._all_reduce_sum_gradients
             self._patches.put(opt, "_all_reduce_sum_gradients", self._all_reduce(reduce))
@@ -227,6 +230,8 @@ class StepWrappers:
             if self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
+            if self.gate is not None and self.gate.replay is not None:  # what it computes again
+                self.gate.replay.batch = (x, y, sample_weight)
             regime = self.regime
             value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
             if not regime.direct:  # the direct ring's loss is an output, never differentiated
