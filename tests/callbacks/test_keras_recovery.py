@@ -345,16 +345,21 @@ TORCH_SCRIPT = textwrap.dedent(
 )
 
 
-def test_on_the_torch_backend_the_same_ladder_runs_in_python():
+def run_on_torch(script: str) -> None:
+    """Run ``script`` in a process of its own on Keras' torch backend; it prints OK."""
     pytest.importorskip("torch")
     here = Path(__file__).resolve().parent
     path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
     out = subprocess.run(
-        [sys.executable, "-c", TORCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
+
+
+def test_on_the_torch_backend_the_same_ladder_runs_in_python():
+    run_on_torch(TORCH_SCRIPT)
 
 
 # -- Recovery(replay=True) ---------------------------------------------------------------
@@ -579,16 +584,4 @@ TORCH_REPLAY_SCRIPT = textwrap.dedent(
 
 
 def test_on_the_torch_backend_a_replay_runs_in_python_from_the_same_state():
-    pytest.importorskip("torch")
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=path)
-    out = subprocess.run(
-        [sys.executable, "-c", TORCH_REPLAY_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "OK" in out.stdout
+    run_on_torch(TORCH_REPLAY_SCRIPT)

@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from test_lightning_recovery import Net, batches, train
+from test_lightning_recovery import Net, Spy, batches, train
 
 from stethoscope import LightningStethoscope, Recovery
 from stethoscope.callbacks._lightning.batch import fingerprint
@@ -188,26 +188,13 @@ def test_a_batch_that_comes_back_changed_is_not_skipped(tmp_path):
     assert "the loader's order changed, so it is not skipped" in acts[0].message
 
 
-class WeightsAt(L.Callback):
-    """The module's weights at the end of chosen steps (after stethoscope's batch end)."""
-
-    def __init__(self, steps: set[int]) -> None:
-        self.steps, self.weights = steps, {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step - 1 in self.steps:
-            self.weights[trainer.global_step - 1] = {
-                k: v.clone() for k, v in pl_module.state_dict().items()
-            }
-
-
 def test_skip_ahead_skips_the_batches_after_a_roll_back_and_keeps_them():
     data = batches(60, poison={25: "nan", 27: "nan"})
     settings = Recovery(
         cool_after=1, rollback_after=1, snapshot_every=10, cool_steps=10, skip_ahead=5
     )
     torch.manual_seed(0)
-    sink, spy = CapturingSink(), WeightsAt({27, 32, 33})
+    sink, spy = CapturingSink(), Spy({27, 32, 33})
     callback = LightningStethoscope(sinks=[sink], recover=settings)
     trainer = train(Net("adamw"), data, [callback, spy])
     [rollback] = [f for f in sink.findings if f.where == "rollback"]
@@ -220,3 +207,31 @@ def test_skip_ahead_skips_the_batches_after_a_roll_back_and_keeps_them():
         assert torch.equal(spy.weights[32][name], value), name
     assert any(not torch.equal(spy.weights[33][k], v) for k, v in spy.weights[32].items())
     assert trainer.global_step == 60 and not trainer.should_stop
+
+
+class NormNet(FlakyNet):
+    """With a BatchNorm, whose running statistics a training forward pass moves."""
+
+    def __init__(self, at: int | None = None) -> None:
+        super().__init__(at=at, optimizer="sgd")
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(12, 32),
+            torch.nn.BatchNorm1d(32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 3),
+        )
+
+
+@pytest.mark.parametrize("fault", ["nan_batch", "transient"])
+def test_a_skip_or_a_replay_leaves_batchnorm_as_if_the_fault_never_was(fault):
+    data = batches(40, poison={20: "nan"} if fault == "nan_batch" else None)
+    torch.manual_seed(0)
+    model = NormNet(at=20 if fault == "transient" else None)
+    recover = Recovery(replay=True) if fault == "transient" else True
+    train(model, data, [LightningStethoscope(sinks=[], recover=recover)])
+    torch.manual_seed(0)
+    twin = NormNet()
+    train(twin, [b for i, b in enumerate(data) if i != 20] if fault == "nan_batch" else data, [])
+    norm = model.net[1]
+    assert torch.isfinite(norm.running_mean).all() and torch.isfinite(norm.running_var).all()
+    _same_weights(model, twin)  # the running statistics and their count too, bit for bit

@@ -31,6 +31,7 @@ import torch
 
 from stethoscope.callbacks._lightning import device
 from stethoscope.callbacks._lightning.batch import fingerprint
+from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
@@ -101,9 +102,11 @@ class StepGate:
         on_transient: Callable[[int, str], None] = lambda step, why: None,
         *,
         replay: bool = False,
+        before_replay: Callable[[], None] = lambda: None,
     ) -> None:
         self.recoverer = recoverer
         self.on_transient = on_transient
+        self.before_replay = before_replay
         self.replay = replay
         #: A step is being computed again (see :meth:`_replay`): the hooks that watch the
         #: first computation leave it alone.
@@ -288,6 +291,7 @@ class StepGate:
         applied) with the same batch. Returns the new verdict and the new result. Every
         rank replays: they agreed on the skip, and the backward pass all-reduces."""
         self._losses.clear()
+        self.before_replay()
         self.replaying = True
         try:
             result = closure()
@@ -371,7 +375,9 @@ class LightningRecovery:
             self._unapplied,
             self._transient,
             replay=recoverer.ladder.settings.replay,
+            before_replay=self._put_back_buffers,
         )
+        self.buffers: StepBuffers | None = None  # the module's, as each step found them
         self.epoch = 0
         self.scaler: Any = None  # the precision plugin's GradScaler (AMP with float16)
         #: The step's batch and its index in the epoch (its first micro-batch's).
@@ -403,12 +409,14 @@ class LightningRecovery:
         if self.gate.replay:
             self.gate.replay = self._can_replay(trainer, module)
         self.gate.install(trainer.optimizers)
+        self.buffers = StepBuffers(module)
         self.snapshots.take(trainer.global_step, trainer, module, self.monitor)
 
     def new_step(self, step: int, epoch: int, index: int, batch: Any) -> None:
         """Step ``step`` begins on ``batch``, batch ``index`` of epoch ``epoch``: skipped
         again when it was skipped before and comes back where it was."""
         self.epoch, self._index, self._batch = epoch, index, batch
+        self.buffers.keep()
         before = self.recoverer.skip_again(epoch, index)
         if before is not None and not self._same_batch(before.batch.fingerprint):
             self.recoverer.not_the_same(step, epoch, before)
@@ -468,6 +476,8 @@ class LightningRecovery:
         self.snapshots.close()
 
     def _skipped(self, step: int, why: str, replayed: str | None) -> None:
+        if step == self.gate.step:  # a verdict that lands later finds the next step's
+            self._put_back_buffers()
         if replayed == "again" and self._before is not None:
             self.recoverer.skipped_again(step, self.epoch, self._before)
             return
@@ -476,6 +486,10 @@ class LightningRecovery:
             return
         batch = self._name(step)
         self.act(self.recoverer.skipped(step, self.epoch, why, batch, replayed))
+
+    def _put_back_buffers(self) -> None:
+        if self.buffers is not None:
+            self.buffers.put_back()
 
     def _transient(self, step: int, why: str) -> None:
         self.recoverer.transient(step, self.epoch, why, self._name(step))
