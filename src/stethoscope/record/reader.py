@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from stethoscope.findings import Finding
-from stethoscope.record.store import RecordError, connect_reader, record_file
+from stethoscope.record.store import SKIPPED_COLUMNS, RecordError, connect_reader, record_file
 from stethoscope.record.writer import DISTRIBUTION_KINDS, LAYER_KINDS
-from stethoscope.recovery.skipped import BatchName, SkippedBatch
+from stethoscope.recovery.skipped import SkippedBatch
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
 __all__ = ["Curve", "LayerSeries", "RunRecord", "Sampled"]
@@ -230,13 +230,8 @@ class RunRecord:
         )
         if not known:
             return []
-        rows = self._query(
-            "SELECT step, epoch, batch, fingerprint, why, replay FROM skipped_batches ORDER BY step"
-        )
-        return [
-            SkippedBatch(step, BatchName(epoch, index, printed), why, replay)
-            for step, epoch, index, printed, why, replay in rows
-        ]
+        rows = self._query(f"SELECT {SKIPPED_COLUMNS} FROM skipped_batches ORDER BY step")
+        return [SkippedBatch.from_row(row) for row in rows]
 
     def epochs(self) -> list[dict[str, Any]]:
         """Each finished epoch's summary, as written (``EpochSummary.to_dict``)."""

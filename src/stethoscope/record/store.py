@@ -19,6 +19,7 @@ from pathlib import Path
 __all__ = [
     "FILE_NAME",
     "FORMAT_VERSION",
+    "SKIPPED_COLUMNS",
     "RecordError",
     "connect_reader",
     "connect_writer",
@@ -27,6 +28,8 @@ __all__ = [
 
 #: The database's name inside the record's directory.
 FILE_NAME = "record.sqlite"
+#: The columns of ``skipped_batches``, in the order of ``SkippedBatch.to_row``.
+SKIPPED_COLUMNS = "step, epoch, batch, fingerprint, why, replay"
 #: The version of the schema below; a reader refuses a record written by a newer one.
 FORMAT_VERSION = 1
 

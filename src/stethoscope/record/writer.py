@@ -28,8 +28,13 @@ import numpy as np
 
 from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation, global_norm
-from stethoscope.record.store import FILE_NAME, FORMAT_VERSION, connect_writer
-from stethoscope.recovery.skipped import BatchName, SkippedBatch
+from stethoscope.record.store import (
+    FILE_NAME,
+    FORMAT_VERSION,
+    SKIPPED_COLUMNS,
+    connect_writer,
+)
+from stethoscope.recovery.skipped import SkippedBatch
 from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.summary import EpochSummary
 
@@ -261,21 +266,14 @@ class RunRecorder(Sink):
 
     def keep_skipped(self, skipped: SkippedBatch) -> None:
         """A batch the recovery ladder skipped (written with the next flush)."""
-        b = skipped.batch
-        self._skipped.append(
-            (skipped.step, b.epoch, b.index, b.fingerprint, skipped.why, skipped.replay)
-        )
+        self._skipped.append(skipped.to_row())
 
     def _skipped_since(self, first: int) -> list[SkippedBatch]:
         rows = self._con.execute(
-            "SELECT step, epoch, batch, fingerprint, why, replay FROM skipped_batches "
-            "WHERE step >= ? ORDER BY step",
+            f"SELECT {SKIPPED_COLUMNS} FROM skipped_batches WHERE step >= ? ORDER BY step",
             (first,),
         )
-        return [
-            SkippedBatch(step, BatchName(epoch, index, printed), why, replay)
-            for step, epoch, index, printed, why, replay in rows
-        ]
+        return [SkippedBatch.from_row(row) for row in rows]
 
     def epoch_end(self, summary: EpochSummary) -> None:
         self._summaries.append((summary.epoch, json.dumps(summary.to_dict(), default=str)))

@@ -229,7 +229,8 @@ class Ladder:
         return self.s.cool_from is not None and step < self.s.cool_until
 
     def lr_scale(self, step: int) -> float:
-        """The factor on the learning rate at ``step``: ``cool_factor`` while cooling."""
+        """The factor on the learning rate at ``step``: while cooling, ``cool_factor``
+        (1 for a cool-down that only caps it, see :meth:`rolled_back`)."""
         return self.s.cool_scale if self.cooling(step) else 1.0
 
     def lr_ceiling(self, step: int) -> list[list[float]] | None:
@@ -347,10 +348,14 @@ class Ladder:
         return s.rollbacks == 0 or s.applied_at > s.rolled_back_at
 
     # -- the rungs ------------------------------------------------------------------------
+    def _begin_cooling(self, step: int, scale: float) -> None:
+        s = self.s
+        s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + self.settings.cool_steps, 0
+        s.cool_scale = scale
+
     def _cool(self, step: int, epoch: int, why: str) -> Finding:
         s, cfg = self.s, self.settings
-        s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + cfg.cool_steps, 0
-        s.cool_scale = cfg.cool_factor
+        self._begin_cooling(step, cfg.cool_factor)
         return self._act(
             step,
             epoch,
@@ -364,8 +369,7 @@ class Ladder:
         """A cool-down after a roll back that follows a rise of the learning rate: the
         snapshot's learning rate at most, not scaled down."""
         s, cfg = self.s, self.settings
-        s.cool_from, s.cool_until, s.skips_cooling = step, step + 1 + cfg.cool_steps, 0
-        s.cool_scale = 1.0
+        self._begin_cooling(step, 1.0)
         return self._act(
             step,
             epoch,

@@ -39,6 +39,16 @@ class SkippedBatch:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "batch": asdict(self.batch)}
 
+    def to_row(self) -> tuple:
+        """As a row of the record's ``skipped_batches`` table (its columns in order)."""
+        b = self.batch
+        return (self.step, b.epoch, b.index, b.fingerprint, self.why, self.replay)
+
+    @classmethod
+    def from_row(cls, row: tuple) -> SkippedBatch:
+        step, epoch, index, printed, why, replay = row
+        return cls(step, BatchName(epoch, index, printed), why, replay)
+
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> SkippedBatch:
         return cls(

@@ -386,7 +386,6 @@ class LightningRecovery:
         self._fingerprints = True  # one batch per step: a skipped batch is printed
         self._ranks = 1
         self._before: SkippedBatch | None = None  # the step's batch, skipped before
-        self._ahead: str | None = None  # why the step is skipped ahead after a roll back
 
     def start(self, trainer: Any, module: torch.nn.Module) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step)."""
@@ -421,8 +420,8 @@ class LightningRecovery:
         if before is not None and not self._same_batch(before.batch.fingerprint):
             self.recoverer.not_the_same(step, epoch, before)
             before = None
-        self._ahead = self.recoverer.ahead(step) if before is None else None
-        forced = self._ahead or (None if before is None else f"batch {index} of epoch {epoch}")
+        ahead = self.recoverer.ahead(step) if before is None else None
+        forced = ahead or (None if before is None else f"batch {index} of epoch {epoch}")
         self.gate.new_step(step, forced)
         self._before = before
 
