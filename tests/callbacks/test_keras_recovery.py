@@ -212,6 +212,38 @@ def test_with_several_steps_per_execution_a_roll_back_waits_for_the_execution_to
     assert not m.stop_training
 
 
+@pytest.mark.parametrize(("steps_per_execution", "back", "ahead"), [(1, 12, 13), (4, 15, 16)])
+def test_skip_ahead_skips_the_batches_after_a_roll_back_whatever_they_hold(
+    steps_per_execution, back, ahead
+):
+    # PaLM's rewind-and-skip: the batches after the roll back are not trained on. With 4
+    # steps per execution the roll back comes after step 15, and the execution of steps
+    # 16-19 skips its first three
+    x, y = data(30, poison={10: "nan", 12: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4, skip_ahead=3)
+    sink, seen = CapturingSink(), Weights()
+    m = model("sgd")
+    m.compile(m.optimizer, m.loss, steps_per_execution=steps_per_execution)
+    callback = KerasStethoscope(sinks=[sink], recover=settings)
+    fit(m, x, y, [callback, seen])
+    assert (back, "rollback") in acts(sink)
+    skipped = callback.recoverer.skipped_data.batches
+    assert [(b.step, b.batch.index) for b in skipped] == [
+        (10, 10),
+        (12, 12),
+        *((s, s) for s in range(ahead, ahead + 3)),
+    ]
+    assert all("skip_ahead" in b.why for b in skipped[2:])
+    # the first applied step after them starts from the roll back's snapshot (with 4
+    # steps per execution, the callback sees the executions' first steps only)
+    snapshot, first_seen = (8, 16) if steps_per_execution == 1 else (7, 16)
+    for now, kept in zip(seen.before[first_seen], seen.after[snapshot], strict=True):
+        np.testing.assert_array_equal(now, kept)
+    # every update after the snapshot's counted once: those after the skipped batches
+    applied = snapshot + 1 + (30 - (ahead + 3))
+    assert int(m.optimizer.iterations.numpy()) == applied and not m.stop_training
+
+
 class SpikedLearningRate(keras.callbacks.Callback):
     """Sets the learning rate x1000 for steps 30..45 before each batch (a schedule gone
     wrong); after the stethoscope in the list, so it overrides what a roll back restored."""
@@ -335,11 +367,12 @@ TORCH_SCRIPT = textwrap.dedent(
     assert acts(sink) == [(5, "skip"), (18, "skip")], acts(sink)
     x, y = data(30, poison={10: "nan", 12: "nan"})
     sink, seen = CapturingSink(), Weights()
-    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4)
+    settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4, skip_ahead=2)
     fit(model("sgd"), x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
     assert acts(sink)[:4] == [(10, "skip"), (10, "cool"), (12, "skip"), (12, "rollback")]
-    for now, snapshot in zip(seen.before[13], seen.after[8], strict=True):
-        np.testing.assert_array_equal(now, snapshot)
+    for step in (13, 15):  # steps 13 and 14 skipped ahead
+        for now, snapshot in zip(seen.before[step], seen.after[8], strict=True):
+            np.testing.assert_array_equal(now, snapshot)
     print("OK")
     """
 )
@@ -507,6 +540,19 @@ def test_a_replay_starts_from_the_state_the_step_started_from():
     assert all(np.isfinite(v.numpy()).all() for v in skipped.non_trainable_variables)
 
 
+def test_a_skipped_step_puts_back_the_state_its_forward_pass_moved():
+    # without a replay too: a NaN batch leaves no NaN in a BatchNormalization's moving
+    # statistics (every later evaluation would be NaN), nor moves the Dropout's seed
+    x, y = data(30, poison={5: "nan"})
+    skipped, _ = faulty_model(state=True)
+    fit(skipped, x, y, [KerasStethoscope(sinks=[], recover=True)])
+    twin, _ = faulty_model(state=True)
+    fit(twin, *without(x, y, [5]), [KerasStethoscope(sinks=[], recover=True)])
+    same_state(skipped, twin)
+    assert all(np.isfinite(v.numpy()).all() for v in skipped.non_trainable_variables)
+    assert np.isfinite(skipped.evaluate(x[:64], y[:64], verbose=0))
+
+
 def test_under_a_strategy_a_step_is_skipped_without_replay_and_it_says_why():
     import tensorflow as tf
 
@@ -578,6 +624,11 @@ TORCH_REPLAY_SCRIPT = textwrap.dedent(
     assert acts(sink) == [(5, "skip")], acts(sink)
     skip = next(f for f in sink.findings if f.detector == RECOVERY)
     assert "judged bad again" in skip.message, skip.message
+    skipped, _ = faulty()  # without a replay, the skip puts the state back all the same
+    fit(skipped, x, y, [KerasStethoscope(sinks=[], recover=True)])
+    twin, _ = faulty()
+    fit(twin, *without(x, y, [5]), [KerasStethoscope(sinks=[], recover=True)])
+    same_state(skipped, twin)
     print("OK")
     """
 )

@@ -154,6 +154,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         # the execution launched last and not yet judged: (first step, its batch's index in
         # the epoch, sampled step, plan)
         self._pending: tuple[int, int, int, frozenset[str]] | None = None
+        # what on_train_begin found, for the first epoch to begin with (see _begin)
+        self._beginning: tuple[Any, bool] | None = None
         self._warned_no_loss = False
         #: The order fit was asked to serve the data in (see ``fit_call.data_order``).
         self._data_order = ""
@@ -162,15 +164,13 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
 
     # -- set-up / tear-down -----------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
+        """Refuse, before the first step, what cannot be watched or recovered; the rest
+        starts with the first epoch (see :meth:`_begin`)."""
         model = self.model
         if getattr(model, "optimizer", None) is None:
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
         self._data_order = data_order(model)  # fit calls this hook: ask it here
         self._loss_expects = loss_expects(model)
-        forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
-            (d.needs | d.wants | d.requests) & {"activations", "outputs", "trace"}
-            for d in self.monitor.detectors
-        )
         if hasattr(model.optimizer, "inner_optimizer"):  # keras.optimizers.LossScaleOptimizer
             raise ValueError(
                 "KerasStethoscope does not support a LossScaleOptimizer (a mixed_float16 "
@@ -188,6 +188,19 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             regime = Regime.of(steps_per_execution=model.steps_per_execution, strategy=strategy)
             refuse_unrecoverable(model, regime)
             replay = replay and can_replay(strategy)
+        self._beginning = (strategy, replay)
+
+    def _begin(self, epoch: int) -> None:
+        """The first epoch of a fit begins: after every callback's ``on_train_begin``,
+        where ``BackupAndRestore`` loads the weights and the optimizer of a fit it resumes,
+        and says at which epoch (``epoch``). Make (or reuse) the probe, count the steps
+        from there, take the first snapshot, start the run."""
+        (strategy, replay), self._beginning = self._beginning, None
+        model, recover = self.model, self.recoverer is not None
+        forward = bool(self.monitor.sinks_want & {"activations", "outputs"}) or any(
+            (d.needs | d.wants | d.requests) & {"activations", "outputs", "trace"}
+            for d in self.monitor.detectors
+        )
         key = GraphProbe.key(model, forward=forward, strategy=strategy)
         probe = self._probe
         if probe is None or self._key != key:  # else a fit in a row: its functions are traced
@@ -206,6 +219,14 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             if recover
             else int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         )
+        resumed = recover and self._probe is None and step0 > 0 and epoch > 0
+        if resumed and self.recorder is not None:
+            # a fit resumed at ``epoch`` by a callback of its own: its optimizer counted
+            # only the steps it applied, the record of the run it resumes every step
+            recorded = self.recorder.step_after_epoch(epoch - 1)
+            if recorded is not None and recorded > step0:
+                probe.continue_from(recorded)
+                step0 = recorded
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
         self._next = step0
@@ -224,15 +245,35 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 framework="keras",
                 printer=printer,
                 first_step=step0,
-                first_epoch=self._epoch if step0 else 0,
+                first_epoch=epoch if step0 else 0,
                 describe=lambda: self._describe(describe_run(model, self.params)),
                 record=self.record,
                 report=self._report_writer,
                 setup=training_setup(model),
             )
         )
+        if resumed and self.recorder is not None and self.recorder.skipped_ahead:
+            self._skip_again(self.recorder.skipped_ahead, step0, epoch)
+
+    def _skip_again(self, batches: list, step: int, epoch: int) -> None:
+        """A fit resumed into the record of the run it continues, which skipped
+        ``batches`` past its checkpoint: skip them again where they come back, when the
+        data comes in the same order every time (``shuffle=False`` with arrays or a
+        ``PyDataset``); else say that they are not."""
+        if self._data_order == "sequential":
+            self._recovery.remember(batches)
+            return
+        how = (
+            "fit shuffles the data every epoch"
+            if self._data_order == "shuffle"
+            else "the dataset orders itself"
+        )
+        self.recoverer.cannot_skip_again(step, epoch, batches, how)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._beginning is not None:  # a fit with no epoch to run: nothing began
+            self._beginning = None
+            return
         self._collect()
         self._detach()
         if self._recovery is not None:
@@ -256,6 +297,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     # -- per step ------------------------------------------------------------------------
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        if self._beginning is not None:
+            self._begin(epoch)
         self._clock.pause()  # the last epoch's end and its validation are no step's time
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
@@ -267,6 +310,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             return
         chosen, plan = self.monitor.first_sampled(self._next, probe.regime.steps)
         probe.schedule(chosen, plan)
+        if self._recovery is not None:
+            self._recovery.plan(self._next, BatchName(self._epoch, batch))
         self._pending = (self._next, batch, chosen, plan)
         self._clock.start(self.monitor, sampled=chosen >= 0, steps=probe.regime.steps)
 

@@ -32,6 +32,8 @@ from stethoscope.record.store import (
     FILE_NAME,
     FORMAT_VERSION,
     SKIPPED_COLUMNS,
+    RecordError,
+    connect_reader,
     connect_writer,
 )
 from stethoscope.recovery.skipped import SkippedBatch
@@ -265,8 +267,30 @@ class RunRecorder(Sink):
             self.flush()  # what stops a run is on disk before anything else can happen
 
     def keep_skipped(self, skipped: SkippedBatch) -> None:
-        """A batch the recovery ladder skipped (written with the next flush)."""
+        """A batch the recovery ladder skipped, written at once: a skip is rare, and a run
+        that dies soon after it (the reason to resume, and skip it again) must not lose
+        it."""
         self._skipped.append(skipped.to_row())
+        self.flush()
+
+    def step_after_epoch(self, epoch: int) -> int | None:
+        """The step after the last one of epoch ``epoch`` in the record this directory
+        holds, where a run resumed at the next epoch continues; None: no record, no such
+        epoch, or a file that cannot be read. (Keras resumes a fit at an epoch, with
+        ``BackupAndRestore`` or ``initial_epoch``, and its optimizer counts only the steps
+        it applied, not those the ladder skipped.) Asked before the run starts."""
+        if not self.path.exists():
+            return None
+        try:
+            con = connect_reader(self.path)
+            try:
+                row = con.execute("SELECT summary FROM epochs WHERE epoch = ?", (epoch,)).fetchone()
+            finally:
+                con.close()
+        except (RecordError, sqlite3.DatabaseError):
+            return None
+        last = json.loads(row[0]).get("last_step") if row else None
+        return None if last is None else int(last) + 1
 
     def _skipped_since(self, first: int) -> list[SkippedBatch]:
         rows = self._con.execute(

@@ -95,6 +95,21 @@ class Recoverer:
         )
         self.monitor.tell([Finding(step, epoch, RECOVERY, "info", said, where="resume")])
 
+    def cannot_skip_again(
+        self, step: int, epoch: int, batches: list[SkippedBatch], how: str
+    ) -> None:
+        """A run resumed at step ``step`` cannot know the ``batches`` the run it resumes
+        skipped past its checkpoint when they come back (``how`` the data is ordered):
+        they are not skipped again, and it says so."""
+        named = ", ".join(str(b.batch) for b in batches[:3]) + (", ..." if len(batches) > 3 else "")
+        said = (
+            f"The run this one resumes skipped {len(batches)} batch"
+            f"{'es' if len(batches) > 1 else ''} past step {step} ({named}); they are not "
+            f"skipped again: {how}, so a batch's place in an epoch does not say which "
+            "samples it holds."
+        )
+        self.monitor.tell([Finding(step, epoch, RECOVERY, "info", said, where="resume")])
+
     def ahead(self, step: int) -> str | None:
         """Why step ``step`` is skipped before it is judged: one of the ``skip_ahead``
         batches after a roll back (see :meth:`skipped_ahead`), or None."""

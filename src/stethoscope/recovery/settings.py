@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "DAMAGE",
+    "FORCED_SKIP",
     "GRADIENT_PAST_BAR",
     "LOSS_PAST_BAR",
     "NONFINITE_GRADIENT",
@@ -44,14 +45,17 @@ RECOVERABLE = frozenset(
 DAMAGE = frozenset({"unstable_loss", "large_updates"})
 
 #: Why a step is not applied, as the code a verdict carries (0: apply). The larger,
-#: the worse: ranks that disagree take the largest.
+#: the worse: ranks that disagree take the largest. A forced skip (a batch skipped
+#: before, one of ``skip_ahead``'s) is the host's decision, the same on every rank.
 LOSS_PAST_BAR, GRADIENT_PAST_BAR, NONFINITE_GRADIENT, NONFINITE_LOSS = 1, 2, 3, 4
+FORCED_SKIP = 5
 #: Each code in words.
 REASONS = {
     LOSS_PAST_BAR: "the loss is past the loss_spike bar",
     GRADIENT_PAST_BAR: "the gradient norm is past the exploding_gradients bar",
     NONFINITE_GRADIENT: "a gradient is non-finite",
     NONFINITE_LOSS: "the loss is non-finite",
+    FORCED_SKIP: "the batch is skipped whatever it holds",
 }
 #: Each code with the values that made it.
 _WHAT = {
@@ -60,6 +64,7 @@ _WHAT = {
     "{grad_bar:.3g}",
     NONFINITE_GRADIENT: "a gradient was non-finite",
     NONFINITE_LOSS: "the loss was {loss}",
+    FORCED_SKIP: "the batch was skipped whatever it held",
 }
 
 

@@ -4,11 +4,14 @@
 The verdict compares the step's loss and its gradients' global norm with the bars the
 host last wrote to the probe's ``recovery`` variable (``loss_spike``'s, then
 ``exploding_gradients``', then the cool-down's factor on the learning rate and the
-learning rate it scales at most, after a roll back the snapshot's). A skipped
-step leaves the weights, the optimizer's slots and its ``iterations`` as they were, and
-counts itself in the probe's ``skipped`` variable (see ``ops.step_index``). With
-``Recovery(replay=True)`` a step judged bad is computed once more before it is skipped
-(see :mod:`~stethoscope.callbacks._keras.replay`).
+learning rate it scales at most, after a roll back the snapshot's), and the host's
+``forced`` mark on the step (a batch skipped before, or one of ``skip_ahead``'s). A
+skipped step leaves the weights, the optimizer's slots and its ``iterations`` as they
+were, puts back the state its forward pass assigned (see
+:mod:`~stethoscope.callbacks._keras.step_start`), and counts itself in the probe's
+``skipped`` variable (see ``ops.step_index``). With ``Recovery(replay=True)`` a step
+judged bad is computed once more before it is skipped (see
+:mod:`~stethoscope.callbacks._keras.replay`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from keras import ops
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.regime import Regime
-from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT, StepReplay, StepStart
+from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT, StepReplay
+from stethoscope.callbacks._keras.step_start import StepStart, StepWatch
 from stethoscope.callbacks._keras.variables import ProbeVariables
 from stethoscope.recovery.settings import (
+    FORCED_SKIP,
     GRADIENT_PAST_BAR,
     LOSS_PAST_BAR,
     NONFINITE_GRADIENT,
@@ -45,6 +50,8 @@ class UpdateGate:
             where the step cannot hand its verdict back itself).
         position: Each trainable variable's position, by id.
         strategy: The model's ``MirroredStrategy``, or None.
+        watch: What keeps the state each step starts from, which a skip puts back (not
+            under a strategy: see :meth:`_across_replicas`).
         replay: What computes a step judged bad once more (``Recovery(replay=True)``;
             never under a strategy), or None: such a step is skipped.
     """
@@ -57,10 +64,12 @@ class UpdateGate:
         variables: ProbeVariables,
         position: dict[int, int],
         strategy: Any,
+        watch: StepWatch,
         replay: StepReplay | None = None,
     ) -> None:
         self.optimizer, self.regime, self.variables = optimizer, regime, variables
-        self.position, self.strategy, self.replay = position, strategy, replay
+        self.position, self.strategy = position, strategy
+        self.watch, self.replay = watch, replay
         #: The update is being traced: its reads of the learning rate are scaled.
         self.cooling = False
         #: ... with gradients summed across replicas already (the optimizer's all-reduce
@@ -68,49 +77,68 @@ class UpdateGate:
         self.summed = False
 
     def install(self, patches: Patches) -> None:
-        """Wrap the optimizer's learning rate (see :meth:`learning_rate`), and let the
-        replay watch the state the step assigns."""
+        """Wrap the optimizer's learning rate (see :meth:`learning_rate`), and watch the
+        state each step assigns."""
         current = self.optimizer._get_current_learning_rate
         patches.put(self.optimizer, "_get_current_learning_rate", self.learning_rate(current))
-        if self.replay is not None:
-            self.replay.install(patches)
+        if self.strategy is None:
+            self.watch.install(patches)
 
     def update(
         self, original: Any, grads: list, tvars: list, loss: list, squares: dict[int, Any]
     ) -> Any:
         """The optimizer's update (``original``), in a ``cond`` on the step's verdict:
-        applied, at the cooled learning rate while the ladder cools, or skipped (with a
-        replay: computed again first). Returns the verdict for the step to hand back with
-        its logs (its code, and with a replay what the replay found), or None where it is
-        kept in ``verdicts`` instead. ``squares``: the gradients' half sums of squares by
-        position, when the step has them already (the direct ring)."""
+        applied, at the cooled learning rate while the ladder cools, or skipped, the state
+        the step assigned put back (with a replay: computed again first). Returns the
+        verdict for the step to hand back with its logs (its code, and what its replay
+        found), or None where it is kept in ``verdicts`` instead. ``squares``: the
+        gradients' half sums of squares by position, when the step has them already (the
+        direct ring)."""
         if self.strategy is not None:
             self._across_replicas(original, grads, tvars, loss)
             return None
         direct = self.regime.direct
         if not direct:
             squares = kops.squares_by_position(grads, tvars, self.position)
-        code, norm = self._verdict(loss, squares)
-        start = self.replay.take() if self.replay is not None else None
-        if start is None:
-            if not direct:
-                self._keep(self._slot(), code, norm)
-            ops.cond(ops.equal(code, 0), lambda: self._apply(original, grads, tvars), self._skip)
-            return code if direct else None
-        slot = None if direct else self._slot()  # the step's, read before its update
+        slot = 0 if direct else self._slot()  # the step's, read before its update
+        code, norm = self._verdict(loss, squares, slot)
+        start = self.watch.take()
 
         def applied() -> Any:
             self._apply(original, grads, tvars)
             return ops.convert_to_tensor(np.int32(0))
 
         def judged_bad() -> Any:
-            return _apart(lambda: self._replayed(original, tvars, loss, start))
+            return self._judged_bad(original, tvars, loss, code, start)
 
-        found = ops.cond(ops.equal(code, 0), applied, judged_bad)
+        if self.replay is not None:  # a branch of its own (see _apart)
+            found = ops.cond(ops.equal(code, 0), applied, lambda: _apart(judged_bad))
+        else:
+            found = ops.cond(ops.equal(code, 0), applied, judged_bad)
         if direct:
             return ops.stack([code, found])
         self._keep(slot, code, norm, found)
         return None
+
+    def _judged_bad(
+        self, original: Any, tvars: list, loss: list, code: Any, start: StepStart
+    ) -> Any:
+        """The step was judged bad (``code``): skipped, the state it assigned put back;
+        with a replay, unless the host forced the skip, computed again first. Returns
+        what the replay found (0: none)."""
+
+        def skipped() -> Any:
+            start.undo_state()
+            self._skip()
+            return ops.convert_to_tensor(np.int32(0))
+
+        if self.replay is None or start.batch is None:  # no compute_loss: nothing to replay
+            return skipped()
+        return ops.cond(
+            ops.equal(code, FORCED_SKIP),
+            skipped,
+            lambda: self._replayed(original, tvars, loss, start),
+        )
 
     def _replayed(self, original: Any, tvars: list, loss: list, start: StepStart) -> Any:
         """The step was judged bad: compute it again and judge that. Fine, its gradients
@@ -118,7 +146,7 @@ class UpdateGate:
         put back). Returns :data:`TRANSIENT` or :data:`REPRODUCES`."""
         again = self.replay.recompute(start, tvars)
         squares = kops.squares_by_position(again.grads, tvars, self.position)
-        code, _ = self._verdict([again.loss] if loss else [], squares)
+        code, _ = self._verdict([again.loss] if loss else [], squares, None)
 
         def transient() -> Any:
             again.keep_state()
@@ -126,7 +154,7 @@ class UpdateGate:
             return ops.convert_to_tensor(np.int32(TRANSIENT))
 
         def reproduces() -> Any:
-            again.undo_state()
+            start.undo_state()
             self._skip()
             return ops.convert_to_tensor(np.int32(REPRODUCES))
 
@@ -178,7 +206,9 @@ class UpdateGate:
         then hands them on as they are), and the loss with them. The ``cond`` itself runs
         in the cross-replica context (a ``merge_call``), as Keras' ``LossScaleOptimizer``
         does: the strategy refuses a replica's ``cond`` whose branch calls ``merge_call``,
-        as the update does."""
+        as the update does. A skip here leaves the state the forward pass assigned (a
+        ``BatchNormalization``'s moving statistics) as the step left it: each replica
+        assigned its own copy, in its replica context, before the replicas decided."""
         import tensorflow as tf  # the only backend with a strategy
 
         pairs = self.optimizer._all_reduce_sum_gradients(list(zip(grads, tvars, strict=True)))
@@ -186,8 +216,9 @@ class UpdateGate:
         context = tf.distribute.get_replica_context()
         total = [context.all_reduce(tf.distribute.ReduceOp.SUM, loss[0])] if loss else []
         squares = kops.squares_by_position(summed, tvars, self.position)
-        code, norm = self._verdict(total, squares)
-        self._keep(self._slot(), code, norm)
+        slot = self._slot()
+        code, norm = self._verdict(total, squares, slot)
+        self._keep(slot, code, norm)
 
         def across(distribution: Any, code: Any) -> None:
             decided = distribution.experimental_local_results(code)[0]  # the same on each
@@ -206,13 +237,15 @@ class UpdateGate:
 
         context.merge_call(across, args=(code,))
 
-    def _verdict(self, loss: list, squares: dict[int, Any]) -> tuple[Any, Any]:
+    def _verdict(self, loss: list, squares: dict[int, Any], slot: Any) -> tuple[Any, Any]:
         """Why this step must not be applied, as a code of
         :data:`~stethoscope.recovery.REASONS` (0: apply), from its loss and its gradients'
         sums of squares against the bars: the loss past ``loss_spike``'s, the global norm
         past ``exploding_gradients``' (squared, so no root is taken; a square past
-        float32's range reads as non-finite, as the detectors' norms do). Returns the code
-        and the global gradient norm."""
+        float32's range reads as non-finite, as the detectors' norms do); whatever they
+        are, :data:`FORCED_SKIP` where the host marked the step's ``slot`` in ``forced``
+        (None: a replay's verdict, never forced). Returns the code and the global
+        gradient norm."""
         bars = kops.value(self.variables["recovery"])
         total = ops.multiply(ops.sum(ops.stack(list(squares.values()))), 2.0) if squares else 0.0
         code = ops.where(ops.greater(total, ops.square(bars[1])), GRADIENT_PAST_BAR, 0)
@@ -221,6 +254,9 @@ class UpdateGate:
             value = loss[0]
             code = ops.where(ops.greater(value, bars[0]), ops.maximum(code, LOSS_PAST_BAR), code)
             code = ops.where(ops.isfinite(value), code, NONFINITE_LOSS)
+        if slot is not None:
+            forced = ops.take(kops.value(self.variables["forced"]), slot)
+            code = ops.where(ops.greater(forced, 0.0), FORCED_SKIP, code)
         return ops.cast(code, "int32"), ops.sqrt(ops.cast(total, "float32"))
 
 

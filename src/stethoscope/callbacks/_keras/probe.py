@@ -131,6 +131,7 @@ class GraphProbe:
         self._returned_step: Any = None
         self._verdict: Any = None  # recover=: the last execution's verdict, not yet read
         self._bars = (math.inf, math.inf, 1.0, math.inf)  # ... and what the host last wrote
+        self._forced: tuple[int, ...] = ()  # ... and the ring slots it last forced to skip
         #: Samples per batch, once the inputs were measured (0: unknown).
         self.batch_samples = 0
 
@@ -296,6 +297,17 @@ class GraphProbe:
             return
         self._bars = new
         self.variables.write("recovery", np.array(new, dtype=np.float32))
+
+    def force(self, slots: tuple[int, ...]) -> None:
+        """Skip the next execution's steps in ring ``slots`` whatever they hold (their
+        step modulo the steps per execution); written only when it changes, so a run
+        that forces nothing never writes it."""
+        if slots == self._forced:
+            return
+        self._forced = slots
+        mask = np.zeros(self.regime.steps, dtype=np.float32)
+        mask[list(slots)] = 1.0
+        self.variables.write("forced", mask)
 
     def step_index(self) -> int:
         """The host's count of the steps taken (the optimizer's, plus those skipped)."""
@@ -479,7 +491,8 @@ def _layout(
 
 def _recovery_slots(regime: Regime) -> list[Slot]:
     """recover=: host -> graph, the bars a step is judged against, the learning rate's
-    factor and its ceiling; the steps skipped so far (see ``ops.step_index``); and with several
+    factor and its ceiling; the steps skipped so far (see ``ops.step_index``); the steps
+    the host skips whatever they hold, by ring slot; and with several
     steps per execution, each step's verdict, gradient norm and what its replay found (a
     direct step hands its own back)."""
     slots = [
@@ -491,6 +504,7 @@ def _recovery_slots(regime: Regime) -> list[Slot]:
             returned=False,
         ),
         Slot("skipped", (), 0, "int64", combine="first", returned=False),
+        Slot("forced", (regime.steps,), 0.0, combine="first", returned=False),
     ]
     if not regime.direct:
         slots.append(Slot("verdicts", (regime.steps, 3), 0.0, combine="first", returned=False))

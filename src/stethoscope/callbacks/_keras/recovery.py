@@ -44,8 +44,8 @@ from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
-from stethoscope.recovery.settings import skip_reason
-from stethoscope.recovery.skipped import BatchName
+from stethoscope.recovery.settings import FORCED_SKIP, skip_reason
+from stethoscope.recovery.skipped import BatchName, SkippedBatch
 from stethoscope.recovery.snapshots import SnapshotStore
 
 __all__ = ["KerasRecovery", "can_replay", "refuse_unrecoverable"]
@@ -121,6 +121,12 @@ class KerasRecovery:
         self.model: Any = None
         self.probe: GraphProbe | None = None
         self._bars_due = True  # write the bars after the next step, whatever the cadence
+        # the steps the next execution skips whatever they hold: why, by step (a batch
+        # skipped before, or one of skip_ahead's)
+        self._forced: dict[int, SkippedBatch | str] = {}
+        #: The batches the run this one resumes skipped past its checkpoint, by (epoch,
+        #: index): skipped again where they come back (see :meth:`remember`).
+        self._again: dict[tuple[int, int], SkippedBatch] = {}
 
     def start(self, model: Any, probe: GraphProbe, step: int) -> None:
         """Take the first snapshot (before step ``step``) and write the bars."""
@@ -136,12 +142,40 @@ class KerasRecovery:
         self._take(step)
         self._write_bars(step)
 
+    def plan(self, first: int, batch: BatchName) -> None:
+        """The next execution begins at step ``first`` on ``batch``: mark the steps it must
+        skip whatever they hold (the batches a run this one resumes skipped, where they
+        come back; the ``skip_ahead`` batches after a roll back). Nothing is written on a
+        run that forces no skip."""
+        steps = self.probe.regime.steps
+        self._forced.clear()
+        for step in range(first, first + steps):
+            index = batch.index + step - first
+            why = self._again.get((batch.epoch, index)) or self.recoverer.ahead(step)
+            if why is not None:
+                self._forced[step] = why
+        self.probe.force(tuple(sorted(step % steps for step in self._forced)))
+
+    def remember(self, batches: list[SkippedBatch]) -> None:
+        """Batches the run this one resumes skipped past its checkpoint (from the record):
+        where they come back, batch ``index`` of epoch ``epoch`` again, they are skipped
+        again. Only those: a second ``fit`` in a row starts its epochs from 0 again, and
+        its batches are new steps of the same run, judged as such."""
+        self.recoverer.remember(batches)
+        self._again = {(b.batch.epoch, b.batch.index): b for b in batches}
+
     def settle(self, step: int, batch: BatchName, verdict: np.ndarray, loss: float | None) -> None:
         """Step ``step`` ran on ``batch`` with ``verdict`` (its code, the gradient norm it
         was judged on and what its replay found) and ``loss``: report a skip, or a replay
         that was fine and applied, then the step settled."""
         code, norm, found = int(verdict[0]), float(verdict[1]), int(verdict[2])
-        if code:
+        if code == FORCED_SKIP:
+            why = self._forced[step]
+            if isinstance(why, SkippedBatch):
+                self.recoverer.skipped_again(step, batch.epoch, why)
+            else:
+                self.recoverer.skipped_ahead(step, why, batch)
+        elif code:
             loss_bar, grad_bar, *_ = self.probe.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)

@@ -11,21 +11,15 @@ more and judges them again: fine, it was a transient fault of the machine, and t
 second computation's gradients are applied; bad again, it is the batch (or the
 numerics), and the step is skipped. Only a step judged bad runs the branch.
 
-The same state is more than the weights: a training forward pass also moves a
-``BatchNormalization``'s moving statistics and a ``Dropout``'s seed generator. Each
-variable of the model's that is not trained and that the step assigns keeps its value
-from before the step's first assignment (a read of a variable the step writes anyway).
-The replay runs in a ``StatelessScope`` that reads those values (it draws the same
-dropout masks) and collects its own assignments instead of making them; a step applied
-from its replay then takes the replay's state, not that of the computation judged bad,
-and a skipped step puts back the state from before it, as if it never saw the batch.
-
-What it costs a healthy step: one read of each such variable the step assigns (none for
-a model without ``BatchNormalization`` or ``Dropout``); the branch itself is a call that
-TensorFlow skips whole (see ``gate._apart``). On torch, whose train step runs eagerly,
-the same code runs in Python, with autograd for the tape; torch assigns in place, so the
-values are copied, and each step keeps torch's own random generators' state as well (a
-``Dropout`` without a seed draws from them, not from a variable of the model's).
+The same state is more than the weights: the state the step assigned before its
+verdict (a ``BatchNormalization``'s moving statistics, a ``Dropout``'s seed), which the
+step's :class:`~stethoscope.callbacks._keras.step_start.StepWatch` kept. The replay runs
+in a ``StatelessScope`` that reads those values (it draws the same dropout masks) and
+collects its own assignments instead of making them; a step applied from its replay then
+takes the replay's state, not that of the computation judged bad, and a skipped step
+puts back the state from before it, as if it never saw the batch. The branch itself is
+a call that TensorFlow skips whole on a healthy step (see ``gate._apart``). On torch,
+whose train step runs eagerly, the same code runs in Python, with autograd for the tape.
 
 The probe's wrappers do not see the replay (they are switched off while it is traced):
 the step's loss, statistics and prints are those of the computation judged. Keras' loss
@@ -35,7 +29,6 @@ tracker and metrics do not count it either: the step's logs are the first comput
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,26 +37,15 @@ import keras
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
-from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.regime import Mode
+from stethoscope.callbacks._keras.step_start import StepStart, here, set_generators
 from stethoscope.callbacks._keras.switches import Switches
 
-__all__ = ["REPRODUCES", "TRANSIENT", "Replayed", "StepReplay", "StepStart"]
+__all__ = ["REPRODUCES", "TRANSIENT", "Replayed", "StepReplay"]
 
 #: What the replay of a step judged bad found, as the verdict hands it back (0: the step
 #: was not replayed): fine, its update applied (a transient fault); bad again, skipped.
 TRANSIENT, REPRODUCES = 1, 2
-
-
-@dataclass
-class StepStart:
-    """What a step started from: its batch ``(x, y, sample_weight)``, each state variable
-    it assigned with its value from before, and on torch the state of torch's random
-    generators (None on TensorFlow, whose layers draw from seed variables)."""
-
-    batch: tuple
-    state: list[tuple[Any, Any]]
-    generators: Any = None
 
 
 @dataclass
@@ -84,13 +66,6 @@ class Replayed:
             if value is not None:
                 type(variable).assign(variable, value)  # past the watch: not the step's own
 
-    def undo_state(self) -> None:
-        """The step is skipped: the state goes back to what it was before the step."""
-        for variable, value in self.start.state:
-            type(variable).assign(variable, value)
-        if self.start.generators is not None:
-            _set_generators(self.start.generators)
-
 
 class StepReplay:
     """What a replay needs from the step being traced (run, when eager), and the replay.
@@ -103,49 +78,6 @@ class StepReplay:
 
     def __init__(self, model: Any, switches: Switches) -> None:
         self.model, self.optimizer, self.switches = model, model.optimizer, switches
-        #: The step's ``(x, y, sample_weight)``, from its ``compute_loss``.
-        self.batch: tuple | None = None
-        # each state variable the step assigned, by id: (variable, its value before)
-        self._before: dict[int, tuple[Any, Any]] = {}
-        self._generators: Any = None  # torch: its generators' state before the step
-
-    def install(self, patches: Patches) -> None:
-        """Watch the assignments to the model's variables that are not trained; on torch,
-        keep the state of its random generators at the start of each step."""
-        watched = {id(v): v for v in self.model.non_trainable_variables}  # each once
-        for variable in watched.values():
-            patches.put(variable, "assign", self._watch(variable, variable.assign))
-        if keras.backend.backend() == "torch":
-            patches.put(self.model, "train_step", self._keep_generators(self.model.train_step))
-
-    def _watch(self, variable: Any, original: Any) -> Any:
-        @functools.wraps(original)
-        def assign(value):
-            if not self.switches.off and id(variable) not in self._before:
-                self._before[id(variable)] = (variable, _kept(variable))
-            return original(value)
-
-        return assign
-
-    def _keep_generators(self, original: Any) -> Any:
-        @functools.wraps(original)
-        def train_step(*args, **kwargs):
-            if not self.switches.off:
-                self._generators = _generators()
-            return original(*args, **kwargs)
-
-        return train_step
-
-    def take(self) -> StepStart | None:
-        """What the step being traced started from, for the gate's ``cond`` (None: the
-        step never called ``compute_loss``, so there is nothing to replay); the next
-        step starts afresh. A value read in a control-flow body (a recurrent layer's
-        loop) cannot leave it: such a variable is left as the first computation left it."""
-        batch, before, generators = self.batch, list(self._before.values()), self._generators
-        self.batch, self._before, self._generators = None, {}, None
-        if batch is None:
-            return None
-        return StepStart(batch, [(v, value) for v, value in before if _here(value)], generators)
 
     def recompute(self, start: StepStart, tvars: list) -> Replayed:
         """The forward pass, the loss and the gradients of ``tvars`` once more, as Keras'
@@ -153,7 +85,7 @@ class StepReplay:
         x, y, sample_weight = start.batch
         model = self.model
         if start.generators is not None:
-            _set_generators(start.generators)
+            set_generators(start.generators)
         mode, self.switches.mode = self.switches.mode, Mode.OFF
         try:
             with _gradients() as tape:
@@ -170,7 +102,7 @@ class StepReplay:
         finally:
             self.switches.mode = mode
         after = [scope.get_current_value(v) for v, _ in start.state]
-        after = [a if a is not None and _here(a) else None for a in after]
+        after = [a if a is not None and here(a) else None for a in after]
         value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
         return Replayed(start, value, grads, after)
 
@@ -204,35 +136,3 @@ def _gradients() -> Iterator[_Tape]:
 
     with torch.enable_grad():
         yield _Tape()
-
-
-def _generators() -> tuple[Any, Any]:
-    """torch's random generators' state: the CPU's, and the current GPU's once used."""
-    import torch
-
-    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if gpu else None
-
-
-def _set_generators(state: tuple[Any, Any]) -> None:
-    import torch
-
-    cpu, gpu = state
-    torch.set_rng_state(cpu)
-    if gpu is not None:
-        torch.cuda.set_rng_state(gpu)
-
-
-def _kept(variable: Any) -> Any:
-    """A state variable's value now, kept from the assignment to come. A TensorFlow read
-    is one already (an assignment gives the variable a new buffer); torch assigns in
-    place, so its value is copied."""
-    value = kops.value(variable)
-    return ops.copy(value) if keras.backend.backend() == "torch" else value
-
-
-def _here(value: Any) -> bool:
-    """Whether ``value`` can be used in the graph being built (always, when eager): a
-    tensor made in a control-flow body cannot leave it."""
-    graph = kops.graph()
-    return graph is None or getattr(value, "graph", graph) is graph

@@ -37,6 +37,7 @@ from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import StepReplay
+from stethoscope.callbacks._keras.step_start import StepWatch
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
 
@@ -117,6 +118,7 @@ class StepWrappers:
                 variables=variables,
                 position=position,
                 strategy=strategy,
+                watch=StepWatch(model, switches),
                 replay=StepReplay(model, switches) if replay else None,
             )
             if recover
@@ -230,8 +232,8 @@ class StepWrappers:
             if self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
-            if self.gate is not None and self.gate.replay is not None:  # what it computes again
-                self.gate.replay.batch = (x, y, sample_weight)
+            if self.gate is not None:  # what a replay computes again
+                self.gate.watch.batch = (x, y, sample_weight)
             regime = self.regime
             value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
             if not regime.direct:  # the direct ring's loss is an output, never differentiated

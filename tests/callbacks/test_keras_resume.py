@@ -1,0 +1,103 @@
+"""A Keras fit that dies and is resumed (``BackupAndRestore``, at the epoch it was in)
+into the record of the run it continues: its steps are numbered on from the record
+(the optimizer counts only the updates it applied, not the steps the ladder skipped),
+the batches the first run skipped past the checkpoint are skipped again where they come
+back, bit for bit as a run that never saw them, and where the data is shuffled it says
+that they are not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from test_keras_recovery import data, fit, model, same_state, without  # noqa: E402
+
+from stethoscope import KerasStethoscope  # noqa: E402
+from stethoscope.findings import RECOVERY  # noqa: E402
+from stethoscope.record import RunRecord  # noqa: E402
+from stethoscope.testing import CapturingSink  # noqa: E402
+
+
+class Crash(Exception):
+    """The machine died."""
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises :class:`Crash` at the start of batch ``batch`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if (self.epoch, batch) == self.at:
+            raise Crash
+
+
+def first_run(tmp_path: Path) -> tuple[Path, Path]:
+    """30 batches an epoch, batch 5 NaN: skipped at step 5 and at step 35; the run
+    backs up at the end of epoch 0 and dies in epoch 1 at its batch 12. Returns the
+    record's and the backup's directories."""
+    record, backup = tmp_path / "run", tmp_path / "backup"
+    x, y = data(30, poison={5: "nan"})
+    callbacks = [
+        KerasStethoscope(sinks=[], record=record, recover=True),
+        keras.callbacks.BackupAndRestore(backup),
+        CrashAt(1, 12),
+    ]
+    with pytest.raises(Crash):
+        fit(model("sgd"), x, y, callbacks, epochs=2)
+    return record, backup
+
+
+def test_a_resumed_fit_skips_again_the_batch_it_skipped_past_its_checkpoint(tmp_path):
+    record, backup = first_run(tmp_path)
+    # resumed on data where batch 5 is fine now: skipped all the same, as the run it
+    # continues did (PaLM's rewind-and-skip); the stethoscope comes first in the list,
+    # before the callback that restores the weights
+    x, y = data(30)
+    sink = CapturingSink()
+    resumed = model("sgd")
+    callbacks = [
+        KerasStethoscope(sinks=[sink], record=record, recover=True),
+        keras.callbacks.BackupAndRestore(backup),
+    ]
+    fit(resumed, x, y, callbacks, epochs=2)
+    twin = model("sgd")
+    fit(twin, *without(x, y, [5]), [], epochs=2)  # never saw batch 5, in either epoch
+    same_state(resumed, twin)
+    assert int(resumed.optimizer.iterations.numpy()) == 58
+    [again] = [f for f in sink.findings if f.detector == RECOVERY]
+    assert (again.step, again.where, again.severity.value) == (35, "skip", "info")
+    assert "(batch 5 of epoch 1): it was skipped at step 35" in again.message
+    assert "the loss was nan" in again.message and "skipped again" in again.message
+    with RunRecord(record) as kept:
+        steps = kept.losses().steps
+        assert [b.step for b in kept.skipped_batches()] == [5, 35]
+        assert [e["epoch"] for e in kept.epochs()] == [0, 1]
+    # numbered on from the record: epoch 1 is steps 30 to 59, each once
+    assert np.array_equal(np.sort(steps), np.arange(60))
+
+
+def test_a_resumed_fit_on_shuffled_data_says_it_cannot_skip_them_again(tmp_path):
+    record, backup = first_run(tmp_path)
+    x, y = data(30)
+    sink = CapturingSink()
+    resumed = model("sgd")
+    callbacks = [
+        KerasStethoscope(sinks=[sink], record=record, recover=True),
+        keras.callbacks.BackupAndRestore(backup),
+    ]
+    resumed.fit(x, y, batch_size=16, shuffle=True, verbose=0, callbacks=callbacks, epochs=2)
+    assert int(resumed.optimizer.iterations.numpy()) == 59  # nothing skipped
+    [said] = [f for f in sink.findings if f.detector == RECOVERY]
+    assert (said.step, said.where, said.severity.value) == (30, "resume", "info")
+    assert "skipped 1 batch past step 30 (batch 5 of epoch 1)" in said.message
+    assert "not skipped again: fit shuffles the data every epoch" in said.message
