@@ -215,7 +215,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             self._key = key
         # the steps taken: the optimizer's count, and with recover= the steps it skipped
         step0 = (
-            probe.step_index()
+            probe.ladder.step_index()
             if recover
             else int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         )
@@ -225,7 +225,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             # only the steps it applied, the record of the run it resumes every step
             recorded = self.recorder.step_after_epoch(epoch - 1)
             if recorded is not None and recorded > step0:
-                probe.continue_from(recorded)
+                probe.ladder.continue_from(recorded)
                 step0 = recorded
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
@@ -360,7 +360,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         # the weights after a non-finite step are read after the execution: its last step's
         weights_at = last if bad_at >= 0 else -1
         recovery = self._recovery
-        verdicts = probe.verdicts(ring) if recovery is not None else None
+        verdicts = probe.ladder.verdicts(ring) if recovery is not None else None
         for step in range(first, first + count):
             loss = float(losses[step % k]) if losses is not None else None
             if (

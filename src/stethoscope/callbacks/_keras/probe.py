@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from stethoscope.callbacks._keras.describe import optimizers_of
-from stethoscope.callbacks._keras.gate import verdict_rows
+from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
     feeds_activation,
@@ -92,10 +92,12 @@ class GraphProbe:
         for r in self.reductions:
             slots += slots_of(r, self.layout, regime)
         if recover:
-            slots += _recovery_slots(regime)
+            slots += LadderLink.slots(regime)
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
+        #: recover=: the ladder's variables, as the host writes and reads them.
+        self.ladder = LadderLink(regime, self.variables, self.optimizer) if recover else None
         self.switches = Switches(
             regime=regime,
             reductions=self.reductions,
@@ -129,9 +131,6 @@ class GraphProbe:
         self.last_ring = np.zeros(0, dtype=np.float32)  # the one the host read last
         self._returned_lr: Any = None
         self._returned_step: Any = None
-        self._verdict: Any = None  # recover=: the last execution's verdict, not yet read
-        self._bars = (math.inf, math.inf, 1.0, math.inf)  # ... and what the host last wrote
-        self._forced: tuple[int, ...] = ()  # ... and the ring slots it last forced to skip
         #: Samples per batch, once the inputs were measured (0: unknown).
         self.batch_samples = 0
 
@@ -241,7 +240,8 @@ class GraphProbe:
         if isinstance(logs, dict) and RING_KEY in logs:
             logs = dict(logs)
             self._ring = logs.pop(RING_KEY)
-            self._verdict = logs.pop(VERDICT_KEY, None)
+            if self.ladder is not None:
+                self.ladder.hand(logs.pop(VERDICT_KEY, None))
             returned = logs.pop(PROBES_KEY, None)
             if returned:
                 self.variables.hand_back({n: v for n, v in returned.items() if n in self.variables})
@@ -272,52 +272,6 @@ class GraphProbe:
             ring = np.array(ring)  # a writable copy: the host clears the flag in it
         self.last_ring = ring
         return ring
-
-    # -- recover= --------------------------------------------------------------------------------
-    def verdicts(self, ring: np.ndarray) -> np.ndarray:
-        """The last execution's verdicts, a row per ring slot (see ``gate.verdict_rows``)."""
-        handed, self._verdict = self._verdict, None
-        return verdict_rows(self.regime, handed, ring, self.variables)
-
-    @property
-    def bars(self) -> tuple[float, float, float, float]:
-        """What the steps judge themselves against: the loss bar, the gradient-norm bar,
-        the learning rate's factor and its ceiling (as last written)."""
-        return self._bars
-
-    def set_bars(
-        self, loss_bar: float, grad_bar: float, lr_scale: float, lr_ceiling: float = math.inf
-    ) -> None:
-        """Write the bars (``math.inf``: none), the factor on the learning rate for the
-        next steps and the learning rate it applies to at most (``math.inf``: none); only
-        a change worth it is written (a bar moves a little every step; 1% of it is
-        nothing against a spike, and a write costs an op)."""
-        old, new = self._bars, (loss_bar, grad_bar, lr_scale, lr_ceiling)
-        if new[2:] == old[2:] and _close(loss_bar, old[0]) and _close(grad_bar, old[1]):
-            return
-        self._bars = new
-        self.variables.write("recovery", np.array(new, dtype=np.float32))
-
-    def force(self, slots: tuple[int, ...]) -> None:
-        """Skip the next execution's steps in ring ``slots`` whatever they hold (their
-        step modulo the steps per execution); written only when it changes, so a run
-        that forces nothing never writes it."""
-        if slots == self._forced:
-            return
-        self._forced = slots
-        mask = np.zeros(self.regime.steps, dtype=np.float32)
-        mask[list(slots)] = 1.0
-        self.variables.write("forced", mask)
-
-    def step_index(self) -> int:
-        """The host's count of the steps taken (the optimizer's, plus those skipped)."""
-        applied = int(self.variables.read_variable(self.optimizer.iterations))
-        return applied + int(self.variables.read("skipped"))
-
-    def continue_from(self, step: int) -> None:
-        """After a roll back put the optimizer's count back: count on from ``step``."""
-        applied = int(self.variables.read_variable(self.optimizer.iterations))
-        self.variables.write("skipped", np.int64(step - applied))
 
     def flagged(self, ring: np.ndarray) -> bool:
         """Whether the execution of ``ring`` took a step with a non-finite loss or gradient
@@ -487,35 +441,6 @@ def _layout(
         forward_layers=tuple((la.name, activation_kind(la), unit_layer(la)) for la in forward),
         snapshot=frozenset(snapshot),
     )
-
-
-def _recovery_slots(regime: Regime) -> list[Slot]:
-    """recover=: host -> graph, the bars a step is judged against, the learning rate's
-    factor and its ceiling; the steps skipped so far (see ``ops.step_index``); the steps
-    the host skips whatever they hold, by ring slot; and with several
-    steps per execution, each step's verdict, gradient norm and what its replay found (a
-    direct step hands its own back)."""
-    slots = [
-        Slot(
-            "recovery",
-            (4,),
-            np.array([np.inf, np.inf, 1.0, np.inf]),
-            combine="first",
-            returned=False,
-        ),
-        Slot("skipped", (), 0, "int64", combine="first", returned=False),
-        Slot("forced", (regime.steps,), 0.0, combine="first", returned=False),
-    ]
-    if not regime.direct:
-        slots.append(Slot("verdicts", (regime.steps, 3), 0.0, combine="first", returned=False))
-    return slots
-
-
-def _close(a: float, b: float) -> bool:
-    """Whether two bars are within 1% (two infinities are; a bar and none are not)."""
-    if math.isinf(a) or math.isinf(b):
-        return a == b
-    return abs(a - b) <= 0.01 * max(abs(a), abs(b))
 
 
 def _plumbing(layout: Layout, regime: Regime, groups: int) -> list[Slot]:

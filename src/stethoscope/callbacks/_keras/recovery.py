@@ -39,6 +39,7 @@ import keras
 import numpy as np
 
 from stethoscope.callbacks._keras.describe import has_own_train_step
+from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
@@ -119,7 +120,7 @@ class KerasRecovery:
         self.spike = self.monitor.keeper_of("loss")
         self.explode = self.monitor.keeper_of("grad_norm")
         self.model: Any = None
-        self.probe: GraphProbe | None = None
+        self.link: LadderLink | None = None  # the probe's ladder variables
         self._bars_due = True  # write the bars after the next step, whatever the cadence
         # the steps the next execution skips whatever they hold: why, by step (a batch
         # skipped before, or one of skip_ahead's)
@@ -130,7 +131,7 @@ class KerasRecovery:
 
     def start(self, model: Any, probe: GraphProbe, step: int) -> None:
         """Take the first snapshot (before step ``step``) and write the bars."""
-        self.model, self.probe = model, probe
+        self.model, self.link = model, probe.ladder
         if probe.regime.eager and _on_accelerator(model):
             warnings.warn(
                 f"stethoscope: recover= on the {keras.backend.backend()} backend decides each "
@@ -147,14 +148,14 @@ class KerasRecovery:
         skip whatever they hold (the batches a run this one resumes skipped, where they
         come back; the ``skip_ahead`` batches after a roll back). Nothing is written on a
         run that forces no skip."""
-        steps = self.probe.regime.steps
+        steps = self.link.regime.steps
         self._forced.clear()
         for step in range(first, first + steps):
             index = batch.index + step - first
             why = self._again.get((batch.epoch, index)) or self.recoverer.ahead(step)
             if why is not None:
                 self._forced[step] = why
-        self.probe.force(tuple(sorted(step % steps for step in self._forced)))
+        self.link.force(tuple(sorted(step % steps for step in self._forced)))
 
     def remember(self, batches: list[SkippedBatch]) -> None:
         """Batches the run this one resumes skipped past its checkpoint (from the record):
@@ -176,7 +177,7 @@ class KerasRecovery:
             else:
                 self.recoverer.skipped_ahead(step, why, batch)
         elif code:
-            loss_bar, grad_bar, *_ = self.probe.bars
+            loss_bar, grad_bar, *_ = self.link.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
             if found == TRANSIENT:
@@ -202,7 +203,7 @@ class KerasRecovery:
 
             def put_back(state: dict[str, Any]) -> list[list[float]]:
                 self._put_back(state)
-                self.probe.continue_from(step + 1)  # the optimizer's count went back
+                self.link.continue_from(step + 1)  # the optimizer's count went back
                 return [[_learning_rate(self.model.optimizer)]]
 
             def learning_rates() -> list[list[float]]:  # before the restore: had it risen?
@@ -216,7 +217,7 @@ class KerasRecovery:
         elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)
         cadence = any(s % BARS_EVERY == 0 for s in range(first + 1, step + 2))
-        if self._bars_due or cadence or self._lr_bars(step + 1) != self.probe.bars[2:]:
+        if self._bars_due or cadence or self._lr_bars(step + 1) != self.link.bars[2:]:
             self._write_bars(step + 1)
 
     def close(self) -> None:
@@ -253,7 +254,7 @@ class KerasRecovery:
         self._bars_due = False
         loss_bar = self.spike.threshold() if self.spike is not None else None
         grad_bar = self.explode.threshold() if self.explode is not None else None
-        self.probe.set_bars(
+        self.link.set_bars(
             math.inf if loss_bar is None else loss_bar,
             math.inf if grad_bar is None else grad_bar,
             *self._lr_bars(step),
