@@ -555,6 +555,7 @@ def section_faults(run: Run) -> None:
     if run.left() < 40:
         run.emit(dict(section="faults", name="recover", skipped="out of time"))
         return
+    replay_fit(run, steps, at)
     # the skip, bit for bit: the math attention kernel (its backward is deterministic)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -587,6 +588,26 @@ def section_faults(run: Run) -> None:
         optimizer_state_bit_for_bit=state_same,
     )
     run.emit(watched)
+
+
+def replay_fit(run: Run, steps: int, at: int) -> None:
+    """``Recovery(replay=True)`` on CUDA: a NaN batch and a spiking one, each computed
+    again and judged bad again (the batch, not the machine), skipped and named; the
+    verdicts are read on the host (it warns), and the run goes on."""
+    from stethoscope import Recovery
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fault_fit(
+            run,
+            "recover=Recovery(replay=True)",
+            steps,
+            {at: 1, at + 20: 2},
+            recover=Recovery(replay=True),
+        )
+    result.pop("module"), result.pop("trainer")
+    result["warned"] = [str(w.message)[:160] for w in caught if "replay" in str(w.message)]
+    run.emit(result)
 
 
 # -- overhead, in blocks inside one fit -----------------------------------------------------------
@@ -941,7 +962,12 @@ def render(results: list[dict[str, Any]]) -> str:
             continue
         first = [f for f in r["findings"] if f["severity"] != "info"][:3]
         said = "; ".join(f"{f['detector']} at step {f['step']} ({f['where']})" for f in first)
-        if r["name"] == "recover=True":
+        if r["name"] == "recover=Recovery(replay=True)":
+            acts = [
+                f"{f['where']} at {f['step']}" for f in r["findings"] if f["detector"] == "recovery"
+            ]
+            said = f"{', '.join(acts)}; ran {r['steps']} steps; warned: {len(r['warned'])}"
+        elif r["name"] == "recover=True":
             acts = [
                 f"{f['where']} at {f['step']}" for f in r["findings"] if f["detector"] == "recovery"
             ]

@@ -374,3 +374,33 @@ def test_the_reader_takes_readings_as_they_land_and_waits_only_past_max_lag():
         reader.push("e", torch.tensor([5.0]))
         assert [m for m, _ in reader.pop(wait=True)] == ["e"]  # an epoch's end: waited
         assert len(sim.waits) == 2
+
+
+def test_a_replay_on_an_accelerator_judges_on_the_host_and_says_so():
+    """Recovery(replay=True) needs each verdict right after its step, to compute a bad
+    one again: on an accelerator even a fused optimizer's steps are judged on the host,
+    which waits, and it warns. A fault met once is replayed and applied, a NaN batch is
+    bad again, skipped and named with its fingerprint (read from device memory through
+    the one path to the host), and nothing crashes."""
+    from test_lightning_replay import FlakyNet
+
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=Recovery(replay=True))
+    torch.manual_seed(0)
+    model = FlakyNet(at=20, optimizer="adamw-fused")
+    with (
+        SimulatedAccelerator(lag=2) as sim,
+        pytest.warns(RuntimeWarning, match="judges every step on the host"),
+    ):
+        trainer = fit_on(sim, model, batches(40, poison={30: "nan"}), callback)
+    assert trainer.global_step == 40 and model.computed == 2
+    acts = [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
+    assert acts == [(20, "replay"), (30, "skip")]
+    skip = next(f.message for f in sink.findings if f.where == "skip")
+    assert "batch 30 of epoch 0 (fingerprint " in skip and "judged bad again" in skip
+    # the host's verdict: the loss and the gradient norm, read each step; besides, only
+    # the steps judged bad wait (for the replay's verdict, and the batch's fingerprint)
+    syncs = sim.train_syncs()
+    verdicts = [s for s in syncs if s.site.startswith("callbacks/_lightning/recovery.py")]
+    assert len(verdicts) >= 2 * 40
+    assert {s.step for s in syncs if s not in verdicts} <= {20, 30}
