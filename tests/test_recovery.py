@@ -74,7 +74,12 @@ def test_skips_during_a_cool_down_roll_back_then_cool_again_then_stop():
     assert "rolled back to the snapshot of step 0" in found[0].message.lower()
     assert "the updates of steps 1…6 are discarded" in found[0].message
     assert "roll back 1 of 1" in found[0].message
-    assert ladder.cooling(7) and not ladder.was_skipped(3)  # the window starts afresh
+    # the snapshot taken when training started holds the state before its step
+    start = _ladder().rolled_back(6, 0, to_step=0, what="weights", start=True)
+    assert "the snapshot taken before step 0 (weights)" in start[0].message
+    assert "the updates of steps 0…6 are discarded" in start[0].message
+    # cooling afresh; a skip before the roll back is still a step that was not applied
+    assert ladder.cooling(7) and ladder.was_skipped(3)
     ladder.applied(7)  # the restored weights moved again
     ladder.skipped(8, 0, "x")
     found, action = ladder.skipped(10, 0, "x")
@@ -283,3 +288,27 @@ def test_a_warning_that_the_weights_drifted_rolls_back_but_other_warnings_do_not
     climbed = Finding(40, 0, "unstable_loss", "warning", "the loss climbed back", where="loss")
     recoverer.review(Decision(spared=(climbed,)))
     assert "unstable_loss (warning) at step 40" in recoverer.rollback_due
+
+
+def test_a_step_not_applied_hands_the_detectors_no_update():
+    # a skipped step moved no weight: its update statistics (zero) would read as a layer
+    # too slow to learn, and small_updates would call the sampler in
+    import numpy as np
+
+    sink = CapturingSink()
+    recoverer = Recoverer(Monitor(sinks=[sink]), Recovery(rollback_after=1, cool_after=1))
+    recoverer.skipped(3, 0, "the loss is NaN")
+    recoverer.ladder.not_applied(4)  # a GradScaler's
+    recoverer.settle(5)
+    for step, kept in ((3, False), (4, False), (5, True)):
+        obs = Observation(step=step, epoch=0, loss=1.0)
+        obs.update_norm, obs.prev_weight_norm = np.zeros(2), np.ones(2)
+        recoverer.drop_unapplied_update(obs)
+        assert (obs.update_norm is not None) == kept and (obs.prev_weight_norm is not None) == kept
+    # past the roll back that forgets its skips, the skipped step is still known
+    recoverer.skipped(6, 0, "the loss is NaN")
+    recoverer.rolled_back(6, 0, to_step=0, what="everything")
+    obs = Observation(step=6, epoch=0, loss=1.0)
+    obs.update_norm, obs.prev_weight_norm = np.zeros(2), np.ones(2)
+    recoverer.drop_unapplied_update(obs)
+    assert obs.update_norm is None

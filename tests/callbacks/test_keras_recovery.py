@@ -278,6 +278,23 @@ def test_a_spike_the_gate_cannot_see_is_rolled_back_and_its_rest_cooled_from_bef
         np.testing.assert_allclose(after - before, -0.1 * g.numpy(), rtol=1e-4, atol=1e-7)
 
 
+def test_a_roll_back_to_the_snapshot_taken_at_the_start_restores_the_unbuilt_optimizer():
+    # Adam's slots do not exist before the first step: the first snapshot, taken before
+    # it, must hold them all the same (a roll back to it crashed the fit)
+    x, y = data(30, poison={3: "nan", 4: "nan", 5: "nan", 6: "nan"})
+    settings = Recovery(cool_after=1, rollback_after=1)
+    sink, seen = CapturingSink(), Weights()
+    m = model("adamw")
+    assert not m.optimizer.built
+    fit(m, x, y, [KerasStethoscope(sinks=[sink], recover=settings), seen])
+    [rollback] = [f for f in sink.findings if f.where == "rollback"]
+    assert "the snapshot taken before step 0" in rollback.message
+    assert "the updates of steps 0…" in rollback.message
+    for now, start in zip(seen.before[rollback.step + 1], seen.before[0], strict=True):
+        np.testing.assert_array_equal(now, start)
+    assert not m.stop_training
+
+
 def test_trouble_soon_after_a_roll_back_goes_back_to_the_snapshot_before():
     x, y = data(30, poison={10: "nan", 12: "nan", 14: "nan"})
     settings = Recovery(cool_after=1, rollback_after=1, snapshot_every=4, keep_snapshots=3)

@@ -78,6 +78,8 @@ def test_a_resumed_fit_skips_again_the_batch_it_skipped_past_its_checkpoint(tmp_
     assert (again.step, again.where, again.severity.value) == (35, "skip", "info")
     assert "(batch 5 of epoch 1): it was skipped at step 35" in again.message
     assert "the loss was nan" in again.message and "skipped again" in again.message
+    # the skipped step moved no weight: no update statistic of it reads as a stalled layer
+    assert not [f for f in sink.findings if "small_updates" in (f.detector, f.message[:40])]
     with RunRecord(record) as kept:
         steps = kept.losses().steps
         assert [b.step for b in kept.skipped_batches()] == [5, 35]
@@ -100,4 +102,4 @@ def test_a_resumed_fit_on_shuffled_data_says_it_cannot_skip_them_again(tmp_path)
     [said] = [f for f in sink.findings if f.detector == RECOVERY]
     assert (said.step, said.where, said.severity.value) == (30, "resume", "info")
     assert "skipped 1 batch past step 30 (batch 5 of epoch 1)" in said.message
-    assert "not skipped again: fit shuffles the data every epoch" in said.message
+    assert "not skipped again here: fit shuffles the data every epoch" in said.message

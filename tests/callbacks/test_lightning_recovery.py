@@ -449,7 +449,7 @@ def test_a_resumed_run_continues_the_ladder_from_its_checkpoint(tmp_path):
     # still in the cool-down of step 14, those skips roll back, to the snapshot the
     # resumed fit took when it started (snapshots are not kept in checkpoints)
     [rollback] = [r for r in ladder.history if r.act == "rollback"]
-    assert rollback.step == 44 and "snapshot of step 30" in rollback.why
+    assert rollback.step == 44 and "snapshot taken before step 30" in rollback.why
     assert ladder.lr_scale(59) == 0.1
 
 

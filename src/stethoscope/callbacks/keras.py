@@ -387,6 +387,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                     obs.data_order = self._data_order
                 if obs.output_probs is not None:
                     obs.loss_expects = self._loss_expects
+                if recovery is not None:
+                    self.recoverer.drop_unapplied_update(obs)
             self._act(self.monitor.observe(obs))
             # a non-finite loss or gradient, the step's norms recorded: where only the
             # gradient was not finite, nothing else raised a suspicion

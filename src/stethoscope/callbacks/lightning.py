@@ -424,6 +424,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def _judge(self, trainer: pl.Trainer, reading: Reading, values: np.ndarray) -> None:
         obs = self._reductions.observation(reading, values, self.monitor.rank)
+        if self.recoverer is not None:
+            self.recoverer.drop_unapplied_update(obs)
         decision = self.monitor.observe(obs)
         if self.log_stats and obs.grad_norm is not None:
             every = functools.partial(_gradient_interval, self.monitor)

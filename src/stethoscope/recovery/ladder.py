@@ -61,7 +61,9 @@ class Ladder:
     def __init__(self, settings: Recovery) -> None:
         self.settings = settings
         self.s = _State()
-        self._unapplied: deque[int] = deque(maxlen=64)  # steps a GradScaler skipped
+        # the last steps not applied: skipped (kept past a roll back, which forgets the
+        # skips it counted), skipped again, or skipped by a GradScaler
+        self._unapplied: deque[int] = deque(maxlen=64)
         self._replaced: deque[int] = deque(maxlen=64)  # steps applied from their replay
         #: Why the last roll back the ladder asked for is needed.
         self.rollback_why = ""
@@ -74,6 +76,7 @@ class Ladder:
         Returns the findings and what to do next: None, ``"rollback"`` or ``"stop"``."""
         s, cfg = self.s, self.settings
         s.skips.append(step)  # the weights stay healthy: no block on the next snapshot
+        self._unapplied.append(step)
         while s.skips and s.skips[0] <= step - cfg.window:
             s.skips.popleft()
         self._troubled(step)
@@ -153,8 +156,8 @@ class Ladder:
         self.s.in_a_row = 0
 
     def was_skipped(self, step: int) -> bool:
-        """Whether ``step`` was not applied: a recent skip, or a step something else
-        skipped (:meth:`not_applied`)."""
+        """Whether ``step`` was not applied: one of the last skips, or a step something
+        else skipped (:meth:`not_applied`)."""
         return step in self.s.skips or step in self._unapplied
 
     def harmless(self, step: int) -> bool:
@@ -184,11 +187,15 @@ class Ladder:
         learning_rates: list[list[float]] | None = None,
         because: str | None = None,
         replaced: list[list[float]] | None = None,
+        *,
+        start: bool = False,
     ) -> list[Finding]:
         """The adapter restored the snapshot of ``to_step`` at ``step`` (``what``: what it
         restored; ``learning_rates``: the ones it restored, per optimizer and parameter
-        group, ``replaced``: those they replaced; ``because``: why). The ladder cools down
-        again from here, below the restored learning rates.
+        group, ``replaced``: those they replaced; ``because``: why; ``start``: the one
+        taken when training started, before step ``to_step``, where the others hold the
+        state after theirs). The ladder cools down again from here, below the restored
+        learning rates.
 
         How it cools. When the learning rate had risen (2x or more) since the snapshot, a
         spike explains the damage: for ``cool_steps`` the learning rate goes no higher
@@ -209,8 +216,10 @@ class Ladder:
                 step,
                 epoch,
                 "rollback",
-                f"rolled back to the snapshot of step {to_step} ({what}): the updates of "
-                f"steps {to_step + 1}…{step} are discarded and training goes on with the "
+                f"rolled back to the snapshot {'taken before' if start else 'of'} step "
+                f"{to_step} ({what}): the updates of steps "
+                f"{to_step if start else to_step + 1}…{step} are discarded and training "
+                "goes on with the "
                 f"next batch (roll back {s.rollbacks} of {self.settings.max_rollbacks})"
                 + (f", because {because}" if because else "")
                 + (f"; the next {n} batches are skipped (skip_ahead)" if n else ""),

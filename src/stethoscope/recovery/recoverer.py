@@ -8,6 +8,7 @@ from typing import Any
 
 from stethoscope.engine import Decision
 from stethoscope.findings import RECOVERY, Finding, Severity
+from stethoscope.observation import Observation
 from stethoscope.recovery.ladder import Ladder
 from stethoscope.recovery.settings import DAMAGE, RECOVERABLE, Recovery
 from stethoscope.recovery.skipped import BatchName, SkippedBatch, SkippedData
@@ -102,10 +103,10 @@ class Recoverer:
         skipped past its checkpoint when they come back (``how`` the data is ordered):
         they are not skipped again, and it says so."""
         named = ", ".join(str(b.batch) for b in batches[:3]) + (", ..." if len(batches) > 3 else "")
+        which = "1 batch" if len(batches) == 1 else f"{len(batches)} batches"
         said = (
-            f"The run this one resumes skipped {len(batches)} batch"
-            f"{'es' if len(batches) > 1 else ''} past step {step} ({named}); they are not "
-            f"skipped again: {how}, so a batch's place in an epoch does not say which "
+            f"The run this one resumes skipped {which} past step {step} ({named}), not "
+            f"skipped again here: {how}, so a batch's place in an epoch does not say which "
             "samples it holds."
         )
         self.monitor.tell([Finding(step, epoch, RECOVERY, "info", said, where="resume")])
@@ -126,6 +127,13 @@ class Recoverer:
         """Batches a run this one resumes skipped past its checkpoint (from the record):
         where they come back, they are skipped again."""
         self.skipped_data.remember(batches)
+
+    def drop_unapplied_update(self, obs: Observation) -> None:
+        """A step whose update was not applied moved no weight: its update statistics (all
+        zero) say nothing of the layers, and would read as updates too small to learn
+        (``small_updates``), so they are dropped before the step is judged."""
+        if obs.update_norm is not None and self.ladder.was_skipped(obs.step):
+            obs.update_norm = obs.prev_weight_norm = None
 
     def skipped_again(self, step: int, epoch: int, before: SkippedBatch) -> None:
         """The adapter did not apply step ``step``, whose batch was skipped before."""
@@ -202,12 +210,15 @@ class Recoverer:
         what: str,
         learning_rates: list[list[float]] | None = None,
         replaced: list[list[float]] | None = None,
+        *,
+        start: bool = False,
     ) -> None:
         """The adapter restored the snapshot of ``to_step`` (and ``learning_rates``, in
-        place of ``replaced``)."""
+        place of ``replaced``; ``start``: the one taken before step ``to_step``, when
+        training started)."""
         because, self.rollback_due = self.rollback_due, None
         found = self.ladder.rolled_back(
-            step, epoch, to_step, what, learning_rates, because, replaced
+            step, epoch, to_step, what, learning_rates, because, replaced, start=start
         )
         self.monitor.tell(found)
 
@@ -237,7 +248,7 @@ class Recoverer:
         snap, state = newest
         replaced = learning_rates() if learning_rates is not None else None
         restored = put_back(state)
-        self.rolled_back(step, epoch, snap.step, what, restored, replaced)
+        self.rolled_back(step, epoch, snap.step, what, restored, replaced, start=snap.first)
         return _CARRY_ON
 
     def _trusted(self, snapshot: Snapshot) -> bool:

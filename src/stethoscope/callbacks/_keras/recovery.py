@@ -116,6 +116,7 @@ class KerasRecovery:
         self.act = act
         self.monitor = recoverer.monitor
         self.snapshots = SnapshotStore(recoverer.ladder.settings)
+        self._skips_ahead = recoverer.ladder.settings.skip_ahead > 0
         #: The detectors that keep the bars a step must not pass (see ``Detector.bars``).
         self.spike = self.monitor.keeper_of("loss")
         self.explode = self.monitor.keeper_of("grad_norm")
@@ -140,6 +141,11 @@ class KerasRecovery:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        if not model.optimizer.built:
+            # Keras builds it (its slots) in the first train step: the first snapshot must
+            # hold every variable a roll back to it restores (under a strategy, fit built
+            # it already, in the strategy's scope)
+            model.optimizer.build(model.trainable_variables)
         self._take(step)
         self._write_bars(step)
 
@@ -148,6 +154,8 @@ class KerasRecovery:
         skip whatever they hold (the batches a run this one resumes skipped, where they
         come back; the ``skip_ahead`` batches after a roll back). Nothing is written on a
         run that forces no skip."""
+        if not self._again and not self._skips_ahead:
+            return  # the run never forces a skip: nothing to look up every step
         steps = self.link.regime.steps
         self._forced.clear()
         for step in range(first, first + steps):
