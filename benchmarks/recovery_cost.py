@@ -157,18 +157,53 @@ def snapshot_cost(width: int) -> dict[str, float]:
     return snaps
 
 
-def _keras_fit(recover: bool, steps: int, timers: _Timers | None = None) -> list[float]:
-    """One Keras fit of the benchmark MLP (a fresh model and callback); its step times
+def _keras_spec(name: str) -> Any:
+    """The Keras benchmark model ``name``: the overhead benchmark's MLP, or ``bn-cnn``,
+    its CNN with a BatchNormalization after each convolution and a Dropout before the
+    head (state a training step assigns before its verdict, which a skip puts back)."""
+    import dataclasses
+
+    import keras
+
+    from benchmarks.keras_overhead import MODELS as KERAS_MODELS
+
+    if name == "mlp":
+        return KERAS_MODELS["mlp"]
+
+    def bn_cnn() -> keras.Model:
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Flatten(),
+                keras.layers.Dropout(0.2),
+                keras.layers.Dense(10),
+            ],
+            name="bn_cnn",
+        )
+
+    title = "CNN conv32-bn-pool-conv64-bn-pool-dropout-dense on 32x32x3, batch 64"
+    return dataclasses.replace(KERAS_MODELS["cnn"], name="bn-cnn", build=bn_cnn, title=title)
+
+
+def _keras_fit(
+    recover: bool, steps: int, timers: _Timers | None = None, model_name: str = "mlp"
+) -> list[float]:
+    """One Keras fit of a benchmark model (a fresh model and callback); its step times
     past the sampler's calibration, in ms."""
     import keras
     import numpy as np
 
-    from benchmarks.keras_overhead import MODELS as KERAS_MODELS
     from benchmarks.keras_overhead import StepClock as KerasClock
     from benchmarks.keras_overhead import synthetic
     from stethoscope import KerasStethoscope
 
-    spec = KERAS_MODELS["mlp"]
+    spec = _keras_spec(model_name)
     keras.utils.set_random_seed(SEED)
     model = spec.build()
     model.compile(
@@ -191,7 +226,7 @@ def _keras_fit(recover: bool, steps: int, timers: _Timers | None = None) -> list
     return [1e3 * (t[i + 1] - t[i]) for i in range(64, len(t) - 1)]
 
 
-def keras_ladder(steps: int, rounds: int) -> dict[str, Any]:
+def keras_ladder(steps: int, rounds: int, model_name: str = "mlp") -> dict[str, Any]:
     """Keras: the host's share of the ladder timed inside one fit, and paired fits (the
     verdict and the cond around the update run inside the traced step)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -204,17 +239,22 @@ def keras_ladder(steps: int, rounds: int) -> dict[str, Any]:
     timers.wrap(keras_recovery.KerasRecovery, "settle", "settling each step's verdict")
     timers.wrap(keras_recovery.KerasRecovery, "after_step", "after the step (bars, snapshots)")
     try:
-        step_ms = _keras_fit(True, steps)
+        step_ms = _keras_fit(True, steps, model_name=model_name)
     finally:
         timers.restore()
     ratios = []
     for r in range(rounds):
         medians = {}
         for recover in [False, True] if r % 2 == 0 else [True, False]:
-            medians[recover] = statistics.median(_keras_fit(recover, steps))
+            medians[recover] = statistics.median(_keras_fit(recover, steps, model_name=model_name))
         ratios.append(medians[True] / medians[False])
     per_step = {k: 1e6 * v / steps for k, v in timers.seconds.items()}
-    return {"median_step_ms": statistics.median(step_ms), "us_per_step": per_step, "ratios": ratios}
+    return {
+        "median_step_ms": statistics.median(step_ms),
+        "us_per_step": per_step,
+        "ratios": ratios,
+        "title": _keras_spec(model_name).title,
+    }
 
 
 def keras_snapshot_cost(width: int) -> dict[str, float]:
@@ -263,7 +303,8 @@ def keras_snapshot_cost(width: int) -> dict[str, float]:
 def keras_lines(work: dict[str, Any], steps: int) -> list[str]:
     lines = [
         "",
-        f"Keras 3 (TensorFlow), the same MLP, Adam; median step {work['median_step_ms']:.2f} ms.",
+        f"Keras 3 (TensorFlow), {work['title']}, Adam; median step "
+        f"{work['median_step_ms']:.2f} ms.",
         "",
         "| the ladder's host work (recover=True, healthy run) | µs per step |",
         "|---|---:|",
@@ -295,9 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--framework", choices=("both", "lightning", "keras"), default="both")
+    p.add_argument("--keras-model", choices=("mlp", "bn-cnn"), default="mlp")
     args = p.parse_args(argv)
     if args.framework == "keras":
-        lines = keras_lines(keras_ladder(args.steps, args.rounds), args.steps)
+        work = keras_ladder(args.steps, args.rounds, args.keras_model)
+        lines = keras_lines(work, args.steps)
         m = machine()
         lines += ["", f"{m['date']}; " + ", ".join(f"{k} {v}" for k, v in m.items() if k != "date")]
         print("\n".join(lines))
