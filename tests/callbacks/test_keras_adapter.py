@@ -797,3 +797,36 @@ def test_a_classifier_sure_of_every_sample_has_no_dead_units():
     fit(model, watch(sink=sink, stop_on=None), x, np.zeros(N, "int64"), epochs=4)
     assert sink.by_detector("dead_relu") == []
     assert sink.by_detector("vanishing_gradients")  # what is wrong is said, once
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["first-layers", "inside-a-base-model"])
+def test_inputs_the_model_rescales_itself_are_judged_as_its_first_layer_sees_them(nested):
+    # keras.applications' MobileNet and EfficientNet take pixels in 0..255 and rescale
+    # them with their own first layer: no unnormalized_input there, as without the layer
+    from stethoscope.detectors import UnnormalizedInput
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 255, size=(N, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, CLASSES, N).astype("int64")
+
+    def model(rescale: bool) -> Any:
+        keras.utils.set_random_seed(0)
+        first = [keras.layers.Rescaling(1 / 127.5, offset=-1)] if rescale else []
+        body = [*first, keras.layers.Conv2D(4, 3), keras.layers.Flatten()]
+        if nested:  # a base model, as keras.applications builds one, under a head
+            inputs = keras.Input((8, 8, 3))
+            h = inputs
+            for layer in body:
+                h = layer(h)
+            body = [keras.Model(inputs, h)]
+        m = keras.Sequential([keras.Input((8, 8, 3)), *body, keras.layers.Dense(CLASSES)])
+        m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+
+    warned = {}
+    for rescale in (False, True):
+        sink = CapturingSink()
+        fit(model(rescale), watch(UnnormalizedInput(), sink=sink), x, y)
+        warned[rescale] = [f.message for f in sink.by_detector("unnormalized_input")]
+    assert warned[False] and "RMS of" in warned[False][0]  # raw pixels, measured
+    assert warned[True] == []

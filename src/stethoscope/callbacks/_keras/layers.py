@@ -6,7 +6,14 @@ from typing import Any
 
 import keras
 
-__all__ = ["activation_kind", "distribution", "feeds_activation", "leaf_layers", "unit_layer"]
+__all__ = [
+    "activation_kind",
+    "distribution",
+    "feeds_activation",
+    "input_scaling",
+    "leaf_layers",
+    "unit_layer",
+]
 
 
 def activation_kind(layer: Any) -> str | None:
@@ -26,6 +33,34 @@ def unit_layer(layer: Any) -> bool:
     return isinstance(layer, (kl.Dense, *convs)) and not isinstance(
         layer, (kl.Conv1DTranspose, kl.Conv2DTranspose, kl.Conv3DTranspose)
     )
+
+
+def input_scaling(model: Any) -> tuple[Any, ...]:
+    """The layers a model of one input scales its input with before anything else: its
+    leading ``Rescaling`` and ``Normalization`` layers (``keras.applications``' MobileNet
+    and EfficientNet models take pixels in 0..255 and rescale them themselves), looked
+    for inside a model that is the first layer of another. The inputs are judged as its
+    first trained layer sees them."""
+    from keras import layers as kl
+
+    if len(getattr(model, "inputs", None) or ()) > 1:
+        return ()
+    found: list[Any] = []
+    layer = model
+    while True:
+        inner = [la for la in getattr(layer, "layers", ()) if not isinstance(la, kl.InputLayer)]
+        if not inner:
+            return tuple(found)
+        for la in inner:
+            if isinstance(la, (kl.Rescaling, kl.Normalization)):
+                found.append(la)
+                continue
+            break
+        else:
+            return tuple(found)
+        if found or not isinstance(la, keras.Model):
+            return tuple(found)
+        layer = la  # a model as the first layer: its own first layers
 
 
 def leaf_layers(model: Any) -> list[Any]:

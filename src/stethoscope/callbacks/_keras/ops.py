@@ -203,14 +203,18 @@ def unit_zero_rows(grads: list[Any | None], units: list[int]) -> Any:
     return ops.concatenate(parts)
 
 
-def input_stats(x: Any, max_features: int) -> tuple[Any, Any] | None:
-    """The per-feature mean square of the first float tensor of ``x``, padded with NaN to
-    ``max_features`` (wider inputs: one number), and ``[features, samples]``; None when
-    ``x`` holds no float tensor."""
+def input_stats(x: Any, max_features: int, scaling: tuple[Any, ...] = ()) -> tuple[Any, Any] | None:
+    """The per-feature mean square of the first float tensor of ``x`` (through the
+    ``scaling`` layers first: the class's ``call``, past any wrapper of the probe's),
+    padded with NaN to ``max_features`` (wider inputs: one number), and ``[features,
+    samples]``; None when ``x`` holds no float tensor."""
     t = next((t for t in keras.tree.flatten(x) if t is not None and is_float(t)), None)
     if t is None or len(t.shape) < 1:
         return None
-    t = ops.cast(ops.stop_gradient(t), "float32")
+    t = ops.stop_gradient(t)
+    for layer in scaling:
+        t = type(layer).call(layer, t)
+    t = ops.cast(t, "float32")
     features = t.shape[-1] if len(t.shape) >= 2 else 1
     if features is None or features > max_features:
         flat = ops.reshape(t, (-1, 1))

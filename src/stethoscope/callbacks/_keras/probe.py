@@ -24,6 +24,7 @@ from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
     feeds_activation,
+    input_scaling,
     leaf_layers,
     unit_layer,
 )
@@ -86,7 +87,7 @@ class GraphProbe:
         # and on some CPUs the fused ReLU turns a NaN into 0, where the unfused one passes
         # it on.
         self._layers = [la for la in layers if not feeds_activation(la)] if forward else []
-        self.layout = _layout(watched, layers, self._layers, position)
+        self.layout = _layout(watched, layers, self._layers, position, input_scaling(model))
         self.reductions = make_reductions(self.layout, regime, position)
         slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
         for r in self.reductions:
@@ -411,10 +412,15 @@ class GraphProbe:
 
 
 def _layout(
-    watched: list[Any], layers: list[Any], forward: list[Any], position: dict[int, int]
+    watched: list[Any],
+    layers: list[Any],
+    forward: list[Any],
+    position: dict[int, int],
+    scaling: tuple[Any, ...] = (),
 ) -> Layout:
     """What the probe watches: the trainable variables, the layers with units (their
-    kernel's last axis holds the units) and the layers whose output it reads."""
+    kernel's last axis holds the units), the layers whose output it reads, and those
+    that scale its input first."""
     numel = np.array([int(np.prod(v.shape)) for v in watched], dtype=np.float64)
     units = []
     for layer in layers:
@@ -440,6 +446,7 @@ def _layout(
         unit_layers=tuple(units),
         forward_layers=tuple((la.name, activation_kind(la), unit_layer(la)) for la in forward),
         snapshot=frozenset(snapshot),
+        input_scaling=scaling,
     )
 
 

@@ -84,6 +84,8 @@ class Layout:
             each leaf layer whose output is read (a forward row each).
         snapshot: Positions of the variables whose update is measured (a budget of
             elements, in order).
+        input_scaling: The layers the model scales its input with first (see
+            ``layers.input_scaling``): the inputs are measured after them.
     """
 
     names: tuple[str, ...]
@@ -94,6 +96,7 @@ class Layout:
     unit_layers: tuple[tuple[str, int, int], ...]
     forward_layers: tuple[tuple[str, str | None, bool], ...]
     snapshot: frozenset[int]
+    input_scaling: tuple[Any, ...] = ()
 
     @property
     def count(self) -> int:
@@ -361,7 +364,7 @@ class InputScale(KerasReduction):
         ]
 
     def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
-        stats = kops.input_stats(x, MAX_FEATURES)
+        stats = kops.input_stats(x, MAX_FEATURES, store.layout.input_scaling)
         if stats is not None:
             store.put("input_sq", stats[0])
             store.put("input_shape", stats[1])
