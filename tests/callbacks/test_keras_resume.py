@@ -8,13 +8,14 @@ that they are not."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras")
 
-from test_keras_recovery import data, fit, model, same_state, without  # noqa: E402
+from test_keras_recovery import BATCH, data, fit, model, same_state, without  # noqa: E402
 
 from stethoscope import KerasStethoscope  # noqa: E402
 from stethoscope.findings import RECOVERY  # noqa: E402
@@ -57,30 +58,33 @@ def first_run(tmp_path: Path) -> tuple[Path, Path]:
     return record, backup
 
 
-def test_a_resumed_fit_skips_again_the_batch_it_skipped_past_its_checkpoint(tmp_path):
-    record, backup = first_run(tmp_path)
-    # resumed on data where batch 5 is fine now: skipped all the same, as the run it
-    # continues did (PaLM's rewind-and-skip); the stethoscope comes first in the list,
-    # before the callback that restores the weights
+def resume(record: Path, backup: Path, sink: CapturingSink, *, shuffle: bool = False) -> Any:
+    """The first run's fit again, in a fresh process (a new model and callbacks), on data
+    where batch 5 is fine now, resumed by ``BackupAndRestore``; the stethoscope comes
+    first in the list, before the callback that restores the weights."""
     x, y = data(30)
-    sink = CapturingSink()
     resumed = model("sgd")
     callbacks = [
         KerasStethoscope(sinks=[sink], record=record, recover=True),
         keras.callbacks.BackupAndRestore(backup),
     ]
-    fit(resumed, x, y, callbacks, epochs=2)
+    resumed.fit(x, y, batch_size=BATCH, shuffle=shuffle, verbose=0, callbacks=callbacks, epochs=2)
+    return resumed
+
+
+def test_a_resumed_fit_skips_again_the_batch_it_skipped_past_its_checkpoint(tmp_path):
+    sink = CapturingSink()
+    resumed = resume(*first_run(tmp_path), sink)
+    # skipped all the same, as the run it continues did (PaLM's rewind-and-skip)
     twin = model("sgd")
-    fit(twin, *without(x, y, [5]), [], epochs=2)  # never saw batch 5, in either epoch
+    fit(twin, *without(*data(30), [5]), [], epochs=2)  # never saw batch 5, in either epoch
     same_state(resumed, twin)
     assert int(resumed.optimizer.iterations.numpy()) == 58
     [again] = [f for f in sink.findings if f.detector == RECOVERY]
     assert (again.step, again.where, again.severity.value) == (35, "skip", "info")
     assert "(batch 5 of epoch 1): it was skipped at step 35" in again.message
     assert "the loss was nan" in again.message and "skipped again" in again.message
-    # the skipped step moved no weight: no update statistic of it reads as a stalled layer
-    assert not [f for f in sink.findings if "small_updates" in (f.detector, f.message[:40])]
-    with RunRecord(record) as kept:
+    with RunRecord(tmp_path / "run") as kept:
         steps = kept.losses().steps
         assert [b.step for b in kept.skipped_batches()] == [5, 35]
         assert [e["epoch"] for e in kept.epochs()] == [0, 1]
@@ -89,15 +93,8 @@ def test_a_resumed_fit_skips_again_the_batch_it_skipped_past_its_checkpoint(tmp_
 
 
 def test_a_resumed_fit_on_shuffled_data_says_it_cannot_skip_them_again(tmp_path):
-    record, backup = first_run(tmp_path)
-    x, y = data(30)
     sink = CapturingSink()
-    resumed = model("sgd")
-    callbacks = [
-        KerasStethoscope(sinks=[sink], record=record, recover=True),
-        keras.callbacks.BackupAndRestore(backup),
-    ]
-    resumed.fit(x, y, batch_size=16, shuffle=True, verbose=0, callbacks=callbacks, epochs=2)
+    resumed = resume(*first_run(tmp_path), sink, shuffle=True)
     assert int(resumed.optimizer.iterations.numpy()) == 59  # nothing skipped
     [said] = [f for f in sink.findings if f.detector == RECOVERY]
     assert (said.step, said.where, said.severity.value) == (30, "resume", "info")
