@@ -24,6 +24,7 @@ The healthy control must take no action.
 Run:
     python -m benchmarks.faults.recovery                 # 3 seeds, about 1 minute
     python -m benchmarks.faults.recovery --seeds 1 --only nan_batch
+    python -m benchmarks.faults.recovery --longer 10     # 3000 steps, about 10 minutes
 """
 
 from __future__ import annotations
@@ -74,10 +75,25 @@ class Case:
     train: TrainSpec = TRAIN
     data: DataSpec = DATA
     healthy: TrainSpec = TRAIN  # the twin's training
+    onset: int = ONSET  # the first step of the fault
 
     def twin(self) -> Case:
         """The same case without its fault: the healthy twin."""
-        return replace(self, fault=None, train=self.healthy, data=DATA)
+        return replace(
+            self, fault=None, train=self.healthy, data=replace(DATA, n_train=self.data.n_train)
+        )
+
+    def longer(self, k: int) -> Case:
+        """The case ``k`` times as long: ``k`` times the steps and the training samples
+        (the same epochs), the fault ``k`` times as late; the ladder's defaults (a
+        snapshot every 100 steps, cool-downs of 200) are then a ``k``-th of the run."""
+        return replace(
+            self,
+            train=replace(self.train, max_steps=self.train.max_steps * k),
+            healthy=replace(self.healthy, max_steps=self.healthy.max_steps * k),
+            data=replace(self.data, n_train=self.data.n_train * k),
+            onset=self.onset * k,
+        )
 
 
 CASES: tuple[Case, ...] = (
@@ -144,10 +160,11 @@ class RecoveryModule(SuiteModule):
         self.base_lr = case.train.lr
 
     def _faulty(self) -> bool:
-        return self.case.fault is not None and ONSET <= self.global_step < ONSET + self.case.steps
+        onset = self.case.onset
+        return self.case.fault is not None and onset <= self.global_step < onset + self.case.steps
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.case.fault == "poisoned_momentum" and self.global_step == ONSET:
+        if self.case.fault == "poisoned_momentum" and self.global_step == self.case.onset:
             for opt in self.trainer.optimizers:
                 for state in opt.state.values():
                     state["momentum_buffer"].mul_(POISON)
@@ -244,12 +261,15 @@ def run_case(case: Case, seeds: Sequence[int], train: Train = _train) -> list[di
 
 
 def run_cases(
-    names: set[str] | None, seeds: int, train: Train = _train
+    names: set[str] | None,
+    seeds: int,
+    train: Train = _train,
+    cases: Sequence[Case] = CASES,
 ) -> tuple[dict[str, list[dict[str, Any]]], float]:
     """Every case (of ``names``, or all), its progress on stderr; the rows and the wall time."""
     t0 = time.perf_counter()
     results = {}
-    for case in CASES:
+    for case in cases:
         if names is None or case.name in names:
             results[case.name] = run_case(case, range(seeds), train)
             print(f"{case.name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -268,13 +288,15 @@ def _way(o: Outcome, twin: Outcome, total: int) -> str:
     return f"{end}; val {loss}"
 
 
-def markdown(results: dict[str, list[dict[str, Any]]], wall_s: float) -> str:
+def markdown(
+    results: dict[str, list[dict[str, Any]]], wall_s: float, cases: Sequence[Case] = CASES
+) -> str:
     lines = [
         "| scenario | kind | seed | healthy twin val | without recovery | with recover=True "
         "| ladder's acts |",
         "|---|---|---:|---:|---|---|---|",
     ]
-    for case in CASES:
+    for case in cases:
         for row in results.get(case.name, []):
             twin, total = row["twin"], case.train.max_steps
             acts = ", ".join(f"{k} {v}" for k, v in row["with"].actions.items()) or "none"
@@ -284,7 +306,7 @@ def markdown(results: dict[str, list[dict[str, Any]]], wall_s: float) -> str:
                 f"{acts} |"
             )
     lines += ["", "Within 5% of the twin (transient faults, with recover=True):"]
-    for case in CASES:
+    for case in cases:
         if case.kind != "transient" or case.name not in results:
             continue
         ok = [
@@ -307,12 +329,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.faults.recovery", description=__doc__)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--only", default=None, help="comma-separated scenario names")
+    p.add_argument(
+        "--longer",
+        type=int,
+        default=1,
+        help="runs this many times as long (steps, samples, the fault's onset); the "
+        "persistent cases, already long, are left out",
+    )
     args = p.parse_args(argv)
     configure(2)
     quiet()
     names = set(args.only.split(",")) if args.only else None
-    results, wall = run_cases(names, args.seeds)
-    print(markdown(results, wall))
+    cases = CASES
+    if args.longer > 1:
+        cases = tuple(c.longer(args.longer) for c in CASES if c.kind != "persistent")
+    results, wall = run_cases(names, args.seeds, cases=cases)
+    print(markdown(results, wall, cases))
     return 0
 
 
