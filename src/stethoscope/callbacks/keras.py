@@ -261,7 +261,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         data comes in the same order every time (``shuffle=False`` with arrays or a
         ``PyDataset``); else say that they are not."""
         if self._data_order == "sequential":
-            self._recovery.remember(batches)
+            self.recoverer.remember(batches)
             return
         how = (
             "fit shuffles the data every epoch"

@@ -81,9 +81,14 @@ class Recoverer:
         self.monitor.tell([self.ladder.transient(step, epoch, why, batch)])
 
     def skip_again(self, epoch: int, index: int) -> SkippedBatch | None:
-        """The batch skipped before at ``index`` of ``epoch``, if any: a step that trains on
-        it again is skipped again (see :meth:`skipped_again`)."""
+        """The batch the run this one resumes skipped at ``index`` of ``epoch``, if any: a
+        step that trains on it again is skipped again (see :meth:`skipped_again`)."""
         return self.skipped_data.at(epoch, index)
+
+    @property
+    def skips_again(self) -> bool:
+        """Whether batches the run this one resumes skipped wait to be skipped again."""
+        return self.skipped_data.remembered
 
     def not_the_same(self, step: int, epoch: int, before: SkippedBatch) -> None:
         """Step ``step`` trains where ``before`` was skipped, on another batch: the

@@ -1,7 +1,8 @@
 """The batches a run skipped, kept for good: which batch each was (its epoch, its index in
 the epoch and a fingerprint of its samples), when, and why. They go into the checkpoint
-(a resumed run skips them again when they come back where they were) and into the run's
-record (``stethoscope report`` lists them). Framework-free: the adapters name the batch."""
+and into the run's record (``stethoscope report`` lists them); a run resumed from an
+earlier checkpoint reads those past it from the record, and skips them again when they
+come back where they were. Framework-free: the adapters name the batch."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ class SkippedBatch:
 
 class SkippedData:
     """The skipped batches of a run, in the order they were skipped, and a way to know a
-    batch that comes back where one of them was (by epoch and index: no fingerprint is
-    taken on a healthy step).
+    batch that comes back where one skipped by the run this one resumes was (by epoch and
+    index: no fingerprint is taken on a healthy step).
 
     Args:
         on_add: Called with each batch skipped from now (the run's record keeps them).
@@ -70,33 +71,38 @@ class SkippedData:
 
     def __init__(self, on_add: Callable[[SkippedBatch], None] | None = None) -> None:
         self.batches: list[SkippedBatch] = []
-        self._where: dict[tuple[int, int], SkippedBatch] = {}
+        # the batches skipped past the checkpoint by the run this one resumes, by place
+        self._again: dict[tuple[int, int], SkippedBatch] = {}
         self._on_add = on_add
 
     def add(self, skipped: SkippedBatch) -> None:
-        self._keep(skipped)
+        self.batches.append(skipped)
         if self._on_add is not None:
             self._on_add(skipped)
 
     def remember(self, batches: Iterable[SkippedBatch]) -> None:
-        """Batches skipped before, by a run this one resumes (read back from its record):
-        kept, not reported again."""
+        """Batches the run this one resumes skipped past its checkpoint (read back from its
+        record): kept, not reported again, and skipped again where they come back."""
         for skipped in batches:
-            if self.at(skipped.batch.epoch, skipped.batch.index) is None:
-                self._keep(skipped)
+            place = (skipped.batch.epoch, skipped.batch.index)
+            if place not in self._again:
+                self._again[place] = skipped
+                self.batches.append(skipped)
 
-    def _keep(self, skipped: SkippedBatch) -> None:
-        self.batches.append(skipped)
-        self._where[(skipped.batch.epoch, skipped.batch.index)] = skipped
+    @property
+    def remembered(self) -> bool:
+        """Whether batches of the run this one resumes wait to come back."""
+        return bool(self._again)
 
     def at(self, epoch: int, index: int) -> SkippedBatch | None:
-        """The skipped batch that was batch ``index`` of epoch ``epoch``, or None."""
-        return self._where.get((epoch, index)) if self._where else None
+        """The batch the run this one resumes skipped at batch ``index`` of epoch
+        ``epoch``, or None. Only those come back: this run's own skips, and those its
+        checkpoint holds, lie behind it (a second Keras ``fit`` in a row starts its
+        epochs from 0 again, on new steps of the same run, judged as such)."""
+        return self._again.get((epoch, index)) if self._again else None
 
     def state_dict(self) -> list[dict[str, Any]]:
         return [b.to_dict() for b in self.batches]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        self.batches, self._where = [], {}
-        for entry in state:
-            self._keep(SkippedBatch.from_dict(entry))
+        self.batches = [SkippedBatch.from_dict(entry) for entry in state]

@@ -126,9 +126,6 @@ class KerasRecovery:
         # the steps the next execution skips whatever they hold: why, by step (a batch
         # skipped before, or one of skip_ahead's)
         self._forced: dict[int, SkippedBatch | str] = {}
-        #: The batches the run this one resumes skipped past its checkpoint, by (epoch,
-        #: index): skipped again where they come back (see :meth:`remember`).
-        self._again: dict[tuple[int, int], SkippedBatch] = {}
 
     def start(self, model: Any, probe: GraphProbe, step: int) -> None:
         """Take the first snapshot (before step ``step``) and write the bars."""
@@ -154,24 +151,16 @@ class KerasRecovery:
         skip whatever they hold (the batches a run this one resumes skipped, where they
         come back; the ``skip_ahead`` batches after a roll back). Nothing is written on a
         run that forces no skip."""
-        if not self._again and not self._skips_ahead:
+        if not self.recoverer.skips_again and not self._skips_ahead:
             return  # the run never forces a skip: nothing to look up every step
         steps = self.link.regime.steps
         self._forced.clear()
         for step in range(first, first + steps):
             index = batch.index + step - first
-            why = self._again.get((batch.epoch, index)) or self.recoverer.ahead(step)
+            why = self.recoverer.skip_again(batch.epoch, index) or self.recoverer.ahead(step)
             if why is not None:
                 self._forced[step] = why
         self.link.force(tuple(sorted(step % steps for step in self._forced)))
-
-    def remember(self, batches: list[SkippedBatch]) -> None:
-        """Batches the run this one resumes skipped past its checkpoint (from the record):
-        where they come back, batch ``index`` of epoch ``epoch`` again, they are skipped
-        again. Only those: a second ``fit`` in a row starts its epochs from 0 again, and
-        its batches are new steps of the same run, judged as such."""
-        self.recoverer.remember(batches)
-        self._again = {(b.batch.epoch, b.batch.index): b for b in batches}
 
     def settle(self, step: int, batch: BatchName, verdict: np.ndarray, loss: float | None) -> None:
         """Step ``step`` ran on ``batch`` with ``verdict`` (its code, the gradient norm it
