@@ -81,7 +81,9 @@ class StepGate:
         spike: The detector that keeps the loss's bar (``loss_spike``), or None.
         explode: The one that keeps the gradient norm's (``exploding_gradients``), or None.
         on_skip: Called with ``(step, why, replay)`` when a step was skipped
-            (``replay``: ``"reproduces"`` when its replay was judged bad too, or None).
+            (``replay``: ``"reproduces"`` when its replay was judged bad too,
+            ``"forced"`` when it was skipped whatever its verdict, see :meth:`new_step`;
+            else None).
         on_settle: Called with the step once its optimizer step was applied or skipped.
         on_unapplied: Called with the step when a GradScaler will skip it itself (its
             loss or a gradient is not finite): not the ladder's skip, not applied either.
@@ -264,7 +266,7 @@ class StepGate:
             why, result = self._replay(opt, closure, why, result)
             replayed = "reproduces" if why is not None else None
         if why is not None and self.forced is not None:
-            self._skip(self.step, why, "again")
+            self._skip(self.step, why, "forced")
         elif why is not None:
             self._skip(self.step, why, replayed)
         else:
@@ -477,10 +479,10 @@ class LightningRecovery:
     def _skipped(self, step: int, why: str, replayed: str | None) -> None:
         if step == self.gate.step:  # a verdict that lands later finds the next step's
             self._put_back_buffers()
-        if replayed == "again" and self._before is not None:
+        if replayed == "forced" and self._before is not None:  # skipped before
             self.recoverer.skipped_again(step, self.epoch, self._before)
             return
-        if replayed == "again":  # skipped ahead after a roll back
+        if replayed == "forced":  # skipped ahead after a roll back
             self.recoverer.skipped_ahead(step, why, self._name(step))
             return
         batch = self._name(step)
