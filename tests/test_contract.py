@@ -44,6 +44,11 @@ STABLE_NAMES = (
     "eval_mode",
     "unzeroed_gradients",
     "all_zero",
+    "rounded_updates",
+    "gradient_underflow",
+    "loss_scale_collapse",
+    "overflow_risk",
+    "fp8_readiness",
     "replica_divergence",
     "straggler",
 )
@@ -63,6 +68,10 @@ SHORT_MEMORY = {
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
     "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
     "broadcast_loss",  # a streak of steps whose loss broadcast
+    "rounded_updates",  # a streak of steps whose updates rounded away
+    "gradient_underflow",  # a streak of steps whose gradients underflowed
+    "overflow_risk",  # the tensors it warned of: the tail's, whatever came before
+    "fp8_readiness",  # a streak, and each gradient's last largest magnitude
 }
 NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
 GRAD = np.array([0.5, 0.05, 0.8, 0.1])
@@ -116,8 +125,16 @@ def obs(
     stuck: bool = False,
     probabilities: bool = False,
     broadcast: bool = False,
+    lost: float = 0.01,
+    subnormal: float = 0.001,
+    peak: float = 3.0,
+    scale: float = 65536.0,
+    skipped: int = 0,
+    fp8_lost: float = 0.0,
+    half: bool = False,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
+    precision (layer1's output in float16, its parameters too if ``half``; a loss scaler),
     and the facts gathered from every rank of a distributed run."""
     rng = rng if rng is not None else np.random.default_rng(step)
     zero = rng.random(UNITS) < 0.05  # a healthy ReLU layer: a few units idle on a batch
@@ -139,7 +156,18 @@ def obs(
         act_kinds=("layer", "tanh", "layer"),
         act_saturated=np.array([np.nan, saturated, np.nan]),
         act_rms=np.array([rms[0], 0.7, rms[1]]),
-        act_max=np.array([4.0, 1.0, 3.0]),
+        act_max=np.array([4.0, 1.0, peak]),
+        act_dtypes=("float32", "float32", "float16"),
+        dtypes=("float32", "float32", *(("float16",) * 2 if half else ("float32",) * 2)),
+        grad_subnormal=np.array([0.0, 0.0, subnormal, 0.0]),
+        grad_zero=np.array([0.0, 0.0, 0.01, 0.0]),
+        grad_peak=np.array([0.1, 0.01, 0.2, 0.02]),
+        update_lost=np.array([0.0, 0.0, lost, 0.0]),
+        fp8_underflow=np.array([[0.0, 0.0, 0.0, 0.0]] * 4) + [[fp8_lost, 0.0, 0.0, fp8_lost]] * 4,
+        fp8_amax=np.array([[1.0, 0.1]] * 4),
+        loss_scale=scale,
+        scale_skipped=skipped,
+        scale_steps=1,
         input_sq=input_scale**2 * rng.lognormal(0.0, 0.1, FEATURES),
         input_count=32,
         labels=np.asarray(labels if labels is not None else rng.integers(0, 4, 32)),
@@ -215,11 +243,13 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
     48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
     left in eval mode; from step 85 to 90, one batch served again and again; from step 90
     to 95, probabilities fed to a loss that takes logits; from step 95 to 100, a loss that
-    broadcasts the prediction against the target; from step
-    100 to 110, gradients never zeroed; from step 120, a
-    learning rate
-    collapsed to a ten-thousandth. Rank 3's replica differs throughout; rank 2 is three
-    times slower from step 20 to 40."""
+    broadcasts the prediction against the target; from step 100 to 110, gradients never
+    zeroed; from step 120, a learning rate collapsed to a ten-thousandth. From step 40
+    layer1 is held in float16: its updates round away from step 50 to 60, its gradient
+    underflows from 60 to 66, its output nears float16's maximum at step 70, the loss
+    scaler skips every step from 64 on, and a tenth of the weights and gradients would
+    round to zero in fp8 from step 110. Rank 3's replica differs throughout; rank 2 is
+    three times slower from step 20 to 40."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -254,6 +284,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
         stuck = 85 <= i < 90
         probabilities = 90 <= i < 95
         broadcast = 95 <= i < 100
+        skipping = i >= 64
         out.append(
             obs(
                 start + i,
@@ -269,6 +300,13 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 stuck=stuck,
                 probabilities=probabilities,
                 broadcast=broadcast,
+                lost=0.9 if 50 <= i < 60 else 0.01,
+                subnormal=0.3 if 60 <= i < 66 else 0.001,
+                peak=30000.0 if i == 70 else 3.0,
+                scale=65536.0 / 2.0 ** max(i - 63, 0),
+                skipped=int(skipping),
+                fp8_lost=0.1 if i >= 110 else 0.0,
+                half=i >= 40,
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,
@@ -322,7 +360,7 @@ def test_registry_is_keyed_by_name_and_covers_every_stable_name():
 @pytest.mark.parametrize("cls", CLASSES)
 def test_class_attributes(cls):
     assert cls.name in STABLE_NAMES
-    assert re.fullmatch(r"[a-z]+(_[a-z]+)*", cls.name)
+    assert re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", cls.name)
     assert cls.needs and set(cls.needs) <= set(STATISTICS)
     assert isinstance(cls.base_interval, int) and cls.base_interval >= 1
     assert cls.advice and isinstance(cls.advice, str)

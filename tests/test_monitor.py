@@ -34,9 +34,16 @@ GRAD = np.array([0.5, 0.05, 0.8, 0.1])
 #: gathered ones come from the collective of a distributed run, never from a step's plan)
 #: but the trace (requested after a non-finite loss) and the distributions (which no
 #: default detector reads).
-SAMPLED = frozenset(STATISTICS) - EVENT - GATHERED - {"trace", "distributions"}
-#: The detectors a single process runs: all but those that compare ranks.
-LOCAL = tuple(n for n, cls in DETECTORS.items() if not cls.needs & GATHERED)
+#: What a float32 run measures: not the precision statistics, whose rules do not apply.
+LOW_PRECISION = frozenset({"precision", "loss_scale", "fp8"})
+SAMPLED = frozenset(STATISTICS) - EVENT - GATHERED - {"trace", "distributions"} - LOW_PRECISION
+#: The detectors a single float32 process runs: all but those that compare ranks, those
+#: of low precision and the reports a run asks for.
+LOCAL = tuple(
+    n
+    for n, cls in DETECTORS.items()
+    if not cls.needs & GATHERED and cls().applies() and not cls.opt_in
+)
 
 
 def make_obs(step: int, loss: float | None = 2.3, probes=("grads", "weights", "updates"), **kw):

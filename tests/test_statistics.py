@@ -67,6 +67,9 @@ def test_the_derived_sets():
         "distributions",
         "stale_grads",
         "train_mode",
+        "precision",
+        "loss_scale",
+        "fp8",
     } == REPLICATED
     assert set(STATISTICS) - EVENT - GATHERED == PLANNED
     for name in GATHERED:

@@ -42,6 +42,9 @@ class TrainingSetup:
             large gradient does not make one large update.
         loss_scaled: Whether a loss scaler (PyTorch's GradScaler) skips every step whose
             gradients overflow, and lowers its scale: an overflow is its business.
+        low_precision: Whether the run holds weights, gradients or activations in a 16-bit
+            format (a half-precision setting, or a model cast by hand): the precision
+            detectors judge only such a run, and cost nothing in any other.
     """
 
     framework: str = ""
@@ -51,6 +54,7 @@ class TrainingSetup:
     adversarial: bool = False
     adaptive: bool = False
     loss_scaled: bool = False
+    low_precision: bool = False
 
     @property
     def float16(self) -> bool:

@@ -24,6 +24,13 @@ from stethoscope.detectors.pipeline import (
     LogitsMismatch,
     UnzeroedGradients,
 )
+from stethoscope.detectors.precision import (
+    Fp8Readiness,
+    GradientUnderflow,
+    LossScaleCollapse,
+    OverflowRisk,
+    RoundedUpdates,
+)
 from stethoscope.detectors.repeated import RepeatedData
 from stethoscope.detectors.weights import (
     AllZero,
@@ -43,19 +50,24 @@ __all__ = [
     "Detector",
     "EvalMode",
     "ExplodingGradients",
+    "Fp8Readiness",
     "FrozenWeights",
+    "GradientUnderflow",
     "LargeUpdates",
     "LogitsMismatch",
     "LossAtChance",
     "LossNotDecreasing",
+    "LossScaleCollapse",
     "LossSpike",
     "NonfiniteGradients",
     "NonfiniteLoss",
     "NonfiniteWeights",
     "Overfitting",
+    "OverflowRisk",
     "PoorInitialization",
     "RepeatedData",
     "ReplicaDivergence",
+    "RoundedUpdates",
     "SaturatedActivation",
     "SmallUpdates",
     "Straggler",
@@ -97,6 +109,11 @@ DETECTORS: dict[str, type[Detector]] = {
         BroadcastLoss,
         EvalMode,
         UnzeroedGradients,
+        RoundedUpdates,
+        GradientUnderflow,
+        LossScaleCollapse,
+        OverflowRisk,
+        Fp8Readiness,
         ReplicaDivergence,
         Straggler,
     )
@@ -105,6 +122,9 @@ DETECTORS: dict[str, type[Detector]] = {
 
 def default_detectors(**overrides: Mapping[str, Any] | Detector | None) -> list[Detector]:
     """A fresh instance of every detector, with default thresholds unless overridden.
+
+    A detector that is a report a run asks for (``Detector.opt_in``: ``fp8_readiness``)
+    is among them only when named, with its arguments or an instance.
 
     The distributed detectors (``replica_divergence``, ``straggler``) are always among
     them: they judge facts gathered from every rank, so in a single process they never
@@ -127,7 +147,7 @@ def default_detectors(**overrides: Mapping[str, Any] | Detector | None) -> list[
         raise ValueError(f"unknown detector name(s) {unknown!r}; valid: {sorted(DETECTORS)!r}")
     out: list[Detector] = []
     for name, cls in DETECTORS.items():
-        spec = overrides.get(name, {})
+        spec = overrides.get(name, None if cls.opt_in else {})
         if spec is None:
             continue
         if isinstance(spec, Detector):

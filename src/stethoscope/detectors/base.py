@@ -68,6 +68,9 @@ class Detector:
     #: The number whose bar it keeps for the recovery ladder, which skips a step past it
     #: before its update (:data:`BARS`), or None. See :meth:`threshold`.
     bars: ClassVar[str | None] = None
+    #: Whether it is left out of :func:`~stethoscope.detectors.default_detectors` unless
+    #: named there: a report that costs something and that a run asks for.
+    opt_in: ClassVar[bool] = False
     #: What the training already does (clipping, precision, a schedule), so that the
     #: findings' advice does not repeat it; set by the monitor when training starts.
     setup: TrainingSetup = TrainingSetup()
@@ -101,10 +104,23 @@ class Detector:
         usual fix depends on the training (clipping, say) words it from :attr:`setup`."""
         return self.advice
 
+    def applies(self) -> bool:
+        """Whether the rule applies to this run at all, from :attr:`setup` alone (so every
+        rank of a distributed run answers alike): a precision rule in a float32 run does
+        not. One that does not is never run, and its statistics never planned."""
+        return True
+
+    @classmethod
+    def can_finish(cls) -> bool:
+        """Whether :meth:`finished` can ever be true for this class (it, or
+        :meth:`applies`, is its own): the planning caches what it cannot change."""
+        return cls.finished is not Detector.finished or cls.applies is not Detector.applies
+
     def finished(self, step: int) -> bool:
         """Whether the detector has nothing left to judge from ``step`` on (then it is no
-        longer run, and its probes no longer planned): a check made once at the start."""
-        return False
+        longer run, and its probes no longer planned); by default, whether it does not
+        :meth:`apply <applies>` to the run."""
+        return not self.applies()
 
     def wanting(self, step: int) -> frozenset[str]:
         """The statistics of :attr:`wants` still wanted at ``step`` (planned whenever the

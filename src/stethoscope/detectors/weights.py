@@ -10,6 +10,7 @@ from stethoscope.advice import unoptimized_advice
 from stethoscope.detectors._stats import is_finite, median
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
+from stethoscope.number_formats import HALF
 from stethoscope.observation import Observation
 
 __all__ = ["AllZero", "FrozenWeights", "LargeUpdates", "PoorInitialization", "SmallUpdates"]
@@ -238,6 +239,8 @@ class FrozenWeights(Detector):
     Parameters with ``requires_grad=False`` are frozen on purpose and never
     watched; a parameter whose gradient is zero, or under 1e-6 of its norm, is
     not frozen but starved (see ``all_zero``, ``dead_relu``, ``vanishing_gradients``).
+    A parameter held in 16 bits that does not move under a non-zero learning rate has
+    its updates rounded away (``rounded_updates``' finding, not this one).
 
     Sources: SageMaker Debugger ``unchanged_tensor`` (allclose over 3 steps);
     here the comparison is exact, since any optimizer step with a non-zero
@@ -294,7 +297,10 @@ class FrozenWeights(Detector):
             return findings  # nothing (or nothing much) changed anywhere: not one frozen part
         grads = obs.grad_norm
         frozen_now: list[str] = []
+        rounding = is_finite(obs.lr) and obs.lr > 0
         for i, name in enumerate(obs.names):
+            if rounding and i < len(obs.dtypes) and obs.dtypes[i] in HALF:
+                continue  # a 16-bit weight that does not move: its updates round away
             # a gradient < 1e-6 of the weight (vanishing) can round to a zero update in float32
             starved = grads is not None and not grads[i] > _MOVED * base[i]
             if not np.isfinite(upd[i]):

@@ -82,8 +82,9 @@ class RankMeeting:
         self.all_gather = all_gather
         self.mail_bytes = mail_bytes
         self.recoverer = recoverer
-        # the detectors that read more than the every-step statistics decide where ranks meet
-        self._sampled = frozenset(d.name for d in monitor.detectors if d.needs - EVERY_STEP - EVENT)
+        # the detectors that read more than the every-step statistics decide where ranks
+        # meet: those that apply to the run, known once it has started (see _meeting)
+        self._sampled: frozenset[str] | None = None
         self._packets: dict[tuple, Packet] = {}
         self._pending = False
 
@@ -105,6 +106,12 @@ class RankMeeting:
             return False
         if step % SYNC_EVERY == 0:
             return True
+        if self._sampled is None:
+            self._sampled = frozenset(
+                d.name
+                for d in self.monitor.detectors
+                if d.needs - EVERY_STEP - EVENT and d.applies()  # applies: from the setup
+            )
         return not self._sampled.isdisjoint(self.monitor.due(step))
 
     def gathers(self, step: int) -> frozenset[str]:

@@ -182,7 +182,7 @@ class Judge:
         raised: dict[int, list[_Raised]] = {}
         n = len(numbers)
         for d in detectors:
-            finishes = type(d).finished is not Detector.finished
+            finishes = type(d).can_finish()
             i = 0
             while i < n:
                 if finishes and d.finished(numbers[i]):

@@ -388,6 +388,9 @@ class Monitor:
         training is starting."""
         for d in self.detectors:
             d.setup = context.setup
+        # the rules that do not apply to this training (precision rules in float32) take
+        # no part: never run, never planned, never listed as quiet
+        self.schedule.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
         if context.setup.adversarial:
             # a game (several optimizers stepped by hand, as in a GAN): the detectors that
             # assume the loss should fall take no part

@@ -104,10 +104,7 @@ class Planner:
             hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
             self._runnable[due] = hit
             self._changing[hit] = tuple(
-                d
-                for d in hit
-                if type(d).finished is not Detector.finished
-                or type(d).wanting is not Detector.wanting
+                d for d in hit if type(d).can_finish() or type(d).wanting is not Detector.wanting
             )
         return hit
 

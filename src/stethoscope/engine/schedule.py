@@ -37,6 +37,9 @@ class Schedule:
         self._budget_fraction = settings.overhead_budget
         #: Keeps the sampled steps' cost within the budget (None: no budget).
         self.budget: OverheadBudget | None = None
+        self._not_applying: frozenset[str] = frozenset()  # see not_applying
+        # until a training starts, the setup is the default one's (float32, say)
+        self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
     @property
     def sinks_want(self) -> frozenset[str]:
@@ -56,7 +59,7 @@ class Schedule:
             idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
         else:
             idle = set()
-        self.planner.set_idle(frozenset(idle))
+        self.planner.set_idle(frozenset(idle) | self._not_applying)
         self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
         fraction = self._budget_fraction if world_size == 1 else None
         self.budget = _budget(fraction, self.sampler)
@@ -64,6 +67,14 @@ class Schedule:
     def sit_out(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run from now on."""
         self.planner.set_idle(self.planner.idle | names)
+
+    def not_applying(self, names: frozenset[str]) -> None:
+        """The detectors whose rule does not apply to the training starting now (see
+        ``Detector.applies``): they sit out, and those that sat out only for the last
+        training (a second fit in another precision) take part again."""
+        back = self._not_applying - names
+        self._not_applying = names
+        self.planner.set_idle((self.planner.idle - back) | names)
 
     def open_epoch(self, step: int) -> None:
         """Measure at ``step``, the next one (an epoch's or a run's first), what the

@@ -136,9 +136,10 @@ class Recoverer:
     def drop_unapplied_update(self, obs: Observation) -> None:
         """A step whose update was not applied moved no weight: its update statistics (all
         zero) say nothing of the layers, and would read as updates too small to learn
-        (``small_updates``), so they are dropped before the step is judged."""
+        (``small_updates``) or as updates rounded away (``rounded_updates``), so they are
+        dropped before the step is judged."""
         if obs.update_norm is not None and self.ladder.was_skipped(obs.step):
-            obs.update_norm = obs.prev_weight_norm = None
+            obs.update_norm = obs.prev_weight_norm = obs.update_lost = None
 
     def skipped_again(self, step: int, epoch: int, before: SkippedBatch) -> None:
         """The adapter did not apply step ``step``, whose batch was skipped before."""
