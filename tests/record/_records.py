@@ -1,5 +1,7 @@
 """Run records made without a framework: a Monitor fed synthetic observations that carry
-every statistic the record keeps, so that the readers can be tested fast."""
+every statistic the record keeps (the run holds its weights in bfloat16 under a loss
+scaler, so the precision statistics are measured too), so that the readers can be
+tested fast."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from stethoscope import Monitor, Observation
+from stethoscope.advice import TrainingSetup
 from stethoscope.record import RunRecorder
 from stethoscope.sinks.base import RunContext
 from stethoscope.statistics import DISTRIBUTION_BINS
@@ -39,6 +42,16 @@ def synthetic_observation(step: int, plan: frozenset[str], *, loss: float) -> Ob
         kw["act_rms"] = np.array([1.0, 0.5, 0.2, 0.7])
         kw["act_saturated"] = np.array([np.nan, np.nan, np.nan, 0.05 + 0.001 * step])
         kw["act_max"] = np.array([3.0, 2.0, 1.0, 6.0])
+    if "precision" in plan:
+        kw["grad_subnormal"] = np.zeros(n)
+        kw["grad_zero"] = np.full(n, 0.01)
+        kw["grad_peak"] = np.full(n, 0.5)
+        kw["update_lost"] = np.linspace(0.0, 0.2, n) + 0.0001 * step
+    if "loss_scale" in plan:
+        kw["loss_scale"], kw["scale_skipped"], kw["scale_steps"] = 2.0 ** (16 - step // 100), 0, 1
+    if "fp8" in plan:
+        kw["fp8_underflow"] = np.tile([0.0, 0.0, 0.02, 0.001], (n, 1))
+        kw["fp8_amax"] = np.tile([1.0, 0.1], (n, 1))
     if "distributions" in plan:
         hist = np.zeros((n, DISTRIBUTION_BINS))
         hist[:, 10 + step % 5] = 100.0
@@ -53,6 +66,7 @@ def synthetic_observation(step: int, plan: frozenset[str], *, loss: float) -> Ob
         numel=np.array([64, 8, 64, 8, 8]),
         is_matrix=np.array([True, False, True, False, True]),
         fan_in=np.array([8.0, np.nan, 8.0, np.nan, 8.0]),
+        dtypes=("bfloat16",) * n,
         **kw,
     )
 
@@ -63,7 +77,9 @@ def make_record(directory: Path, *, steps: int = 300, nan_at: int | None = 200, 
     Returns the monitor (closed unless ``close`` is False)."""
     recorder = RunRecorder(directory, flush_seconds=0.01)
     monitor = Monitor(sinks=[recorder], stop_on=None)
-    monitor.start(RunContext(framework="synthetic", describe=lambda: {"model": "MLP"}))
+    setup = TrainingSetup(low_precision=True, loss_scaled=True)
+    context = RunContext(framework="synthetic", describe=lambda: {"model": "MLP"}, setup=setup)
+    monitor.start(context)
     for step in range(steps):
         loss = 2.0 / (1 + 0.05 * step)
         if step == nan_at:

@@ -56,9 +56,10 @@ def test_the_record_wants_its_statistics_at_its_own_cadence_capped_when_hot(tmp_
     plans = {step: steady.plan(step) for step in range(1, 33)}
     assert [s for s, p in plans.items() if "distributions" in p] == [8, 16, 24, 32]
     # the per-layer statistics ride on the detectors' sampled steps: the record asks
-    # for its distributions and nothing more
+    # for its distributions and the fp8 readiness, and nothing more
     for step, plan in plans.items():
-        assert plan - without.plan(step) <= {"distributions"}, step
+        assert plan - without.plan(step) <= {"distributions", "fp8"}, step
+        assert ("fp8" in plan) == ("distributions" in plan)
     hot = Monitor(sinks=[RunRecorder(tmp_path / "b", every=8)])  # starts hot (calibrating)
     assert all("distributions" in hot.plan(s) for s in range(10))
     # the default cadence shortens 16x at most while hot: histograms are the costliest read

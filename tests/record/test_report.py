@@ -31,7 +31,7 @@ from stethoscope.record.figures import (
 from stethoscope.record.reader import Curve, LayerSeries
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
-from ._records import make_record
+from ._records import NAMES, make_record
 
 CHARTS = [key for key, _, _ in report.CHARTS]
 EXTERNAL = re.compile(
@@ -398,3 +398,34 @@ def test_the_header_says_when_the_detectors_fired_more_often_than_was_reported()
     ]
     assert "fired 316 times" in report._repeats(epochs, 5)
     assert report._repeats(epochs, 316) == ""
+
+
+def test_the_precision_and_fp8_charts_hold_what_was_recorded(run):
+    record = RunRecord(run)
+    figs = report.figures(record)
+    lost = record.layers("update_lost")
+    assert lost.names == NAMES  # every parameter was held in bfloat16
+    traces = {(t.legendgroup, t.name): t for t in figs["precision"].data}
+    for j, name in enumerate(lost.names):
+        line = traces[("rounded away", name)]
+        np.testing.assert_allclose(np.asarray(line.y, float), lost.values[:, j], rtol=1e-6)
+    scale = traces[("scale", "loss scale")]
+    assert (
+        np.asarray(scale.y, float)[0] == 2.0**16 and figs["precision"].layout.yaxis3.type == "log"
+    )
+    fp8 = {(t.legendgroup, t.name): t for t in figs["fp8"].data}
+    e5m2 = record.layers("fp8_grad_e5m2")
+    np.testing.assert_allclose(
+        np.asarray(fp8[("lost in e5m2", NAMES[0])].y, float), e5m2.values[:, 0]
+    )
+
+
+def test_a_float32_record_leaves_the_precision_chart_out_with_a_sentence(tmp_path):
+    make_record(tmp_path / "run", steps=120, nan_at=None)
+    with sqlite3.connect(tmp_path / "run" / "record.sqlite") as con:
+        con.execute(
+            "DELETE FROM layers WHERE kind IN ('update_lost', 'grad_subnormal', 'loss_scale')"
+        )
+    con.close()
+    [path] = report.write_report(tmp_path / "run")
+    assert "Left out: The run held nothing in 16 bits" in path.read_text(encoding="utf-8")

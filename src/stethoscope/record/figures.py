@@ -478,59 +478,18 @@ def distribution_figure(weights: LayerSeries | None, grads: LayerSeries | None) 
 def dead_saturated_figure(dead: LayerSeries | None, saturated: LayerSeries | None):
     """The fraction of dead units per layer and of saturated inputs per tanh/sigmoid
     activation over time: lines, or a heat map for many layers."""
-    present = [
-        (title, s)
-        for title, s in (
-            ("Dead units: fraction of each layer's units that got no gradient", dead),
-            ("Saturated: fraction of each tanh/sigmoid's inputs in its flat tails", saturated),
-        )
-        if pl.present(s)
-    ]
-    if not present:
-        return "No dead-unit or saturation fractions were recorded."
-    heights = [len(s.names) if len(s.names) > MAX_LINES else 12 for _, s in present]
-    titles = [t for t, _ in present]
-    fig = make_subplots(
-        len(present),
-        1,
-        shared_xaxes=True,
-        vertical_spacing=0.12,
-        row_heights=heights,
-        subplot_titles=titles,
+    return pl.share_panels(
+        [
+            pl.Panel(
+                "Dead units: fraction of each layer's units that got no gradient", "dead", dead
+            ),
+            pl.Panel(
+                "Saturated: fraction of each tanh/sigmoid's inputs in its flat tails",
+                "saturated",
+                saturated,
+            ),
+        ],
+        title="Dead and saturated units",
+        empty="No dead-unit or saturation fractions were recorded.",
+        lines=MAX_LINES,
     )
-    thinned = []
-    for row, (_, s) in enumerate(present, start=1):
-        cols = pl.columns(s)
-        thinned.append(pl.thinned(len(cols), len(s.steps)))
-        label = "dead" if s is dead else "saturated"
-        if len(s.names) > MAX_LINES:
-            trace = pl.heatmap(s, cols, f"{label} fraction", log=False, coloraxis="coloraxis")
-            fig.add_trace(trace, row=row, col=1)
-            fig.update_yaxes(autorange="reversed", row=row, col=1)
-        else:
-            for j, name in enumerate(s.names):
-                fig.add_scatter(
-                    x=s.steps[cols],
-                    y=s.values[cols, j],
-                    mode=pl.line_mode(len(cols)),
-                    name=name,
-                    connectgaps=True,
-                    legendgroup=label,
-                    legendgrouptitle_text=label,
-                    hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>{label} "
-                    "%{y:.1%}<extra></extra>",
-                    row=row,
-                    col=1,
-                )
-            fig.update_yaxes(range=[-0.02, 1.02], tickformat=".0%", row=row, col=1)
-    fig.update_xaxes(title_text="step", row=len(present), col=1)
-    fig.update_layout(
-        pl.LAYOUT,
-        title="Dead and saturated units" + next((t for t in thinned if t), ""),
-        legend={"orientation": "v", "y": 1, "yanchor": "top", "x": 1.02},
-        height=int(np.clip(200 + 14 * sum(heights), 420, 1400)),
-    )
-    if any(len(s.names) > MAX_LINES for _, s in present):
-        colours = {"colorscale": "Reds", "cmin": 0, "cmax": 1, "colorbar_title_text": "fraction"}
-        fig.update_layout(coloraxis=colours, legend={**pl.LAYOUT["legend"], "y": 1.04})
-    return fig

@@ -9,9 +9,11 @@ from __future__ import annotations
 import html
 import itertools
 import textwrap
+from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from stethoscope.record.reader import LayerSeries
 
@@ -164,3 +166,73 @@ def nonfinite_cells(series: LayerSeries, cols: np.ndarray, bad_steps: np.ndarray
         hovertemplate="%{y}<br>step %{x}<br>non-finite<extra></extra>",
         **trace,
     )
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of :func:`share_panels`: its title, the word for its values in a hover
+    and a legend, its series (None: not recorded), and whether its values are shares (a
+    0..100% axis) or magnitudes (a log axis)."""
+
+    title: str
+    label: str
+    series: LayerSeries | None
+    share: bool = True
+
+
+def share_panels(panels: list[Panel], *, title: str, empty: str, lines: int) -> go.Figure | str:
+    """Panels stacked over a shared step axis, one per recorded series: a line per name,
+    or a heat map once there are more than ``lines`` names. ``empty``: the sentence when
+    none was recorded."""
+    present_ = [p for p in panels if present(p.series)]
+    if not present_:
+        return empty
+    heights = [len(p.series.names) if len(p.series.names) > lines else 12 for p in present_]
+    fig = make_subplots(
+        len(present_),
+        1,
+        shared_xaxes=True,
+        vertical_spacing=0.12,
+        row_heights=heights,
+        subplot_titles=[p.title for p in present_],
+    )
+    shown = []
+    for row, p in enumerate(present_, start=1):
+        s = p.series
+        cols = columns(s)
+        shown.append(thinned(len(cols), len(s.steps)))
+        if len(s.names) > lines:
+            trace = heatmap(s, cols, p.label, log=not p.share, coloraxis="coloraxis")
+            fig.add_trace(trace, row=row, col=1)
+            fig.update_yaxes(autorange="reversed", row=row, col=1)
+            continue
+        number = "%{y:.1%}" if p.share else "%{y:.3g}"
+        for j, name in enumerate(s.names):
+            fig.add_scatter(
+                x=s.steps[cols],
+                y=s.values[cols, j],
+                mode=line_mode(len(cols)),
+                name=name,
+                connectgaps=True,
+                legendgroup=p.label,
+                legendgrouptitle_text=p.label,
+                hovertemplate=f"{html.escape(name)}<br>step %{{x}}<br>{p.label} "
+                f"{number}<extra></extra>",
+                row=row,
+                col=1,
+            )
+        if p.share:
+            fig.update_yaxes(range=[-0.02, 1.02], tickformat=".0%", row=row, col=1)
+        else:
+            fig.update_yaxes(type="log", row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(present_), col=1)
+    fig.update_layout(
+        LAYOUT,
+        title=title + next((t for t in shown if t), ""),
+        legend={"orientation": "v", "y": 1, "yanchor": "top", "x": 1.02},
+        height=int(np.clip(200 + 14 * sum(heights), 420, 1400)),
+    )
+    if any(len(p.series.names) > lines for p in present_):
+        colours = {"colorscale": "Reds", "cmin": 0, "cmax": 1, "colorbar_title_text": "fraction"}
+        fig.update_layout(coloraxis=colours, legend={**LAYOUT["legend"], "y": 1.04})
+    return fig

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stethoscope.findings import RECOVERY, Finding
+from stethoscope.record.charts import CHARTS
 from stethoscope.record.reader import Curve, RunRecord
 from stethoscope.record.store import record_file
 from stethoscope.recovery.skipped import SkippedBatch
@@ -42,47 +43,6 @@ __all__ = [
     "write_pngs",
     "write_report",
 ]
-
-#: The report's charts, in order: name (the figure's key and its PNG's name), heading,
-#: and what it shows (the report's legend).
-CHARTS: tuple[tuple[str, str, str], ...] = (
-    (
-        "loss",
-        "Training loss",
-        "The loss of every step (a line), validation losses (green diamonds), findings at "
-        "the step they happened (orange triangles: warnings, red crosses: errors, grey "
-        "circles: info), non-finite losses as red crosses along the top, and shaded "
-        "where the sampler escalated (every detector ran every step).",
-    ),
-    (
-        "gradient_flow",
-        "Gradient flow",
-        "The gradient norm of each parameter (input side at the top) over the sampled "
-        "steps, coloured by log10; the bars give the latest sample on a log axis. A "
-        "layer far darker or brighter than its neighbours is vanishing or exploding.",
-    ),
-    (
-        "update_ratio",
-        "Update ratio",
-        "How far each step moves each parameter, relative to its size (‖Δw‖ / ‖w‖). "
-        "About 1e-3 is healthy (the shaded band, 1e-4 … 1e-2); far below, the parameter "
-        "barely learns; far above, the learning rate is too high for it.",
-    ),
-    (
-        "distributions",
-        "Weight and gradient distributions",
-        "Quantiles of |weight| and |gradient| of one parameter over the sampled steps "
-        "(choose it in the dropdown): the median, and bands holding the middle 50% and "
-        "90% of the values; exact zeros sit at the bottom, non-finite values are red "
-        "crosses at the top.",
-    ),
-    (
-        "dead_saturated",
-        "Dead and saturated units",
-        "The fraction of each layer's units that got no gradient (dead ReLUs), and of "
-        "each tanh/sigmoid's inputs in its flat tails (saturated), over time.",
-    ),
-)
 
 #: Findings listed in the table at most (the first ones, in the order they happened).
 MAX_TABLE_ROWS = 5000
@@ -109,6 +69,7 @@ def _require_plotly() -> None:
 def _build(record: RunRecord) -> dict[str, go.Figure | str]:
     """Every chart of :data:`CHARTS`: its figure, or why it is left out."""
     from stethoscope.record import figures as f
+    from stethoscope.record.precision_figures import fp8_figure, precision_figure
 
     kinds = set(record.kinds())
 
@@ -126,6 +87,10 @@ def _build(record: RunRecord) -> dict[str, go.Figure | str]:
         ),
         "distributions": f.distribution_figure(layers("weight_hist"), layers("grad_hist")),
         "dead_saturated": f.dead_saturated_figure(layers("dead"), layers("saturated")),
+        "precision": precision_figure(
+            layers("update_lost"), layers("grad_subnormal"), layers("loss_scale")
+        ),
+        "fp8": fp8_figure(layers("fp8_weight_e4m3"), layers("fp8_grad_e5m2")),
     }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from stethoscope.findings import Finding, Severity
+from stethoscope.number_formats import HALF
 from stethoscope.observation import Observation, global_norm
 from stethoscope.record.store import (
     FILE_NAME,
@@ -50,6 +51,11 @@ LAYER_KINDS: dict[str, str] = {
     "dead": "layers with units",
     "saturated": "tanh and sigmoid activations",
     "act_rms": "observed layers and activations",
+    "update_lost": "parameters held in 16 bits (their share of updates rounded away)",
+    "grad_subnormal": "parameters held in 16 bits (their gradient's subnormal share)",
+    "loss_scale": "the loss scaler (one name: its scale)",
+    "fp8_weight_e4m3": "parameters (their weights' share lost to zero in e4m3)",
+    "fp8_grad_e5m2": "parameters (their gradient's share lost to zero in e5m2)",
 }
 #: The per-parameter histograms (see ``statistics.DISTRIBUTION_EDGES``).
 DISTRIBUTION_KINDS: tuple[str, ...] = ("weight_hist", "grad_hist")
@@ -85,8 +91,9 @@ class RunRecorder(Sink):
     """
 
     #: What the record wants measured at its own cadence, beyond what the detectors ask
-    #: (their sampled steps already bring every per-layer statistic it keeps).
-    wants = frozenset({"distributions"})
+    #: (their sampled steps already bring every per-layer statistic it keeps): the
+    #: distributions, and how each parameter would fit fp8 (a readiness report).
+    wants = frozenset({"distributions", "fp8"})
 
     def __init__(
         self,
@@ -208,7 +215,13 @@ class RunRecorder(Sink):
                 self._losses.append(obs.loss)
         if obs.val_loss is not None:
             self._validation.append((step, obs.epoch, obs.val_loss, obs.train_loss))
-        if obs.grad_norm is not None or obs.weight_norm is not None or obs.act_rms is not None:
+        if (
+            obs.grad_norm is not None
+            or obs.weight_norm is not None
+            or obs.act_rms is not None
+            or obs.fp8_underflow is not None
+            or obs.loss_scale is not None
+        ):
             self._keep_layers(obs, interval)
         if time.monotonic() >= self._next_flush:
             self.flush()
@@ -243,10 +256,28 @@ class RunRecorder(Sink):
                             np.asarray(obs.act_saturated)[activations],
                         )
                     )
+        self._keep_precision(obs, names)
         if obs.weight_hist is not None:
             keep((step, "weight_hist", names, obs.weight_hist))
         if obs.grad_hist is not None:
             keep((step, "grad_hist", names, obs.grad_hist))
+
+    def _keep_precision(self, obs: Observation, names: tuple[str, ...]) -> None:
+        """The precision statistics of a sampled step: what rounded away and underflowed
+        in the parameters held in 16 bits, the loss scale, and the fp8 readiness."""
+        keep, step = self._layers.append, obs.step
+        half = [i for i, d in enumerate(obs.dtypes) if d in HALF]
+        if half and obs.update_lost is not None:
+            keep((step, "update_lost", tuple(names[i] for i in half), obs.update_lost[half]))
+        if half and obs.grad_subnormal is not None:
+            subnormal = np.asarray(obs.grad_subnormal)[half]
+            keep((step, "grad_subnormal", tuple(names[i] for i in half), subnormal))
+        if obs.loss_scale is not None:
+            keep((step, "loss_scale", ("loss scale",), np.array([obs.loss_scale])))
+        if obs.fp8_underflow is not None:
+            lost = np.asarray(obs.fp8_underflow).reshape(-1, 4)
+            keep((step, "fp8_weight_e4m3", names, lost[:, 0]))
+            keep((step, "fp8_grad_e5m2", names, lost[:, 3]))
 
     def emit(self, finding: Finding) -> None:
         f = finding
