@@ -31,6 +31,7 @@ from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLo
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
+from stethoscope.callbacks._lightning.precision import ScaleSkips
 from stethoscope.callbacks._lightning.ranks import LightningRanks
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.recovery import LightningRecovery
@@ -171,6 +172,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._ranks: LightningRanks | None = None
         self._backward_always = self._backward_on = False
         self._recovery: LightningRecovery | None = None
+        self._scale_skips: ScaleSkips | None = None
 
     # -- set-up -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -186,7 +188,10 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._forward = ForwardProbe(pl_module, layers)
         # DDP averages the gradients over every rank's batch
         batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._reductions = make_reductions(pl_module, probe, layers, self._forward, batch)
+        self._scale_skips = ScaleSkips.of(scaler_of(trainer))
+        self._reductions = make_reductions(
+            pl_module, probe, layers, self._forward, batch, self._scale_skips
+        )
         self._val_prints = ValidationPrints(batch.inputs)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
@@ -237,6 +242,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         plan = self.monitor.plan(step)
         if self.log_stats and "grads" in plan:
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
+        if self._scale_skips is not None and "updates" in plan:
+            plan |= {"loss_scale"}  # whether the scaler skipped the step (LossScale)
         self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
@@ -269,6 +276,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch_idx: int,
     ) -> None:
         measures = self._measures
+        if self._scale_skips is not None and trainer.global_step != measures.step:
+            self._scale_skips.step_done(first=measures.step == 0)
         lr = self._lr_group.get("lr") if self._lr_group is not None else None
         lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
         quiet = not measures.sampled and not len(self._reader)

@@ -224,16 +224,18 @@ class ForwardStatistics(Reduction):
         measures.forward = False
         names, kinds, values = self.forward.collect()
         if values is not None:
-            measures.add("forward", values, (tuple(names), tuple(kinds)))
+            dtypes = tuple(self.forward.dtypes)  # those of the activations and outputs
+            measures.add("forward", values, (tuple(names), tuple(kinds), dtypes))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        ((names, kinds),) = contexts
+        ((names, kinds, dtypes),) = contexts
         acts = [i for i, k in enumerate(kinds) if k != "trace"]
         offsets = np.cumsum([0] + [1 if k == "trace" else 3 for k in kinds])
         if acts:
             rows = np.stack([values[offsets[i] : offsets[i] + 3] for i in acts])
             obs.act_names = tuple(names[i] for i in acts)
             obs.act_kinds = tuple(kinds[i] for i in acts)
+            obs.act_dtypes = dtypes
             obs.act_saturated, obs.act_rms, obs.act_max = rows[:, 0], rows[:, 1], rows[:, 2]
         traced = [i for i, k in enumerate(kinds) if k == "trace"]
         if traced:

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
 from stethoscope.callbacks._lightning.loss_scale import scaler_of
+from stethoscope.number_formats import HALF
 from stethoscope.sinks.base import RunContext
 
 __all__ = ["run_context", "training_setup"]
@@ -65,12 +66,25 @@ def training_setup(trainer: Any) -> TrainingSetup:
     return TrainingSetup(
         framework="lightning",
         clipping=clipping,
-        precision=None if precision in ("32-true", "32", "64-true", "64") else precision,
+        precision=None if precision in _FULL_PRECISION else precision,
         scheduler=bool(trainer.lr_scheduler_configs),
         adversarial=manual and len(trainer.optimizers) > 1,
         adaptive=adaptive_optimizers(list(trainer.optimizers)),
         loss_scaled=scaler_of(trainer) is not None,
+        low_precision=precision not in _FULL_PRECISION or _holds_half(module),
     )
+
+
+#: The Trainer's precision settings that keep everything in float32 or float64.
+_FULL_PRECISION = frozenset({"32-true", "32", "64-true", "64"})
+
+
+def _holds_half(module: Any) -> bool:
+    """Whether any parameter of ``module`` is held in a 16-bit format (a model cast by
+    hand under a float32 Trainer)."""
+    if module is None:
+        return False
+    return any(str(p.dtype).rsplit(".", 1)[-1] in HALF for p in module.parameters())
 
 
 def describe_run(trainer: Any, module: Any) -> dict[str, Any]:

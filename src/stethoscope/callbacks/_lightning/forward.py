@@ -36,6 +36,7 @@ class ForwardProbe:
         self._handles: list[Any] = []
         self.names: list[str] = []
         self.kinds: list[str] = []
+        self.dtypes: list[str] = []  # of the activations and outputs, in their order
         self.values: list[torch.Tensor] = []
         self._seen: set[str] = set()
 
@@ -46,6 +47,7 @@ class ForwardProbe:
     def attach(self, *, activations: bool, outputs: bool = False, trace: bool = False) -> None:
         self.detach()
         self.names, self.kinds, self.values, self._seen = [], [], [], set()
+        self.dtypes = []
         targets = (self._act_targets if activations else []) + (
             self._out_targets if outputs else []
         )
@@ -80,6 +82,7 @@ class ForwardProbe:
                 stats = torch.stack([sat.float(), rms, peak])
             self.names.append(name)
             self.kinds.append(kind)
+            self.dtypes.append(str(x.dtype).rsplit(".", 1)[-1])
             self.values.append(stats)
 
         return hook

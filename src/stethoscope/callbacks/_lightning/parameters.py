@@ -43,6 +43,8 @@ class ParameterProbe:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
         self.is_matrix = np.array([p.dim() >= 2 for p in self.params], dtype=bool)
+        #: The dtype each parameter is held in, by name (``"bfloat16"``); see ``describe``.
+        self.dtypes: tuple[str, ...] = tuple(_dtype_name(p) for p in self.params)
         #: Inputs per output unit of each weight of a layer with units; NaN elsewhere
         #: (see :meth:`watch_layers`).
         self.fan_in = np.full(len(self.params), np.nan)
@@ -51,7 +53,10 @@ class ParameterProbe:
 
     def optimized_by(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Learn which watched parameters ``optimizers`` update (the others are
-        :attr:`unoptimized`; with no optimizer at all, none is)."""
+        :attr:`unoptimized`; with no optimizer at all, none is), and the dtypes they are
+        held in now: a precision plugin (``"bf16-true"``) casts them after the probe is
+        made."""
+        self.dtypes = tuple(_dtype_name(p) for p in self.params)
         held = {i for opt in optimizers for i in self.indices_of(opt)}
         self.unoptimized = tuple(
             n for i, n in enumerate(self.names) if i not in held and optimizers
@@ -121,9 +126,15 @@ class ParameterProbe:
         """Name the parameters behind ``obs``'s per-parameter arrays: ``indices``."""
         obs.names = tuple(self.names[i] for i in indices)
         obs.numel = self.numel[indices]
+        obs.dtypes = tuple(self.dtypes[i] for i in indices)
         obs.is_matrix = self.is_matrix[indices]
         obs.fan_in = self.fan_in[indices]
         obs.unoptimized = self.unoptimized
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    """``torch.bfloat16`` as ``"bfloat16"``: the name both frameworks' dtypes share."""
+    return str(t.dtype).rsplit(".", 1)[-1]
 
 
 def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -38,6 +38,12 @@ from stethoscope.callbacks._lightning.parameters import (
     magnitude_histograms,
     zero_rows,
 )
+from stethoscope.callbacks._lightning.precision import (
+    Fp8Fit,
+    GradientPrecision,
+    LossScale,
+    ScaleSkips,
+)
 from stethoscope.callbacks._lightning.reduction import Reduction
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
@@ -385,6 +391,7 @@ def make_reductions(
     layers: Sequence[tuple[str, int, Any]],
     forward: ForwardProbe,
     batch: BatchParts,
+    scale_skips: ScaleSkips | None = None,
 ) -> ReductionSet:
     """Every reduction of a Lightning run, in the order each hook runs them.
 
@@ -394,6 +401,7 @@ def make_reductions(
         layers: ``(name, index of its weight, module)`` of each layer with units.
         forward: The forward hooks.
         batch: The parts of a batch (inputs, labels, samples).
+        scale_skips: The steps a GradScaler skipped (None: no GradScaler).
     """
     reductions = (
         Loss(),
@@ -407,8 +415,11 @@ def make_reductions(
         StaleGrads(probe),
         GradNorms(probe),
         UnitRows(probe, layers, batch.samples),
+        GradientPrecision(probe),  # before UpdateNorms: it reads the snapshots unspent
         UpdateNorms(probe),
         Distributions(probe),
         WeightNorms(probe),
+        Fp8Fit(probe),
+        LossScale(scale_skips),
     )
     return ReductionSet(reductions, probe)

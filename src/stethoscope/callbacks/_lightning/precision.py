@@ -1,0 +1,276 @@
+"""The Lightning adapter's precision statistics: how each gradient and update fares in
+the dtype it is held in (``precision``), and the loss scaler's scale and skipped steps
+(``loss_scale``).
+
+Both are measured on the device on sampled steps only, except the count of the steps a
+GradScaler skipped: that takes one comparison of two one-element tensors per step on
+the device (never read there), since a skip is known only at the step it happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from stethoscope.callbacks._lightning.measures import StepMeasures
+from stethoscope.callbacks._lightning.parameters import ParameterProbe
+from stethoscope.callbacks._lightning.reduction import Reduction
+from stethoscope.number_formats import E4M3, E5M2, format_of
+from stethoscope.observation import Observation
+
+__all__ = [
+    "Fp8Fit",
+    "GradientPrecision",
+    "LossScale",
+    "ScaleSkips",
+    "fp8_shares",
+    "gradient_shares",
+    "rounded_away",
+]
+
+#: Elements taken at once: bounds the temporaries of one large tensor.
+_CHUNK = 2**24
+
+
+def gradient_shares(
+    grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """For each gradient, the share of its elements that are subnormal in its dtype, the
+    share that are exactly zero, and its largest magnitude (``scale``, a loss scale it
+    still carries, divided out of that): one float32 tensor ``(len(grads), 3)`` on the
+    device."""
+    rows = []
+    with torch.no_grad():
+        for g in grads:
+            g = g.detach()
+            fmt = format_of(g.dtype)
+            tiny = fmt.tiny if fmt is not None else 0.0
+            subnormal = torch.zeros((), dtype=torch.int64, device=g.device)
+            zero = torch.zeros_like(subnormal)
+            peak = torch.zeros((), dtype=torch.float32, device=g.device)
+            for chunk in g.reshape(-1).split(_CHUNK):
+                magnitude = chunk.abs()
+                zeros = torch.count_nonzero(magnitude == 0)
+                subnormal += torch.count_nonzero(magnitude < tiny) - zeros
+                zero += zeros
+                peak = torch.maximum(peak, magnitude.max().float())
+            if scale is not None:
+                peak = peak / scale
+            n = max(g.numel(), 1)
+            rows.append(torch.stack([subnormal.float() / n, zero.float() / n, peak.float()]))
+    if not rows:
+        return torch.zeros((0, 3))
+    return torch.stack(rows)
+
+
+def rounded_away(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """For each parameter, of its elements whose gradient is not zero, the share that is
+    exactly as it was before the step (``before``: its snapshot): the updates that
+    rounded away. NaN where every gradient element is zero. One float32 tensor."""
+    shares = []
+    with torch.no_grad():
+        for b, a, g in zip(before, after, grads, strict=True):
+            a, g = a.detach().reshape(-1), g.detach().reshape(-1)
+            b = b.reshape(-1)
+            pushed = torch.zeros((), dtype=torch.int64, device=a.device)
+            stayed = torch.zeros_like(pushed)
+            for lo in range(0, a.numel(), _CHUNK):
+                part = slice(lo, lo + _CHUNK)
+                moving = g[part] != 0
+                pushed += torch.count_nonzero(moving)
+                stayed += torch.count_nonzero(moving & (a[part] == b[part]))
+            shares.append(stayed.float() / pushed.float())
+    if not shares:
+        return torch.zeros(0)
+    return torch.stack(shares)
+
+
+#: Per fp8 format, the share of a tensor's largest magnitude below which a value rounds to
+#: zero once the tensor is scaled so that its largest magnitude meets the format's largest
+#: value: half the smallest subnormal, over the largest value.
+FP8_FLOORS = tuple(fmt.smallest / 2 / fmt.max for fmt in (E4M3, E5M2))
+
+
+def fp8_shares(tensors: Sequence[torch.Tensor], scale: torch.Tensor | None = None) -> torch.Tensor:
+    """For each tensor, of its non-zero elements, the share that would round to zero in
+    e4m3 and in e5m2 under per-tensor scaling to its largest magnitude, and that largest
+    magnitude (``scale``, a loss scale the tensors carry, divided out of it): one float32
+    tensor ``(len(tensors), 3)`` on the device."""
+    rows = []
+    with torch.no_grad():
+        for t in tensors:
+            magnitude = t.detach().reshape(-1).float().abs()
+            amax = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
+            nonzero = torch.count_nonzero(magnitude).float()
+            under = [
+                (torch.count_nonzero(magnitude < amax * floor) - (magnitude.numel() - nonzero))
+                / nonzero
+                for floor in FP8_FLOORS
+            ]
+            peak = amax / scale if scale is not None else amax
+            rows.append(torch.stack([*under, peak.reshape(())]))
+    if not rows:
+        return torch.zeros((0, 3))
+    return torch.stack(rows)
+
+
+class GradientPrecision(Reduction):
+    """The ``precision`` statistic: each gradient's subnormal and zero shares and its
+    peak before the step, and each snapshotted parameter's rounded-away share after it
+    (read from the ``updates`` snapshots before they are spent, so it runs before
+    :class:`~stethoscope.callbacks._lightning.reductions.UpdateNorms`)."""
+
+    statistics = frozenset({"precision"})
+    name = "precision"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
+        grads = [self.probe.params[i].grad for i in indices]
+        measures.add("precision", gradient_shares(grads, measures.grad_scale), ("grads", indices))
+
+    def at_end(self, measures: StepMeasures) -> None:
+        if not measures.snapshots:
+            return
+        params = [self.probe.params[i] for i in measures.snapped]
+        lost = rounded_away(measures.snapshots, params, [p.grad for p in params])
+        measures.add("precision", lost, ("lost", tuple(measures.snapped)))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        grads: list[np.ndarray] = []
+        order: list[int] = []
+        lost: dict[int, float] = {}
+        at = 0
+        for kind, indices in contexts:
+            if kind == "grads":
+                grads.append(values[at : at + 3 * len(indices)].reshape(-1, 3))
+                order.extend(indices)
+                at += 3 * len(indices)
+            else:
+                lost.update(zip(indices, values[at : at + len(indices)].tolist(), strict=True))
+                at += len(indices)
+        rows = np.concatenate(grads) if grads else np.zeros((0, 3))
+        obs.grad_subnormal, obs.grad_zero, obs.grad_peak = rows[:, 0], rows[:, 1], rows[:, 2]
+        obs.update_lost = np.array([lost.get(i, np.nan) for i in order])
+
+
+class Fp8Fit(Reduction):
+    """The ``fp8`` statistic: how each gradient (before the step) and each weight (after
+    it) would fit e4m3 and e5m2 under per-tensor scaling."""
+
+    statistics = frozenset({"fp8"})
+    name = "fp8"
+    per_parameter = True
+
+    def __init__(self, probe: ParameterProbe) -> None:
+        self.probe = probe
+
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
+        grads = [self.probe.params[i].grad for i in indices]
+        measures.add("fp8", fp8_shares(grads, measures.grad_scale), ("grads", len(indices)))
+
+    def at_end(self, measures: StepMeasures) -> None:
+        if measures.params:
+            weights = [self.probe.params[i] for i in measures.params]
+            measures.add("fp8", fp8_shares(weights), ("weights", len(measures.params)))
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        rows = values.reshape(-1, 3)
+        parts: dict[str, list[np.ndarray]] = {"grads": [], "weights": []}
+        at = 0
+        for kind, n in contexts:  # gradients per optimizer, then the weights
+            parts[kind].append(rows[at : at + n])
+            at += n
+        if not parts["grads"] or not parts["weights"]:
+            return
+        grads, weights = np.concatenate(parts["grads"]), np.concatenate(parts["weights"])
+        obs.fp8_underflow = np.concatenate([weights[:, :2], grads[:, :2]], axis=1)
+        obs.fp8_amax = np.stack([weights[:, 2], grads[:, 2]], axis=1)
+
+
+class ScaleSkips:
+    """The steps a GradScaler skipped, counted on the device.
+
+    A GradScaler lowers its scale exactly when it skips a step (an Inf or NaN in the
+    scaled gradients) and raises it only after many clean ones: a step whose scale fell
+    was skipped. After each step the scale is compared with the last step's, on the
+    device, and the count is read with a sampled step's other numbers.
+
+    Args:
+        scaler: The precision plugin's GradScaler.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self._last: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._now: torch.Tensor | None = None  # whether the last step was skipped
+        self.steps = 0  # steps counted since the last measurement
+
+    @classmethod
+    def of(cls, scaler: Any) -> ScaleSkips | None:
+        """The counter for ``scaler`` (None: no GradScaler, or one that is not enabled)."""
+        if scaler is None or not getattr(scaler, "_enabled", True):
+            return None
+        return cls(scaler)
+
+    def step_done(self, first: bool) -> None:
+        """A step has ended (``first``: the run's first step, whose scale started at the
+        scaler's initial one)."""
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is None:  # the scaler makes its scale at the first backward pass
+            return
+        self.steps += 1
+        if self._last is None:
+            self._skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
+            self._now = torch.zeros((), dtype=torch.bool, device=scale.device)
+            if not first:  # a resumed run: this step's scale is the first known
+                self._last = scale.detach().clone()
+                return
+            self._last = torch.full_like(scale, float(self.scaler._init_scale))
+        torch.lt(scale.reshape(()), self._last.reshape(()), out=self._now)
+        self._skipped += self._now
+        self._last.copy_(scale)
+
+    def measure(self, measures: StepMeasures) -> None:
+        """Hand ``measures`` the scale, the steps skipped and the steps counted since the
+        last measurement, and start counting again."""
+        if self._last is None:
+            return
+        last = self._last.float().reshape(())
+        measures.add("loss_scale", torch.stack([last, self._skipped, self._now.float()]))
+        measures.note("loss_scale", self.steps)
+        self._skipped.zero_()  # after the stack's copy, in the device's order
+        self.steps = 0
+
+
+class LossScale(Reduction):
+    """The ``loss_scale`` statistic: the GradScaler's scale after the step, and the steps
+    it skipped since it was last measured.
+
+    The callback measures it with every step's update under a GradScaler: the update of a
+    step the scaler skipped is all zeros, which says nothing of the layers (and would
+    read as updates too small to learn), so its update statistics are dropped."""
+
+    statistics = frozenset({"loss_scale"})
+    name = "loss_scale"
+
+    def __init__(self, skips: ScaleSkips | None) -> None:
+        self.skips = skips
+
+    def at_end(self, measures: StepMeasures) -> None:
+        if self.skips is not None:
+            self.skips.measure(measures)
+
+    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
+        obs.loss_scale, obs.scale_skipped = float(values[0]), int(values[1])
+        obs.scale_steps = int(contexts[-1])
+        if values[2]:  # the scaler skipped this very step: its update was not applied
+            obs.update_norm = obs.prev_weight_norm = obs.update_lost = None

@@ -1,0 +1,252 @@
+"""Precision health under Lightning: each fault of low-precision training caught and named
+with its dtype, its twin (float32, or the remedy applied) silent, and the statistics
+behind them measured exactly, on real fits.
+
+Each situation is built explicitly (a loss weighted down, an Inf put in a gradient, a
+weight cast by the precision plugin), so nothing depends on how a CPU's kernels round.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from _models import TinyMLP, fit, loader
+from lightning.pytorch.plugins import MixedPrecision
+
+from stethoscope import LightningStethoscope
+from stethoscope.callbacks._lightning.precision import gradient_shares, rounded_away
+from stethoscope.detectors import default_detectors
+from stethoscope.record import RunRecord
+from stethoscope.testing import CapturingSink
+
+PRECISION = {"rounded_updates", "gradient_underflow", "loss_scale_collapse", "overflow_risk"}
+
+
+class Observed(CapturingSink):
+    """A capturing sink that also keeps every observation that measured ``statistic``."""
+
+    def __init__(self, statistic: str) -> None:
+        super().__init__()
+        self.statistic, self.observations = statistic, []
+
+    def observe(self, obs: Any, interval: int) -> None:
+        if obs.has(self.statistic):
+            self.observations.append(obs)
+
+
+class Weighted(TinyMLP):
+    """TinyMLP whose loss is computed in float32 and multiplied by ``weight``; with
+    ``inf_from`` set, ``net.2.weight``'s gradient holds an Inf at every step from it on
+    (an op that overflows float16 in each backward pass)."""
+
+    def __init__(self, *, weight: float = 1.0, inf_at: tuple[int, ...] = (), **kw: Any):
+        super().__init__(**kw)
+        self.weight, self.inf_at = weight, set(inf_at)
+        self.scales: list[float] = []
+
+    def on_fit_start(self) -> None:
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            if self.global_step not in self.inf_at:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[0] = math.inf
+            return grad
+
+        self.net[2].weight.register_hook(poison)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.weight * torch.nn.functional.cross_entropy(self(x).float(), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(scaler.get_scale())
+
+
+def scaled(init_scale: float = 2.0**16) -> dict[str, Any]:
+    """16-mixed on the CPU: autocast to float16 and a GradScaler of our own (the Trainer
+    would make a CPU's 16-mixed bf16-mixed)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+
+
+def run(model: L.LightningModule, statistic: str = "precision", *, steps: int = 60, **kw: Any):
+    sink = Observed(statistic)
+    callback = LightningStethoscope(sinks=[sink], stop_on=None, **kw.pop("callback_kw", {}))
+    trainer, _ = fit(model, steps=steps, callback=callback, **kw)
+    return trainer, sink
+
+
+def named(sink: CapturingSink) -> set[str]:
+    return {f.detector for f in sink.at_least("warning")}
+
+
+# -- the statistics' kernels ---------------------------------------------------------------------
+
+
+def test_gradient_shares_count_subnormals_zeros_and_the_peak_in_the_gradients_dtype():
+    tiny16 = torch.finfo(torch.float16).tiny
+    g = torch.tensor(
+        [0.0, 0.0, tiny16 / 4, -tiny16 / 2, tiny16, -3.0, 1e-3, 2.0], dtype=torch.float16
+    )
+    same_in_fp32 = g.float()  # in float32 those are normal numbers
+    shares = gradient_shares([g, same_in_fp32], scale=torch.tensor(2.0)).numpy()
+    assert shares[0] == pytest.approx([2 / 8, 2 / 8, 1.5])  # 2 subnormal, 2 zero, 3/2
+    assert shares[1] == pytest.approx([0.0, 2 / 8, 1.5])
+
+
+def test_rounded_away_is_the_share_of_pushed_elements_left_as_they_were():
+    before = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.bfloat16)
+    after = before.clone()
+    after[0] += 1.0  # moved
+    grad = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.bfloat16)
+    # pushed: 0, 1, 2; of those 1 and 2 stayed. 3 and 4 had no gradient: not counted
+    assert rounded_away([before], [after], [grad]).item() == pytest.approx(2 / 3)
+    assert math.isnan(rounded_away([before], [after], [torch.zeros(5)]).item())
+
+
+# -- bf16-true: updates that round away ------------------------------------------------------------
+
+
+def test_bf16_true_updates_that_round_away_are_named_with_their_dtype():
+    """Adam 3e-4 on bfloat16 weights: most updates are under half an ulp. Before the
+    precision detectors, this run was told its weights were frozen (an LR of 0)."""
+    _, sink = run(TinyMLP(lr=3e-4), precision="bf16-true")
+    found = [f for f in sink.at_least("warning") if f.detector == "rounded_updates"]
+    assert found, named(sink)
+    assert "bfloat16" in found[0].message and "bf16-mixed" in found[0].message
+    assert found[0].where.endswith("weight") and found[0].value >= 0.5
+    assert "frozen_weights" not in named(sink)
+    shares = np.array([o.update_lost for o in sink.observations if o.update_lost is not None])
+    assert np.nanmedian(shares) > 0.5
+    assert set(sink.observations[-1].dtypes) == {"bfloat16"}
+
+
+def test_the_same_fit_with_float32_master_weights_is_silent():
+    _, sink = run(TinyMLP(lr=3e-4), precision="bf16-mixed")
+    assert not named(sink) & PRECISION
+    assert all(set(o.dtypes) == {"float32"} for o in sink.observations)
+    # float32 keeps every update but one far below its weight's (a tiny gradient's)
+    lost = [np.nanmedian(o.update_lost) for o in sink.observations if o.update_lost is not None]
+    assert lost and max(lost) < 0.01
+
+
+def test_in_float32_nothing_of_precision_is_measured_or_judged():
+    _, sink = run(TinyMLP(lr=3e-4))
+    assert sink.observations == []  # the statistic was never planned
+    assert not named(sink) & PRECISION
+
+
+# -- 16-true: gradients that underflow -------------------------------------------------------------
+
+
+def test_fp16_gradients_that_underflow_are_named():
+    """float16 weights and gradients, no loss scaling, the loss weighted by 1e-3: the
+    gradients are subnormal or zero in float16."""
+    _, sink = run(Weighted(weight=1e-3, lr=10.0, optimizer="sgd"), precision="16-true")
+    found = [f for f in sink.at_least("warning") if f.detector == "gradient_underflow"]
+    assert found, named(sink)
+    assert "float16" in found[0].message and "16-mixed" in found[0].message
+    assert found[0].step <= 3
+
+
+def test_the_same_loss_under_a_loss_scaler_is_silent():
+    _, sink = run(Weighted(weight=1e-3, lr=10.0, optimizer="sgd"), **scaled())
+    assert not named(sink) & PRECISION
+    # float32 master weights: their gradients (unscaled) are float32, never subnormal
+    assert all(set(o.dtypes) == {"float32"} for o in sink.observations)
+
+
+# -- a GradScaler: its scale and the steps it skipped ----------------------------------------------
+
+
+def test_the_steps_a_gradscaler_skipped_are_counted_exactly_and_their_updates_dropped():
+    """Inf in a gradient at steps 5, 6, 7 and 20: the scaler skips exactly those steps.
+    Measured every step, the skips and the scale agree with the scaler's own."""
+    bad = (5, 6, 7, 20)
+    model = Weighted(inf_at=bad, lr=1e-3)
+    every = {"callback_kw": {"intervals": {"loss_scale_collapse": 1, "rounded_updates": 1}}}
+    _, sink = run(model, "loss_scale", steps=30, **every, **scaled())
+    by_step = {o.step: o for o in sink.observations}
+    assert sorted(s for s, o in by_step.items() if o.scale_skipped) == list(bad)
+    assert sum(o.scale_steps for o in by_step.values()) == 30
+    assert [by_step[s].loss_scale for s in range(30)] == model.scales
+    for step in bad:  # a skipped step moved nothing: its update statistics say nothing
+        assert by_step[step].update_norm is None
+    assert by_step[8].update_norm is not None
+
+
+def test_a_collapsing_loss_scale_is_named_with_its_path():
+    model = Weighted(inf_at=tuple(range(20, 60)), lr=1e-3)
+    _, sink = run(model, "loss_scale", steps=60, **scaled())
+    found = [f for f in sink.at_least("warning") if f.detector == "loss_scale_collapse"]
+    assert found, named(sink)
+    assert found[0].step <= 20 + 32  # halved past the floor or skipping half its window
+    assert "65536" in found[0].message and "skipped" in found[0].message
+
+
+def test_a_gradscaler_finding_its_scale_at_the_start_is_silent():
+    """A scale far too high at first overflows a few steps, as it is meant to."""
+    model = Weighted(inf_at=(0, 1, 2, 3), lr=1e-3)
+    _, sink = run(model, "loss_scale", steps=80, **scaled())
+    assert "loss_scale_collapse" not in named(sink)
+
+
+# -- headroom ---------------------------------------------------------------------------------
+
+
+def test_float16_activations_nearing_the_maximum_are_warned_of():
+    _, sink = run(TinyMLP(lr=1e-3), **scaled(), data=loader(scale=2000.0))
+    found = [f for f in sink.at_least("warning") if f.detector == "overflow_risk"]
+    assert found, named(sink)
+    assert "float16" in found[0].message and "65504" in found[0].message
+    assert found[0].where == "net.0"
+
+
+def test_the_same_inputs_in_bfloat16_have_float32s_range():
+    _, sink = run(TinyMLP(lr=1e-3), precision="bf16-mixed", data=loader(scale=2000.0))
+    assert "overflow_risk" not in named(sink)
+
+
+# -- fp8 readiness, and the record ------------------------------------------------------------
+
+
+class WideRange(TinyMLP):
+    """TinyMLP whose first layer holds weights of about 1e-7 beside a column of 1: spread
+    wider than e4m3 can hold under one scale per tensor (trained at an LR too small to
+    move them past e4m3's 2.2e-6 of the largest)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        with torch.no_grad():
+            self.net[0].weight.mul_(1e-6)
+            self.net[0].weight[:, 0] = 1.0
+
+
+def test_fp8_readiness_is_judged_only_when_asked_for_and_names_the_layer():
+    asked = {"callback_kw": {"detectors": default_detectors(fp8_readiness={})}}
+    _, sink = run(WideRange(lr=1e-7, optimizer="sgd"), "fp8", steps=40, **asked)
+    found = [f for f in sink.at_least("warning") if f.detector == "fp8_readiness"]
+    assert found, named(sink)
+    assert found[0].where == "net.0.weight" and "e4m3" in found[0].message
+    lost = sink.observations[-1].fp8_underflow
+    assert lost[0, 0] > 0.9  # net.0.weight: its 1e-6 weights round to zero in e4m3
+    assert lost[2, 0] < 0.01  # net.2.weight: the default initialisation fits
+
+    _, quiet = run(WideRange(lr=1e-7, optimizer="sgd"), "fp8", steps=40)
+    assert "fp8_readiness" not in named(quiet)
+
+
+def test_the_record_keeps_the_precision_statistics_per_layer(tmp_path):
+    run(TinyMLP(lr=3e-4), precision="bf16-true", callback_kw={"record": tmp_path / "r"})
+    with RunRecord(tmp_path / "r") as record:
+        assert {"update_lost", "grad_subnormal", "fp8_weight_e4m3"} <= set(record.kinds())
+        lost = record.layers("update_lost")
+        assert "net.0.weight" in lost.names and np.nanmedian(lost.values) > 0.5
+        assert "loss_scale" not in record.kinds()  # no loss scaler under bf16-true
