@@ -53,6 +53,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import (
     BatchSampler,
@@ -256,11 +257,11 @@ class SuiteModule(L.LightningModule):
     # -- faults at a step ---------------------------------------------------------------
     def on_fit_start(self) -> None:
         f = self.sc.fault
-        if f is not None and f.kind == "inf_gradient":
-            onset = self._onset
+        if f is not None and f.kind in ("inf_gradient", "inf_gradients"):
+            onset, every = self._onset, f.kind == "inf_gradients"
 
             def poison(grad: torch.Tensor) -> torch.Tensor:
-                if self.global_step != onset:
+                if self.global_step != onset and not (every and self.global_step > onset):
                     return grad
                 grad = grad.clone()
                 grad.view(-1)[0] = math.inf
@@ -301,7 +302,13 @@ class SuiteModule(L.LightningModule):
 
     # -- steps --------------------------------------------------------------------------------
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The scenario's loss of the network's output (see ``TrainSpec.loss``)."""
+        """The scenario's loss of the network's output (see ``TrainSpec.loss``), in
+        float32, times ``TrainSpec.loss_weight``."""
+        weight = self.sc.train.loss_weight
+        loss = self._unweighted(out.float(), y)
+        return loss * weight if weight != 1.0 else loss
+
+    def _unweighted(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         kind = self.sc.train.loss
         if kind == "mse":
             return nn.functional.mse_loss(out.squeeze(-1), y)
@@ -632,6 +639,16 @@ def baseline_callbacks(tmpdir: str) -> list[Any]:
 # -- one run --------------------------------------------------------------------------------
 
 
+def precision_arguments(precision: str) -> dict[str, Any]:
+    """The Trainer's arguments for a scenario's precision: ``"16-mixed"`` on the CPU is a
+    MixedPrecision plugin with a GradScaler of its own (the Trainer would make it
+    bf16-mixed there)."""
+    if precision == "16-mixed":
+        scaler = torch.amp.GradScaler("cpu")
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    return {"precision": "32-true" if precision == "32" else precision}
+
+
 def run_scenario(
     sc: Scenario,
     seed: int,
@@ -670,6 +687,7 @@ def run_scenario(
             enable_model_summary=False,
             gradient_clip_val=t.clip,
             accumulate_grad_batches=t.accumulate,
+            **precision_arguments(t.precision),
             deterministic=True,
             default_root_dir=tmp,
             callbacks=[*watchers, *others],

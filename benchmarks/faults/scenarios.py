@@ -30,6 +30,8 @@ Fault kinds (``FaultSpec.kind``) and their parameters:
 ``nan_input``        one input value of the batch at ``onset`` is NaN.
 ``inf_gradient``     one element of layer ``layer``'s weight gradient is +Inf at
                      ``onset`` (a tensor hook on the backward pass).
+``inf_gradients``    the same at every step from ``onset`` on (an op that overflows
+                     float16 in every backward pass).
 ``nan_weight``       right after the optimizer update of ``onset``, one element of
                      layer ``layer``'s weight is NaN (a buggy custom optimizer).
 ``lr_scale``         from ``onset`` on, every learning rate is multiplied by ``factor``.
@@ -75,6 +77,7 @@ from stethoscope.detectors import DETECTORS
 __all__ = [
     "DETECTOR_NAMES",
     "FAULT_KINDS",
+    "PRECISIONS",
     "SCENARIOS",
     "SETTINGS",
     "FaultSpec",
@@ -89,6 +92,7 @@ __all__ = [
 FAULT_KINDS = (
     "nan_input",
     "inf_gradient",
+    "inf_gradients",
     "nan_weight",
     "lr_scale",
     "lr_growth",
@@ -138,7 +142,8 @@ def setting_kwargs(setting: str) -> dict[str, Any]:
     if setting == "every":
         from stethoscope.detectors import DETECTORS  # framework-free: plain Python and numpy
 
-        return {"intervals": dict.fromkeys(DETECTORS, 1), "escalate": False}
+        every = [name for name, cls in DETECTORS.items() if not cls.opt_in]  # the defaults'
+        return {"intervals": dict.fromkeys(every, 1), "escalate": False}
     if setting == "sparse":
         return {"escalate": False, "overhead_budget": None}
     if setting == "no-budget":
@@ -156,6 +161,8 @@ FAMILIES: dict[str, str] = {
     "silent": "training goes on with finite, unspiky losses, but learns badly",
     "pipeline": "the training is wired wrong (data order, a schedule's cadence): the loss "
     "stays finite and quiet, and the model learns less than it should",
+    "precision": "low-precision training loses what it cannot hold (updates, gradients, "
+    "a loss scale) while the loss stays finite",
 }
 
 #: Median latency targets of issue 3, in steps, by family.
@@ -165,6 +172,7 @@ TARGET_LATENCY: dict[str, int] = {
     "divergence": 20,
     "silent": 20,
     "pipeline": 50,
+    "precision": 20,
 }
 TARGET_RECALL = 0.95
 
@@ -212,6 +220,10 @@ class ModelSpec:
     output: str = "logits"
 
 
+#: The precisions a scenario can train in (see ``TrainSpec.precision``).
+PRECISIONS = ("32", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """How it trains: cross-entropy, one optimizer.
@@ -236,6 +248,14 @@ class TrainSpec:
         clip: Clip the global gradient norm to this (None: no clipping).
         validate: Run a validation epoch after every training epoch (needs
             ``DataSpec.n_val``); its mean loss is logged as ``val_loss``.
+        precision: The precision it trains in, in Lightning's words: ``"32"``,
+            ``"bf16-true"`` (weights and compute in bfloat16; Keras: the ``"bfloat16"``
+            policy), ``"16-true"`` (float16, no loss scaling; Keras: ``"float16"``),
+            ``"bf16-mixed"`` (float32 weights, bfloat16 compute; Keras:
+            ``"mixed_bfloat16"``) or ``"16-mixed"`` (float32 weights, float16 compute, a
+            dynamic loss scaler; Keras: ``"mixed_float16"``). The loss is computed in
+            float32 from the output.
+        loss_weight: The loss is multiplied by it (an auxiliary loss weighted down).
         loss: ``"logits"``: cross-entropy of the model's output taken as logits
             (Lightning's ``cross_entropy``, Keras' ``from_logits=True``);
             ``"probabilities"``: taken as probabilities (Lightning: ``nll_loss`` of their
@@ -259,7 +279,13 @@ class TrainSpec:
     accumulate: int = 1
     clip: float | None = None
     validate: bool = False
+    precision: str = "32"
+    loss_weight: float = 1.0
     loss: str = "logits"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}; use one of {PRECISIONS!r}")
 
 
 @dataclass(frozen=True)
@@ -883,6 +909,66 @@ SCENARIOS: tuple[Scenario, ...] = (
         # the weights all but stop: that is what the collapse does
         collateral=("small_updates", "frozen_weights", "loss_not_decreasing"),
     ),
+    # -- precision: finite, quiet, and learning less ---------------------------------------
+    Scenario(
+        "bf16_updates_round_away",
+        "precision",
+        "weights held in bfloat16 (bf16-true) under Adam 3e-4: most updates are under half "
+        "a bfloat16 ulp of their weight and round away",
+        train=TrainSpec(optimizer="adam", lr=3e-4, max_steps=300, precision="bf16-true"),
+        onset=0,
+        expect=("rounded_updates",),
+        window=64,
+        # the weights all but stop, so the loss barely falls: what the rounding does
+        collateral=("small_updates", "loss_not_decreasing"),
+    ),
+    Scenario(
+        "fp16_gradients_underflow",
+        "precision",
+        "float16 weights and gradients with no loss scaling (16-true), the loss weighted "
+        "by 1e-3 (SGD 100): the gradients are subnormal or zero in float16",
+        train=TrainSpec(
+            optimizer="sgd", lr=100.0, max_steps=300, precision="16-true", loss_weight=1e-3
+        ),
+        onset=0,
+        expect=("gradient_underflow",),
+        window=64,
+        # what flushes to zero is a zero gradient, and what is left learns slowly
+        collateral=("all_zero", "vanishing_gradients", "small_updates", "loss_not_decreasing"),
+    ),
+    Scenario(
+        "loss_scale_collapse",
+        "precision",
+        "float16 mixed precision with a loss scaler (16-mixed), and an Inf in layer 1's "
+        "weight gradient at every step from step 150: the scaler skips every step",
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=300, precision="16-mixed"),
+        fault=_fault("inf_gradients", layer=1),
+        onset=ONSET,
+        expect=("loss_scale_collapse", "nonfinite_gradients"),
+        window=64,
+        # no step applies: the weights stop and the loss stays where it was; and a scale
+        # fallen far below 1 flushes the float16 backward pass to zero on its way down
+        collateral=(
+            "small_updates",
+            "frozen_weights",
+            "loss_not_decreasing",
+            "all_zero",
+            "dead_relu",
+        ),
+    ),
+    Scenario(
+        "fp16_activations_near_max",
+        "precision",
+        "float16 mixed precision (16-mixed) on inputs 3000 times their scale: the first "
+        "layer's outputs near float16's 65504",
+        data=DataSpec(scale=3000.0),
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=300, precision="16-mixed"),
+        onset=0,
+        expect=("overflow_risk",),
+        window=64,
+        # the cause is the inputs' scale, which unnormalized_input names
+        collateral=("unnormalized_input", *DIVERGENCE),
+    ),
     # -- healthy controls: each sets a trap ----------------------------------------------
     Scenario(
         "healthy_standardized",
@@ -1036,6 +1122,23 @@ SCENARIOS: tuple[Scenario, ...] = (
         model=ModelSpec(batchnorm=True, dropout=0.3, frozen_bn=True),
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
         frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_bf16_mixed",
+        "healthy",
+        "float32 weights with bfloat16 compute (bf16-mixed) under Adam 3e-4 (the twin of "
+        "bf16_updates_round_away): every update lands",
+        train=TrainSpec(optimizer="adam", lr=3e-4, max_steps=300, precision="bf16-mixed"),
+    ),
+    Scenario(
+        "healthy_fp16_loss_scaled",
+        "healthy",
+        "float16 mixed precision with a loss scaler (16-mixed), the loss weighted by 1e-3 "
+        "(SGD 100; the twin of fp16_gradients_underflow): the scale keeps the gradients "
+        "normal",
+        train=TrainSpec(
+            optimizer="sgd", lr=100.0, max_steps=300, precision="16-mixed", loss_weight=1e-3
+        ),
     ),
     Scenario(
         "healthy_digits_validated",
