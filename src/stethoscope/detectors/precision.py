@@ -122,8 +122,10 @@ class RoundedUpdates(_LowPrecision):
             st["since"] = obs.step
         worst = int(np.flatnonzero(past)[np.argmax(lost[past])])
         share, dtype = float(lost[worst]), obs.dtypes[worst]
+        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
+            return []
         self.suspect = f"{share:.0%} of {obs.names[worst]}'s updates rounded away"
-        if st["fired"] or st["count"] < self.patience:
+        if st["count"] < self.patience:
             return []
         st["fired"] = True
         fmt = FORMATS[dtype]
@@ -194,8 +196,10 @@ class GradientUnderflow(_LowPrecision):
             st["since"] = obs.step
         worst = int(np.flatnonzero(past)[np.argmax(subnormal[past])])
         share, dtype = float(subnormal[worst]), obs.dtypes[worst]
+        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
+            return []
         self.suspect = f"{share:.0%} of {obs.names[worst]}'s gradient is subnormal"
-        if st["fired"] or st["count"] < self.patience:
+        if st["count"] < self.patience:
             return []
         st["fired"] = True
         fmt = FORMATS[dtype]
@@ -277,8 +281,7 @@ class LossScaleCollapse(_LowPrecision):
         if not (collapsed or skipping):
             st["fired"] = False
             return []
-        self.suspect = f"loss scale {scale:.3g}, {skipped} of {steps} steps skipped"
-        if st["fired"]:
+        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
             return []
         st["fired"] = True
         why = (
@@ -436,8 +439,10 @@ class Fp8Readiness(Detector):
             st["count"] = 0
             return []
         st["count"] += 1
+        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
+            return []
         self.suspect = f"{len(past)} layers lose values in fp8"
-        if st["fired"] or (st["count"] < self.patience and not grew):
+        if st["count"] < self.patience and not grew:
             return []
         st["fired"] = True
         parts = []

@@ -1,0 +1,175 @@
+"""The precision detectors on sequences of numbers: each rule, its patience, its silence
+in float32 and after it has spoken (a suspicion then would keep the sampler hot)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stethoscope.advice import TrainingSetup
+from stethoscope.detectors import (
+    Fp8Readiness,
+    GradientUnderflow,
+    LossScaleCollapse,
+    OverflowRisk,
+    RoundedUpdates,
+    default_detectors,
+)
+from stethoscope.observation import Observation
+
+NAMES = ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")
+MATRIX = np.array([True, False, True, False])
+
+
+def obs(step: int, *, dtype: str = "bfloat16", **fields) -> Observation:
+    return Observation(step=step, names=NAMES, is_matrix=MATRIX, dtypes=(dtype,) * 4, **fields)
+
+
+def feed(detector, observations):
+    found, suspects = [], []
+    for o in observations:
+        found += detector.update(o)
+        suspects.append(detector.suspect)
+    return found, suspects
+
+
+def low(detector, **setup):
+    detector.setup = TrainingSetup(framework="lightning", low_precision=True, **setup)
+    return detector
+
+
+# -- rounded_updates -------------------------------------------------------------------------------
+def test_updates_rounded_away_for_patience_steps_make_one_warning_naming_the_dtype():
+    d = low(RoundedUpdates())
+    lost = [obs(s, update_lost=np.array([0.1, 0.9, 0.7, 0.0])) for s in range(6)]
+    found, suspects = feed(d, lost)
+    [f] = found
+    assert (f.step, f.where, f.value) == (2, "layer1.weight", 0.7)  # matrices only
+    assert "bfloat16" in f.message and "0.39%" in f.message and "bf16-mixed" in f.message
+    assert suspects[:3] == ["70% of layer1.weight's updates rounded away"] * 3
+    assert suspects[3:] == [None] * 3  # said: the sampler is not kept hot
+
+
+def test_float32_weights_and_skipped_updates_are_not_judged():
+    d = low(RoundedUpdates(patience=1))
+    assert feed(d, [obs(0, dtype="float32", update_lost=np.full(4, 1.0))])[0] == []
+    assert feed(d, [obs(1, update_lost=None, grad_subnormal=np.zeros(4))])[0] == []
+
+
+def test_rounded_updates_apply_only_to_a_run_in_16_bits():
+    d = RoundedUpdates()
+    assert not d.applies() and d.finished(0)
+    assert low(d).applies() and not d.finished(0)
+
+
+# -- gradient_underflow ----------------------------------------------------------------------------
+def test_subnormal_gradients_warn_with_the_zero_share_beside_them():
+    d = low(GradientUnderflow())
+    sub = np.array([0.01, 0.3, 0.04, 0.0])
+    zero = np.array([0.0, 0.5, 0.0, 0.0])
+    found, _ = feed(
+        d, [obs(s, dtype="float16", grad_subnormal=sub, grad_zero=zero) for s in (0, 1)]
+    )
+    [f] = found
+    assert f.where == "layer0.bias" and "30%" in f.message and "50% are exactly zero" in f.message
+    assert "6.1e-05" in f.message and "16-mixed" in f.message
+
+
+def test_zeros_without_subnormals_are_a_dead_units_not_an_underflow():
+    d = low(GradientUnderflow(patience=1))
+    zero = [obs(0, dtype="float16", grad_subnormal=np.zeros(4), grad_zero=np.full(4, 0.9))]
+    assert feed(d, zero)[0] == []
+
+
+def test_a_streak_broken_starts_again():
+    d = low(GradientUnderflow(patience=2))
+    bad, good = np.full(4, 0.2), np.zeros(4)
+    seq = [
+        obs(s, dtype="float16", grad_subnormal=g, grad_zero=good)
+        for s, g in enumerate((bad, good, bad, good))
+    ]
+    assert feed(d, seq)[0] == []
+
+
+# -- loss_scale_collapse ---------------------------------------------------------------------------
+def scale(step, value, skipped=0, steps=1):
+    return Observation(step=step, loss_scale=value, scale_skipped=skipped, scale_steps=steps)
+
+
+def test_a_scale_falling_below_the_floor_is_named_with_its_path():
+    d = LossScaleCollapse()
+    d.setup = TrainingSetup(loss_scaled=True, low_precision=True)
+    seq = [scale(s, 2.0 ** (16 - s), skipped=int(s > 0)) for s in range(20)]
+    found, _ = feed(d, seq)
+    [f] = found
+    assert f.step == 17 and f.value == 0.5
+    assert "65536" in f.message and "2^-1" in f.message and "17 of the last 18" in f.message
+
+
+def test_a_scaler_finding_its_scale_is_silent_and_persistent_skipping_is_not():
+    d = LossScaleCollapse(window=32)
+    start = [scale(s, 2.0 ** (16 - min(s, 6)), skipped=int(0 < s <= 6)) for s in range(40)]
+    assert feed(d, start)[0] == []
+    # then an overflow every other step for 32 steps, the scale held up by the growth
+    skipping = [scale(40 + 4 * k, 1024.0, skipped=2, steps=4) for k in range(8)]
+    [f] = feed(d, skipping)[0]
+    assert "skipped 16 of the last 32 steps" in f.message
+
+
+def test_without_a_loss_scaler_the_rule_does_not_apply():
+    d = LossScaleCollapse()
+    d.setup = TrainingSetup(low_precision=True)
+    assert not d.applies()
+
+
+# -- overflow_risk ---------------------------------------------------------------------------------
+def test_a_float16_output_near_65504_warns_once_per_tensor():
+    d = low(OverflowRisk())
+    acts = dict(
+        act_names=("layer0", "layer1"),
+        act_kinds=("layer", "layer"),
+        act_dtypes=("float16", "bfloat16"),
+    )
+    near = [obs(s, act_max=np.array([5000.0, 1e30]), **acts) for s in range(3)]
+    found, _ = feed(d, near)
+    [f] = found  # bfloat16's 1e30 is far from its maximum; the float16 one said once
+    assert f.where == "layer0" and "float16" in f.message and "3.7 more doublings" in f.message
+
+
+def test_a_float16_gradient_near_its_maximum_is_named():
+    d = low(OverflowRisk())
+    [f] = d.update(obs(0, dtype="float16", grad_peak=np.array([1.0, 1.0, 20000.0, 1.0])))
+    assert f.where == "layer1.weight" and "gradient" in f.message
+
+
+@pytest.mark.parametrize("margin", [1, 0.5])
+def test_a_margin_of_one_or_less_is_refused(margin):
+    with pytest.raises(ValueError, match=f"margin={margin!r}"):
+        OverflowRisk(margin=margin)
+
+
+# -- fp8_readiness ---------------------------------------------------------------------------------
+def fp8(step, lost_weight=0.0, lost_grad=0.0, grad_amax=0.1):
+    under = np.zeros((4, 4))
+    under[0, 0], under[0, 3] = lost_weight, lost_grad
+    amax = np.tile([1.0, grad_amax], (4, 1))
+    return obs(step, dtype="float32", fp8_underflow=under, fp8_amax=amax)
+
+
+def test_fp8_readiness_is_asked_for_not_given():
+    assert "fp8_readiness" not in {d.name for d in default_detectors()}
+    assert "fp8_readiness" in {d.name for d in default_detectors(fp8_readiness={})}
+    assert Fp8Readiness().applies()  # any precision: a run not in fp8 yet
+
+
+def test_layers_that_would_lose_values_in_fp8_are_named():
+    found, _ = feed(Fp8Readiness(), [fp8(s, lost_weight=0.2, lost_grad=0.03) for s in range(3)])
+    [f] = found
+    assert f.step == 1 and f.where == "layer0.weight"
+    assert "20.0% of its weights in e4m3" in f.message and "3.0% of its gradient" in f.message
+
+
+def test_a_gradient_that_outgrows_its_scale_saturates_under_delayed_scaling():
+    found, _ = feed(Fp8Readiness(), [fp8(0), fp8(1, grad_amax=5.0)])
+    [f] = found
+    assert "grew 50x" in f.message and "saturate" in f.message
