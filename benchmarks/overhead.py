@@ -410,6 +410,7 @@ class Config:
     models: tuple[str, ...]
     warmup: bool = True  # a first round, not counted
     seed: int = SEED
+    precision: str = "32-true"  # the Trainer's: "bf16-true" runs the precision detectors
 
 
 def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
@@ -449,6 +450,7 @@ def run_model(spec: ModelSpec, cfg: Config, log: Callable[[str], None]) -> dict[
         enable_checkpointing=False,
         logger=False,
         num_sanity_val_steps=0,
+        precision=cfg.precision,
     )
     loader = DataLoader(_Cycle(pool, total + 2), batch_size=None, shuffle=False)
     # Move everything alive now out of the collector's sight: collections during the
@@ -650,7 +652,8 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], cfg: Config, wa
         f"Python {env['python']}; {env['torch_threads']} torch threads on {env['cpu']} "
         f"({env['cpu_count']} CPUs). `{env['command']}`: {wall_s / 60:.1f} min.",
         "",
-        f"One trainer.fit per model; the variants take turns in segments of {cfg.segment} steps "
+        f"Precision {cfg.precision}. One trainer.fit per model; the variants take turns in "
+        f"segments of {cfg.segment} steps "
         f"({calib_n} for the calibration row, every {CALIBRATION_EVERY} rounds), each round "
         "plain, A, plain, B, plain, ... with the others shuffled; rounds"
         f"{' after a warm-up round' if cfg.warmup else ' (no warm-up round)'}: {rounds}. "
@@ -732,6 +735,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", help="also write every step time and summary")
     p.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed", "bf16-true"),
+        default="32-true",
+        help="the Trainer's precision: in bf16-mixed and bf16-true the precision detectors "
+        "take part (in bf16-true they judge the weights too)",
+    )
+    p.add_argument(
         "--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds, no warm-up round: a smoke run"
     )
     args = p.parse_args(argv)
@@ -756,6 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         segment=args.block_steps,
         models=models,
         warmup=not args.quick,
+        precision=args.precision,
     )
 
     def log(msg: str) -> None:
