@@ -9,9 +9,19 @@ channels-last (8x8x1), as Keras' CPU convolutions want them. The model spec beco
 a ``keras.Sequential`` with Keras' own initialisers (Glorot for kernels, zero
 biases); each hidden layer is a ``Dense`` (or ``Conv2D``) followed by an optional
 ``BatchNormalization`` and a separate ``Activation``, the layout of the Lightning
-modules, so the layer outputs the probe sees are pre-activations in both. The loss
+modules. The probe reads no Dense output that only an activation layer reads (see
+"Why not in the stethoscope's fit" below): of the MLPs' layer outputs it reads the
+head's alone, where the Lightning probes read every linear layer's. The loss
 is ``SparseCategoricalCrossentropy(from_logits=True)``; Adam and SGD keep their
 Keras defaults (Adam's epsilon is 1e-7, not PyTorch's 1e-8).
+
+Precision (``TrainSpec.precision``) is Keras' dtype policy of the same meaning
+(:data:`POLICIES`), set while the model is built and compiled and restored after:
+``"bf16-true"`` holds the variables in bfloat16, ``"16-true"`` in float16 with no loss
+scaling, and ``"16-mixed"`` makes ``compile`` wrap the optimizer in a
+``LossScaleOptimizer``. The loss is computed in float32 from the output (a Keras loss
+computes in ``floatx``), times ``TrainSpec.loss_weight`` (``compile``'s
+``loss_weights``).
 
 Faults are injected the Keras way, each at its exact step:
 
@@ -27,10 +37,13 @@ Faults are injected the Keras way, each at its exact step:
   ``update_step`` multiplies the learning rate of layer ``layer``'s variables by 0,
   a per-variable learning rate of exactly 0: the gradients are real and reach the
   optimizer (and its moments), only the step is zero, as with a PyTorch group at lr 0.
-* ``inf_gradient``, ``exclude_layer``: a ``train_step`` override that still calls
-  ``compute_loss`` and ``optimizer.apply``; it writes +Inf into one element of the
-  layer's kernel gradient when ``optimizer.iterations`` equals the onset (the analogue
-  of the tensor hook), or leaves the layer's variables out of ``optimizer.apply``
+* ``inf_gradient``, ``inf_gradients``, ``exclude_layer``: a ``train_step`` override
+  that still calls ``compute_loss``, ``optimizer.scale_loss`` and ``optimizer.apply``;
+  it writes +Inf into one element of the layer's kernel gradient when
+  ``optimizer.iterations`` equals the onset (the analogue of the tensor hook), or at
+  every step from the onset on (counted by the model: a ``LossScaleOptimizer`` skips
+  those steps, and its ``iterations`` stand still), or leaves the layer's variables
+  out of ``optimizer.apply``
   (they stay trainable and receive gradients; the optimizer never sees them).
   ``trainable=False`` is not that fault: it is the ``healthy_frozen_layer`` control.
 * ``kill_units``: a callback's ``on_train_batch_begin`` at the onset sets the biases.
@@ -115,6 +128,7 @@ from stethoscope.testing import CapturingSink
 
 __all__ = [
     "FRAMEWORK",
+    "POLICIES",
     "SPIKE_DETECTION",
     "WatchedKerasStethoscope",
     "baseline_callbacks",
@@ -137,6 +151,15 @@ SPIKE_DETECTION = (
 )
 
 _BATCH_FAULTS = ("nan_input", "scale_inputs", "corrupt_labels")
+
+#: The Keras dtype policy of each of ``TrainSpec.precision``'s settings.
+POLICIES = {
+    "32": "float32",
+    "bf16-true": "bfloat16",
+    "16-true": "float16",
+    "bf16-mixed": "mixed_bfloat16",
+    "16-mixed": "mixed_float16",
+}
 
 
 def quiet() -> None:
@@ -252,22 +275,37 @@ def _channels_last(a: np.ndarray | None) -> np.ndarray | None:
 # -- models ---------------------------------------------------------------------------------
 
 
+class _StepCount:
+    """The train steps taken, in a variable of its own: held in this object, which a
+    model does not track (a Variable in a model's attribute would be one of its weights)."""
+
+    def __init__(self) -> None:
+        self.variable = keras.Variable(0, dtype="int64", trainable=False, name="steps_taken")
+
+
 class _StepFaultModel(keras.Sequential):
     """A Sequential whose train step poisons a gradient or skips a layer's variables.
 
-    It computes the loss with ``compute_loss`` and updates with ``optimizer.apply``,
-    as Keras' own TensorFlow train step does, so the stethoscope's wrappers see both.
+    It computes the loss with ``compute_loss``, scales it with ``optimizer.scale_loss``
+    and updates with ``optimizer.apply``, as Keras' own TensorFlow train step does, so the
+    stethoscope's wrappers see all three.
     """
 
     # variable paths, not variables: a Variable in an attribute would be tracked by the
     # model, which moves it to the front of trainable_variables (input side first no more)
     _inf_at = -1
     _inf_path: str | None = None
+    _steps: _StepCount | None = None  # inf_gradients: every step from _inf_at on
     _skip: tuple[str, ...] = ()
 
-    def poison(self, variable: keras.Variable, step: int) -> None:
-        """Make element 0 of ``variable``'s gradient +Inf at global step ``step``."""
+    def poison(self, variable: keras.Variable, step: int, *, every: bool = False) -> None:
+        """Make element 0 of ``variable``'s gradient +Inf at global step ``step`` (the
+        optimizer's ``iterations``); ``every``: at every step from ``step`` on, counted by
+        the model itself, since a ``LossScaleOptimizer``'s ``iterations`` stand still on
+        the steps it skips."""
         self._inf_path, self._inf_at = variable.path, step
+        if every:
+            self._steps = _StepCount()
 
     def leave_out(self, variables: Sequence[keras.Variable]) -> None:
         """Never hand ``variables`` (or their gradients) to the optimizer."""
@@ -282,13 +320,18 @@ class _StepFaultModel(keras.Sequential):
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            scaled = self.optimizer.scale_loss(loss)  # a LossScaleOptimizer's scale
         tvars = list(self.trainable_variables)
-        grads = tape.gradient(loss, tvars)
+        grads = tape.gradient(scaled, tvars)
         if self._inf_path is not None:
             i = next(k for k, v in enumerate(tvars) if v.path == self._inf_path)
             g = grads[i]
             first = ops.reshape(ops.one_hot(0, int(np.prod(g.shape))), g.shape) > 0
-            now = ops.equal(self.optimizer.iterations, self._inf_at)
+            if self._steps is not None:
+                now = ops.greater_equal(self._steps.variable, self._inf_at)
+                self._steps.variable.assign_add(1)
+            else:
+                now = ops.equal(self.optimizer.iterations, self._inf_at)
             grads[i] = ops.where(ops.logical_and(now, first), math.inf, g)
         kept = [(g, v) for g, v in zip(grads, tvars, strict=True) if v.path not in self._skip]
         self.optimizer.apply([g for g, _ in kept], [v for _, v in kept])
@@ -313,7 +356,7 @@ def relu_hiding_nan(h: Any) -> Any:
 
 
 #: The faults whose NaN a hidden ReLU meets: their ReLUs hide it, on every CPU.
-_NAN_HIDDEN_BY_RELU = ("nan_input", "nan_weight", "inf_gradient")
+_NAN_HIDDEN_BY_RELU = ("nan_input", "nan_weight", "inf_gradient", "inf_gradients")
 
 
 def _activation(name: str, fault: FaultSpec | None) -> Any:
@@ -368,10 +411,10 @@ def build_model(
     layers.append(head)
     mods.append(head)
     kind = fault.kind if fault is not None else None
-    if kind in ("inf_gradient", "exclude_layer"):
+    if kind in ("inf_gradient", "inf_gradients", "exclude_layer"):
         model: keras.Sequential = _StepFaultModel(mods, name="sequential")
-        if kind == "inf_gradient":
-            model.poison(_weight(layers[fault["layer"]]), onset)
+        if kind != "exclude_layer":
+            model.poison(_weight(layers[fault["layer"]]), onset, every=kind == "inf_gradients")
         else:
             model.leave_out(layers[fault["layer"]].trainable_variables)
     else:
@@ -786,11 +829,17 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
         model.compile(lr=t.lr)
         model(x[:1])  # built, for the callbacks' first look at its weights
     else:
-        model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
-        model.compile(
-            optimizer=make_optimizer(t, f, onset, layers),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=t.loss == "logits"),
-        )
+        policy = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(POLICIES[t.precision])
+        try:  # the layers take the policy when made; compile wraps a LossScaleOptimizer
+            model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
+            model.compile(
+                optimizer=make_optimizer(t, f, onset, layers),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=t.loss == "logits"),
+                loss_weights=t.loss_weight if t.loss_weight != 1.0 else None,
+            )
+        finally:
+            keras.config.set_dtype_policy(policy)
         # Built here, the optimizer's variables exist before the train step is traced, so
         # it is traced once instead of twice (a first trace that creates variables is
         # traced again): the same numbers, a second less per fit.
@@ -843,7 +892,8 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
         if watcher is not None:
             watcher.remove()  # fit removes it itself, unless it raised
     out.wall_s = time.perf_counter() - t0
-    out.steps = int(ops.convert_to_numpy(model.optimizer.iterations))
+    # every batch trained on: a LossScaleOptimizer does not count the steps it skipped
+    out.steps = driver.taken
     out.val_losses = driver.val_losses
     out.losses = np.array(driver.losses)
     digest = hashlib.sha256()

@@ -20,6 +20,7 @@ keras = pytest.importorskip("keras")
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
 from stethoscope.detectors import Detector  # noqa: E402
+from stethoscope.statistics import DISTRIBUTION_EDGES  # noqa: E402
 from stethoscope.testing import CapturingSink, RecordingDetector  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -103,16 +104,26 @@ def test_an_unsupported_backend_fails_at_construction_naming_it(monkeypatch):
         KerasStethoscope()
 
 
-def test_a_loss_scale_optimizer_is_refused_with_advice():
-    model = mlp()
+@pytest.mark.parametrize("spe", [1, 4], ids=["one-step", "steps_per_execution=4"])
+def test_a_loss_scale_optimizer_is_watched_with_its_scale_divided_out(spe):
+    """Its gradients carry a scale of 2**15: the statistics are of the gradients it
+    applies, so plain SGD's update is still exactly lr x the gradient."""
+    model = mlp(spe=spe)
     model.compile(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)),
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=spe,
     )
-    x, y = data()
-    with pytest.raises(ValueError, match=r"LossScaleOptimizer.*mixed_bfloat16"):
-        fit(model, watch(), x, y)
-    assert "compute_loss" not in vars(model) and "apply" not in vars(model.optimizer)
+    spy = Spy({"grads", "updates", "distributions"})
+    fit(model, watch(spy, intervals={"recorder": 2}), *data())
+    assert spy.seen
+    for obs in spy.seen:
+        np.testing.assert_allclose(obs.update_norm, 0.05 * obs.grad_norm, rtol=1e-4)
+        assert np.all(obs.grad_norm < 10.0)
+        # no gradient element above 10, where the scaled ones lie
+        above_ten = 2 + int(np.searchsorted(DISTRIBUTION_EDGES, 10.0))
+        assert obs.grad_hist[:, above_ten:].sum() == 0 and obs.grad_hist.sum() > 0
+    assert_clean(model)
 
 
 def test_mixed_bfloat16_trains_and_is_watched():
@@ -446,6 +457,7 @@ def test_past_the_cap_a_new_set_of_probes_runs_a_traced_superset(monkeypatch):
     probe = cb._probe
     every = {"grads", "weights", "updates", "units", "distributions", "inputs", "labels"}
     every |= {"prints", "predictions", "activations", "outputs", "trace"}
+    every |= {"precision", "fp8", "loss_scale"}
     assert probe._whole_key(frozenset({"units"})) == every
 
 

@@ -209,8 +209,10 @@ def test_the_switches_derive_from_the_reductions():
     switches = probe.switches
     assert switches.groups == (
         "grads", "weights", "updates", "units", "distributions", "inputs", "labels", "prints",
-        "predictions", "forward",
+        "predictions", "forward", "precision", "fp8", "loss_scale",
     )  # fmt: skip
-    # the trace is read from the forward rows; the update norms run with the weights
+    # the trace is read from the forward rows; the update norms run with the weights, and
+    # the rounded-away updates with the snapshots of the update norms
     assert probe._groups_of["trace"] == {"forward"}
     assert probe._groups_of["updates"] == {"updates", "weights"}
+    assert probe._groups_of["precision"] == {"precision", "updates"}

@@ -93,6 +93,12 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     any callback sees them: every step's loss is still judged, but at most one step
     per execution is sampled, and a stop takes effect after the next execution.
 
+    Under a ``LossScaleOptimizer`` (a ``mixed_float16`` policy wraps the optimizer in
+    one) the gradient statistics are those of the unscaled gradients it applies; the steps
+    it skips (an overflow in the scaled gradients) are counted inside the graph, with no
+    wait for the device, reported with its scale (``loss_scale_collapse``), and their
+    updates, which move nothing, are never judged. ``recover=`` is refused with one.
+
     Under ``tf.distribute.MirroredStrategy`` every replica runs the reductions on its
     shard into its own copy of the probe's variables, and the callback combines the
     copies: one monitor, one set of findings, one summary. The gradient statistics
@@ -103,7 +109,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         ValueError: On bad arguments, naming the value and the valid choices, or
             when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`; at the
             start of ``fit``, under a ``tf.distribute`` strategy other than
-            ``MirroredStrategy`` (naming it).
+            ``MirroredStrategy`` (naming it), and with ``recover=`` where it cannot skip
+            (a ``LossScaleOptimizer``, which skips steps itself, among them).
 
     Example:
         >>> model.fit(x, y, callbacks=[KerasStethoscope()])  # doctest: +SKIP
@@ -171,14 +178,6 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             raise ValueError("KerasStethoscope needs a compiled model: call model.compile() first")
         self._data_order = data_order(model)  # fit calls this hook: ask it here
         self._loss_expects = loss_expects(model)
-        if hasattr(model.optimizer, "inner_optimizer"):  # keras.optimizers.LossScaleOptimizer
-            raise ValueError(
-                "KerasStethoscope does not support a LossScaleOptimizer (a mixed_float16 "
-                "policy wraps the optimizer in one) yet: its gradients are scaled by a "
-                "factor that changes, and its overflow steps, which it skips by design, "
-                "would read as non-finite gradients and stop a healthy run. Train in "
-                "float32 or mixed_bfloat16 (no loss scaling), or without KerasStethoscope."
-            )
         strategy = distribution(model)
         if strategy is not None:
             _check_optimizer(model.optimizer, strategy)
@@ -214,11 +213,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             )
             self._key = key
         # the steps taken: the optimizer's count, and with recover= the steps it skipped
-        step0 = (
-            probe.ladder.step_index()
-            if recover
-            else int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-        )
+        step0 = probe.ladder.step_index() if recover else probe.steps_taken()
         resumed = recover and self._probe is None and step0 > 0 and epoch > 0
         if resumed and self.recorder is not None:
             # a fit resumed at ``epoch`` by a callback of its own: its optimizer counted
@@ -309,6 +304,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if probe is None:
             return
         chosen, plan = self.monitor.first_sampled(self._next, probe.regime.steps)
+        if probe.loss_scaled and "updates" in plan:
+            plan |= {"loss_scale"}  # whether the optimizer skipped the step (LossScale)
         probe.schedule(chosen, plan)
         if self._recovery is not None:
             self._recovery.plan(self._next, BatchName(self._epoch, batch))

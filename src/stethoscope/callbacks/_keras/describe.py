@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
+from stethoscope.number_formats import HALF
 
 __all__ = [
     "describe_run",
@@ -111,7 +112,10 @@ def optimizers_of(model: Any) -> list[Any]:
 def training_setup(model: Any) -> TrainingSetup:
     """What ``model``'s training already does that the findings' advice depends on: its
     optimizer's clipping, the dtype policy, whether a schedule drives the learning rate,
-    and whether its own train step plays a game (a GAN: an optimizer per player)."""
+    whether its own train step plays a game (a GAN: an optimizer per player), whether a
+    ``LossScaleOptimizer`` scales its loss, and whether it holds anything in 16 bits (a
+    policy other than float32 and float64, or a variable of a layer with a policy of its
+    own)."""
     import keras
 
     optimizer = model.optimizer
@@ -123,15 +127,24 @@ def training_setup(model: Any) -> TrainingSetup:
         ),
         None,
     )
-    policy = getattr(getattr(model, "dtype_policy", None), "name", None) or str(
-        keras.config.dtype_policy().name
+    policy = str(
+        getattr(getattr(model, "dtype_policy", None), "name", None)
+        or keras.config.dtype_policy().name
     )
     schedule = getattr(optimizer, "_learning_rate", None)  # the schedule itself, if any
+    # a variable in a 16-bit dtype under a float32 policy: a layer given a policy of its own
+    half = any(keras.backend.standardize_dtype(v.dtype) in HALF for v in model.trainable_variables)
     return TrainingSetup(
         framework="keras",
         clipping=clipping,
-        precision=policy if str(policy).startswith("mixed") else None,
+        precision=None if policy in _FULL_PRECISION else policy,
         scheduler=isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule),
         adversarial=has_own_train_step(model) and len(optimizers_of(model)) > 1,
         adaptive=adaptive_optimizers(optimizers_of(model)),
+        loss_scaled=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        low_precision=policy not in _FULL_PRECISION or half,
     )
+
+
+#: The dtype policies that compute and keep the variables in float32 or float64.
+_FULL_PRECISION = frozenset({"float32", "float64"})

@@ -10,6 +10,7 @@ __all__ = [
     "activation_kind",
     "distribution",
     "feeds_activation",
+    "fused_activations",
     "input_scaling",
     "leaf_layers",
     "unit_layer",
@@ -128,3 +129,14 @@ def feeds_activation(layer: Any) -> bool:
     consumers = [getattr(n, "operation", None) for n in getattr(layer, "_outbound_nodes", [])]
     acts = (kl.Activation, kl.ReLU, kl.LeakyReLU, kl.ELU, kl.PReLU, kl.Softmax)
     return bool(consumers) and all(isinstance(c, acts) for c in consumers)
+
+
+def fused_activations(layers: list[Any]) -> set[int]:
+    """The ids of the activation layers that read a layer of :func:`feeds_activation`:
+    their output is that layer's output after its activation, the one the probe reads in
+    its place (as it reads a ``Dense(activation="relu")``'s)."""
+    out: set[int] = set()
+    for layer in layers:
+        if feeds_activation(layer):
+            out |= {id(n.operation) for n in getattr(layer, "_outbound_nodes", [])}
+    return out

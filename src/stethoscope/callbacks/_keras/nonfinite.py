@@ -25,7 +25,7 @@ class NonfiniteRecord:
     """The graph's record of a step whose loss or gradient is not finite.
 
     Args:
-        optimizer: The model's optimizer (its step count and loss scale).
+        optimizer: The model's optimizer (its step count).
         regime: How the train step runs.
         layout: What the probe watches.
         variables: The probe's variables (``bad_at``, ``bad_grad_norm`` and the flag at
@@ -71,26 +71,28 @@ class NonfiniteRecord:
             return
         cond(bad, lambda: cond(ops.less(self.variables["bad_at"], 0), record))
 
-    def gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
-        """Record the gradient norms; ``scaled``: they still carry the loss scale."""
+    def gradients(self, grads: list, tvars: list) -> None:
+        """Record the norms of the gradients summed across replicas (no loss scale)."""
         by_pos = kops.by_position(grads, tvars, self.position)
-        self._store({p: kops.half_square(g) for p, g in by_pos.items()}, scaled=scaled)
+        self._store({p: kops.half_square(g) for p, g in by_pos.items()}, None)
 
-    def _store(self, squares: dict[int, Any], *, scaled: bool) -> None:
-        scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
+    def _store(self, squares: dict[int, Any], scale: Any) -> None:
         norms = kops.norms(squares, self.layout.count)
-        self.variables["bad_grad_norm"].assign(norms / scale if scale else norms)
+        if scale is not None:
+            norms = norms / ops.cast(scale, "float32")
+        self.variables["bad_grad_norm"].assign(norms)
 
-    def record(self, squares: dict[int, Any]) -> None:
+    def record(self, squares: dict[int, Any], scale: Any = None) -> None:
         """At the bad step: the gradient norms from ``squares``, each gradient's half sum of
-        squares by position, those the predicate summed (under a strategy the all-reduce
-        took the norms), the step, and the flag the host reads with the losses. The branch
+        squares by position, those the predicate summed, with ``scale`` (the loss scale the
+        gradients carry) divided out (under a strategy the all-reduce took the norms),
+        the step, and the flag the host reads with the losses. The branch
         holds no gradient and no weight: a buffer it held would wait for the branch, so
         the optimizer could no longer update in place, and its reads of the weights would
         order it after every update; on a healthy step that cost ~4% of the execution.
         The host reads the weights after the execution instead."""
         if self.strategy is None:
-            self._store(squares, scaled=True)
+            self._store(squares, scale)
         self.variables["bad_at"].assign(kops.step_index(self.optimizer, self.variables) - 1)
         flag = ops.convert_to_tensor(1.0, "float32")
         kops.put(self.variables["losses"], self.regime.steps, flag)

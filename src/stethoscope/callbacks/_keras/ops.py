@@ -102,11 +102,13 @@ def step_index(optimizer: Any, variables: Any) -> Any:
     optimizer's ``iterations`` counts the updates applied; with ``recover=`` a skipped
     step leaves it as it was (Adam's bias correction and a schedule see only applied
     steps, as in a run that never saw the batch), and the probe's ``skipped`` variable
-    counts those steps back in."""
-    applied = ops.cast(optimizer.iterations, "int64")
-    if "skipped" not in variables.slots:
-        return applied
-    return applied + value(variables["skipped"])
+    counts those steps back in; so does its ``scale_skips`` the steps a
+    ``LossScaleOptimizer`` skipped, which it does not count either."""
+    index = ops.cast(optimizer.iterations, "int64")
+    for skips in ("skipped", "scale_skips"):
+        if skips in variables.slots:
+            index = index + value(variables[skips])
+    return index
 
 
 def put(var: Any, index: Any, row: Any) -> None:

@@ -24,11 +24,28 @@ from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
     feeds_activation,
+    fused_activations,
     input_scaling,
     leaf_layers,
     unit_layer,
 )
-from stethoscope.callbacks._keras.reductions import Layout, make_reductions, slots_of
+from stethoscope.callbacks._keras.loss_scale import LossScale, ScaleSkips, loss_scaler
+from stethoscope.callbacks._keras.precision import Fp8Fit, GradientPrecision
+from stethoscope.callbacks._keras.reductions import (
+    ClassLabels,
+    Distributions,
+    ForwardRows,
+    GradNorms,
+    InputScale,
+    KerasReduction,
+    Layout,
+    Predictions,
+    SamplePrints,
+    UnitRows,
+    UpdateNorms,
+    WeightNorms,
+    slots_of,
+)
 from stethoscope.callbacks._keras.regime import Mode, Regime
 from stethoscope.callbacks._keras.switches import Switches
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
@@ -36,7 +53,7 @@ from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_
 from stethoscope.observation import Observation
 from stethoscope.prints import join_prints
 
-__all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe"]
+__all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe", "make_reductions"]
 
 #: Whole heavy functions traced per probe at most: each is a trace of the whole train
 #: step (seconds on a large model), so past this many a step whose set of statistics is
@@ -85,18 +102,30 @@ class GraphProbe:
         # A linear Dense/Conv whose output only an activation layer reads is left alone:
         # reading it (even on a sampled step) would keep TensorFlow from fusing the two,
         # and on some CPUs the fused ReLU turns a NaN into 0, where the unfused one passes
-        # it on.
+        # it on. The activation layer's output stands for it: a layer with units, as a
+        # Dense(activation="relu") is.
         self._layers = [la for la in layers if not feeds_activation(la)] if forward else []
-        self.layout = _layout(watched, layers, self._layers, position, input_scaling(model))
-        self.reductions = make_reductions(self.layout, regime, position)
+        standing = fused_activations(layers)
+        self.layout = _layout(
+            watched, layers, self._layers, position, input_scaling(model), standing
+        )
+        scaler = loss_scaler(self.optimizer)
+        if scaler is not None and not scaler.built:
+            # its scale is read before the first step's update, where Keras would build it
+            scaler.build(watched)
+        self.reductions = make_reductions(self.layout, regime, position, scaled=bool(scaler))
         slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
         for r in self.reductions:
             slots += slots_of(r, self.layout, regime)
         if recover:
             slots += LadderLink.slots(regime)
+        if scaler is not None:
+            slots += ScaleSkips.slots()
         self.variables = ProbeVariables(
             slots, strategy=strategy, also_read=[self.optimizer.iterations]
         )
+        #: The count of the steps a LossScaleOptimizer skipped (None: no such optimizer).
+        self.scale_skips = ScaleSkips(scaler, self.variables) if scaler is not None else None
         #: recover=: the ladder's variables, as the host writes and reads them.
         self.ladder = LadderLink(regime, self.variables, self.optimizer) if recover else None
         self.switches = Switches(
@@ -117,6 +146,7 @@ class GraphProbe:
             strategy=strategy,
             recover=recover,
             replay=replay,
+            scale_skips=self.scale_skips,
         )
         # the switches each statistic needs, and what a whole heavy function can measure
         self._groups_of: dict[str, frozenset[str]] = {}
@@ -156,9 +186,25 @@ class GraphProbe:
         return self.wrappers.saw_loss
 
     # -- installing ------------------------------------------------------------------------
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the optimizer is a ``LossScaleOptimizer``."""
+        return self.scale_skips is not None
+
     def start(self, step: int) -> None:
-        """The optimizer's iteration count at the start of a fit (eager backends count it)."""
+        """A fit starts at ``step`` (eager backends count the steps on the host, and the
+        loss scale's measurements count the steps since the last)."""
         self.switches.py_step = step
+        for r in self.reductions:
+            if isinstance(r, LossScale):
+                r.start(step, self.scale_skips.total() if self.scale_skips is not None else 0)
+
+    def steps_taken(self) -> int:
+        """The steps taken so far: the optimizer's count, plus the steps a
+        ``LossScaleOptimizer`` skipped (not counted by it); with ``recover=``, see
+        ``ladder.step_index``."""
+        applied = int(self.variables.read_variable(self.optimizer.iterations))
+        return applied + (self.scale_skips.total() if self.scale_skips is not None else 0)
 
     def install(self) -> None:
         """Wrap the train step, make the light (and, unless whole, the heavy) train
@@ -309,8 +355,8 @@ class GraphProbe:
         if self._returned_step is not None:
             return int(np.asarray(self._returned_step))
         if "skipped" in self.variables.slots:
-            return self.step_index()
-        return int(self.variables.read_variable(self.optimizer.iterations))
+            return self.ladder.step_index()
+        return self.steps_taken()
 
     def sampled_at(self) -> int:
         """The step the last heavy execution measured (-1: none)."""
@@ -377,6 +423,7 @@ class GraphProbe:
         idx = np.array(sorted(with_grad)) if with_grad else np.arange(layout.count)
         obs.names = tuple(layout.names[i] for i in idx)
         obs.numel = layout.numel[idx]
+        obs.dtypes = tuple(layout.dtypes[i] for i in idx)
         obs.is_matrix = layout.is_matrix[idx]
         obs.fan_in = layout.fan_in[idx]
         handed = self.wrappers.handed
@@ -417,10 +464,12 @@ def _layout(
     forward: list[Any],
     position: dict[int, int],
     scaling: tuple[Any, ...] = (),
+    standing: set[int] | frozenset[int] = frozenset(),
 ) -> Layout:
     """What the probe watches: the trainable variables, the layers with units (their
-    kernel's last axis holds the units), the layers whose output it reads, and those
-    that scale its input first."""
+    kernel's last axis holds the units), the layers whose output it reads (``standing``:
+    the ids of the activation layers read in place of the layer with units they follow),
+    and those that scale its input first."""
     numel = np.array([int(np.prod(v.shape)) for v in watched], dtype=np.float64)
     units = []
     for layer in layers:
@@ -444,9 +493,37 @@ def _layout(
         is_matrix=np.array([len(v.shape) >= 2 for v in watched]),
         fan_in=fan_in,
         unit_layers=tuple(units),
-        forward_layers=tuple((la.name, activation_kind(la), unit_layer(la)) for la in forward),
+        forward_layers=tuple(
+            (la.name, activation_kind(la), unit_layer(la) or id(la) in standing) for la in forward
+        ),
         snapshot=frozenset(snapshot),
         input_scaling=scaling,
+        dtypes=tuple(keras.backend.standardize_dtype(v.dtype) for v in watched),
+    )
+
+
+def make_reductions(
+    layout: Layout, regime: Regime, position: dict[int, int], *, scaled: bool = False
+) -> tuple[KerasReduction, ...]:
+    """Every reduction, for a model of ``layout`` run in ``regime`` (``position``: each
+    trainable variable's position, by id; ``scaled``: its optimizer is a
+    ``LossScaleOptimizer``), in the order the host decodes them: the unit rows before the
+    inputs, since a step's unit rows go with the batch size known before it; the loss
+    scale last, since it drops the update statistics of a step the optimizer skipped."""
+    return (
+        GradNorms(regime),
+        WeightNorms(),
+        UpdateNorms(layout, regime, position),
+        UnitRows(layout),
+        Distributions(),
+        InputScale(),
+        ClassLabels(),
+        SamplePrints(),
+        Predictions(),
+        ForwardRows(layout),
+        GradientPrecision(layout, regime, position),
+        Fp8Fit(),
+        LossScale(scaled),
     )
 
 

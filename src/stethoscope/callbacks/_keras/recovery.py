@@ -40,6 +40,7 @@ import numpy as np
 
 from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.ladder_link import LadderLink
+from stethoscope.callbacks._keras.loss_scale import loss_scaler
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
@@ -81,8 +82,9 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
     """Raise when the ladder cannot skip a step of this model's fit.
 
     Raises:
-        ValueError: A setting the skip does not reach yet, or a train step of the user's
-            own (whose update the ladder cannot see), named with what to do instead.
+        ValueError: A setting the skip does not reach yet, a train step of the user's
+            own (whose update the ladder cannot see), or a ``LossScaleOptimizer`` (which
+            skips steps itself), named with what to do instead.
     """
     reason = None
     if regime.replicas > 1 and regime.steps > 1:
@@ -93,6 +95,18 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
         raise ValueError(
             f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "
             "recover=False there (the detectors and stop_on work as usual)"
+        )
+    if loss_scaler(model.optimizer) is not None:
+        # the ladder would skip the overflowing steps before the optimizer saw them, so
+        # the optimizer would never lower its scale, and every later step would overflow
+        raise ValueError(
+            "KerasStethoscope(recover=...) cannot skip steps with a LossScaleOptimizer (a "
+            "mixed_float16 policy wraps the optimizer in one): the optimizer skips each step "
+            "whose scaled gradients overflow and lowers its scale, and a ladder that skipped "
+            "those steps first would keep the scale from ever coming down. Train with "
+            "recover=False under a LossScaleOptimizer (the detectors and stop_on work as "
+            "usual, loss_scale_collapse among them), or with recover= in mixed_bfloat16, "
+            "which needs no loss scale"
         )
     if has_own_train_step(model):
         raise ValueError(

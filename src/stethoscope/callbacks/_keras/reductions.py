@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -57,7 +58,6 @@ __all__ = [
     "UnitRows",
     "UpdateNorms",
     "WeightNorms",
-    "make_reductions",
     "slots_of",
 ]
 
@@ -86,6 +86,7 @@ class Layout:
             elements, in order).
         input_scaling: The layers the model scales its input with first (see
             ``layers.input_scaling``): the inputs are measured after them.
+        dtypes: The dtype each variable is held in, by name (``"bfloat16"``).
     """
 
     names: tuple[str, ...]
@@ -97,6 +98,7 @@ class Layout:
     forward_layers: tuple[tuple[str, str | None, bool], ...]
     snapshot: frozenset[int]
     input_scaling: tuple[Any, ...] = ()
+    dtypes: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -116,6 +118,14 @@ class Store(Protocol):
 
     def put_row(self, name: str, row: int, value: Any) -> None:
         """Record ``value`` as row ``row`` of slot ``name``."""
+
+    def gradients(self) -> dict[int, Any]:
+        """The gradients the step hands the optimizer, by variable position (from the
+        ``"gradients"`` hook on; as they are, a loss scale in them)."""
+
+    def loss_scale(self) -> Any:
+        """The step's :class:`~stethoscope.callbacks._keras.loss_scale.ScaleStep` (from
+        the ``"update"`` hook on), or None without a ``LossScaleOptimizer``."""
 
 
 class ReadBack(Protocol):
@@ -157,6 +167,8 @@ class KerasReduction:
         raise NotImplementedError
 
     def on_gradients(self, store: Store, grads: dict[int, Any], scale: Any) -> None:
+        """Measure ``grads`` (by variable position), which still carry the loss scale
+        ``scale`` (a number or a scalar tensor; None: none)."""
         raise NotImplementedError
 
     def on_test_batch(self, store: Store, x: Any) -> None:
@@ -197,7 +209,7 @@ class GradNorms(KerasReduction):
             return
         count = store.layout.count
         norms = kops.norms({pos: kops.half_square(g) for pos, g in grads.items()}, count)
-        store.put("grad_norm", norms / scale if scale else norms)
+        store.put("grad_norm", norms / scale if scale is not None else norms)
 
     def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
         direct = src.regime.direct
@@ -338,7 +350,7 @@ class Distributions(KerasReduction):
         return [Slot("grad_hist", shape, np.nan), Slot("weight_hist", shape, np.nan)]
 
     def on_gradients(self, store: Store, grads: dict[int, Any], scale: Any) -> None:
-        if scale:
+        if scale is not None:
             grads = {pos: g / scale for pos, g in grads.items()}
         store.put("grad_hist", _histograms(grads, store.layout.count))
 
@@ -487,6 +499,8 @@ class ForwardRows(KerasReduction):
 
     def __init__(self, layout: Layout) -> None:
         self.layers = layout.forward_layers
+        #: The dtype of each row's layer output, as the step was traced (by row).
+        self.dtypes: dict[int, str] = {}
 
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
         rows = (max(len(layout.forward_layers), 1), kops.ROW)
@@ -502,25 +516,31 @@ class ForwardRows(KerasReduction):
         )
 
     def on_layer(self, store: Store, row: int, t: Any) -> None:
+        self.dtypes[row] = keras.backend.standardize_dtype(t.dtype)
         store.put_row("forward_rows", row, kops.forward_row(t, self.layers[row][1]))
 
     def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
         if not self.layers:
             return
         rows = src.read("forward_rows").astype(np.float64)
-        names, kinds, stats = [], [], []
-        for (name, kind, units), row in zip(self.layers, rows, strict=True):
+        names, kinds, dtypes, stats = [], [], [], []
+        for i, ((name, kind, units), row) in enumerate(zip(self.layers, rows, strict=True)):
+            # a row no step has written yet is NaN, and its layer's dtype unknown
+            dtype = self.dtypes.get(i, "")
             if units and "outputs" in plan:
                 names.append(name)
                 kinds.append("layer")
+                dtypes.append(dtype)
                 stats.append((np.nan, row[1], row[2]))
             if kind is not None and "activations" in plan:
                 names.append(f"{name}/{kind}" if units else name)
                 kinds.append(kind)
+                dtypes.append(dtype)
                 stats.append((row[0], row[1], row[2]))
         if names:
             arr = np.array(stats, dtype=np.float64)
             obs.act_names, obs.act_kinds = tuple(names), tuple(kinds)
+            obs.act_dtypes = tuple(dtypes)
             obs.act_saturated, obs.act_rms, obs.act_max = arr[:, 0], arr[:, 1], arr[:, 2]
         if "trace" in plan:
             obs.trace_names = tuple(name for name, _, _ in self.layers)
@@ -540,27 +560,6 @@ def slots_of(reduction: KerasReduction, layout: Layout, regime: Regime) -> list[
             slot = dataclasses.replace(slot, combine=default)
         out.append(slot)
     return out
-
-
-def make_reductions(
-    layout: Layout, regime: Regime, position: dict[int, int]
-) -> tuple[KerasReduction, ...]:
-    """Every reduction, for a model of ``layout`` run in ``regime`` (``position``: each
-    trainable variable's position, by id), in the order the host decodes them: the unit
-    rows before the inputs, since a step's unit rows go with the batch size known before
-    it."""
-    return (
-        GradNorms(regime),
-        WeightNorms(),
-        UpdateNorms(layout, regime, position),
-        UnitRows(layout),
-        Distributions(),
-        InputScale(),
-        ClassLabels(),
-        SamplePrints(),
-        Predictions(),
-        ForwardRows(layout),
-    )
 
 
 def _histograms(tensors: dict[int, Any], count: int) -> Any:

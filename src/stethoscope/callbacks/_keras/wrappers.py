@@ -32,6 +32,7 @@ from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.gate import UpdateGate
+from stethoscope.callbacks._keras.loss_scale import ScaleSkips, carried_scale
 from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
 from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
@@ -72,6 +73,9 @@ class _Trace:
     due: tuple | None = None  # (switches, forced), from apply to the all-reduce
     verdict: Any = None  # recover=: the step's verdict, from apply to the logs
     outer: Any = None  # the graph of the train step being traced
+    grads: dict[int, Any] = field(default_factory=dict)  # what the gradient hook measured
+    carried: Any = None  # the loss scale the gradients carry, from apply to the ring
+    scale: Any = None  # a LossScaleOptimizer's ScaleStep, from apply to the update hook
 
 
 class StepWrappers:
@@ -92,6 +96,8 @@ class StepWrappers:
             recovery ladder's skip and cool-down; the probe's ``recovery`` and
             ``skipped`` variables).
         replay: Whether a step judged bad is computed again before it is skipped.
+        scale_skips: The count of the steps a ``LossScaleOptimizer`` skipped (None: the
+            optimizer is none): the gradient statistics divide its scale out.
     """
 
     def __init__(
@@ -108,8 +114,10 @@ class StepWrappers:
         strategy: Any,
         recover: bool = False,
         replay: bool = False,
+        scale_skips: ScaleSkips | None = None,
     ) -> None:
         self.model, self.optimizer = model, model.optimizer
+        self.scale_skips = scale_skips
         #: recover=: the verdict and the cond around the optimizer's update.
         self.gate = (
             UpdateGate(
@@ -192,6 +200,12 @@ class StepWrappers:
             trace.written.add(name)
         self.variables[name].assign(value)
 
+    def gradients(self) -> dict[int, Any]:
+        return self._trace().grads
+
+    def loss_scale(self) -> Any:
+        return self._trace().scale
+
     def put_row(self, name: str, row: int, value: Any) -> None:
         if self.regime.direct:
             trace = self._trace()
@@ -268,11 +282,8 @@ class StepWrappers:
                 return logs
             regime_direct = self.regime.direct
             if regime_direct:
-                if value is None:  # the step never called compute_loss
-                    value = ops.convert_to_tensor(np.float32(np.nan))
-                zero = ops.convert_to_tensor(np.float32(0.0))
-                count = self.layout.count
-                ring = ops.stack([value, *(squares.get(i, zero) for i in range(count))])
+                carried, trace.carried = trace.carried, None
+                ring = _direct_ring(value, squares, self.layout.count, carried)
             else:  # read after the step's own writes to it (automatic control dependencies)
                 ring = ops.convert_to_tensor(self.variables["losses"])
             out = {**logs, RING_KEY: ring}
@@ -302,16 +313,8 @@ class StepWrappers:
             if "sampled_at" not in out:  # a step that planned no reduction storing it
                 out["sampled_at"] = self._step_index() - 1
             if self.layers and (rows or self.switches.planned & self.forward.statistics):
-                # NaN for a layer the step did not call, or whose row no planned probe reads
-                nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
-                in_variable = any(r is _IN_VARIABLE for r in rows.values())
-                table = kops.value(self.variables["forward_rows"]) if in_variable else None
-                out["forward_rows"] = ops.stack(
-                    [
-                        table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan)
-                        for i in range(len(self.layers))
-                    ]
-                )
+                table = self.variables["forward_rows"]
+                out["forward_rows"] = _forward_rows(rows, table, len(self.layers))
         else:
             out = {
                 name: ops.convert_to_tensor(self.variables[name])
@@ -357,20 +360,25 @@ class StepWrappers:
                 forced = self.nonfinite.predicate(loss, list(squares.values()))
             if not regime.direct:
                 trace.loss = None
+            skips, carried = self.scale_skips, carried_scale(self.optimizer, self.scale_skips)
+            trace.carried = carried if regime.direct else None  # the ring divides it out
             heavy = self.switches.heavy
             if self.strategy is not None:
                 # the all-reduced gradients exist only inside the optimizer: measured there
                 trace.due = (heavy, forced)
             elif heavy:
-                self._at_gradients(grads, tvars, scaled=True)
+                self._at_gradients(grads, tvars, scale=carried)
             before = self._before_update(tvars) if heavy else {}
             if self.gate is not None:
                 trace.verdict = self.gate.update(original, grads, tvars, loss, trace.squares)
             else:
                 original(grads, tvars)
+            if skips is not None:  # whether it skipped the step, counted every step
+                trace.scale = skips.after_update(carried)
             if heavy:
                 self._at_update(tvars, before)
-            self.nonfinite.when_first(forced, lambda: self.nonfinite.record(squares))
+            trace.grads, trace.scale = {}, None  # the update hook has read them
+            self.nonfinite.when_first(forced, lambda: self.nonfinite.record(squares, carried))
             if regime.eager:
                 self.switches.py_step += 1
             return None
@@ -400,10 +408,8 @@ class StepWrappers:
                 heavy, forced = due
                 grads, tvars = [g for g, _ in reduced], [v for _, v in reduced]
                 if heavy:
-                    self._at_gradients(grads, tvars, scaled=False)
-                self.nonfinite.when_first(
-                    forced, lambda: self.nonfinite.gradients(grads, tvars, scaled=False)
-                )
+                    self._at_gradients(grads, tvars, scale=None)
+                self.nonfinite.when_first(forced, lambda: self.nonfinite.gradients(grads, tvars))
             return reduced
 
         return all_reduce
@@ -431,14 +437,14 @@ class StepWrappers:
         return call
 
     # -- inside the heavy step ------------------------------------------------------------------
-    def _at_gradients(self, grads: list, tvars: list, *, scaled: bool) -> None:
-        """The gradient reductions the step planned; ``scaled``: the gradients still carry
-        the optimizer's loss scale."""
+    def _at_gradients(self, grads: list, tvars: list, *, scale: Any) -> None:
+        """The gradient reductions the step planned; ``scale``: the loss scale the
+        gradients still carry (None: none)."""
         any_on, own = self.switches.of(self.at["gradients"])
+        # by position, for the update hook too (the step's own tensors: a cond may read them)
+        by_pos = self._trace().grads = kops.by_position(grads, tvars, self.position)
 
         def gradients() -> None:
-            by_pos = kops.by_position(grads, tvars, self.position)
-            scale = getattr(self.optimizer, "loss_scale_factor", None) if scaled else None
             for r, on in own.items():
                 cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
             self.put("sampled_at", self._step_index())
@@ -472,3 +478,32 @@ class StepWrappers:
             self.put("sampled_at", self._step_index() - 1)
 
         cond(any_on, update)
+
+
+def _direct_ring(loss: Any, squares: dict[int, Any], count: int, scale: Any) -> Any:
+    """A direct step's ring: its loss (NaN for a step that never called
+    ``compute_loss``), then each variable's gradient half sum of squares by position (0 for
+    a variable handed no gradient), with ``scale``, the loss scale the gradients carry
+    (None: none), divided out: those of the gradients the optimizer applies. The square of
+    a scale that has collapsed far below 1 underflows float32: it is taken in float64."""
+    if loss is None:
+        loss = ops.convert_to_tensor(np.float32(np.nan))
+    zero = ops.convert_to_tensor(np.float32(0.0))
+    halves = ops.stack([squares.get(i, zero) for i in range(count)])
+    if scale is not None:
+        wide = ops.cast(halves, "float64") / ops.square(ops.cast(scale, "float64"))
+        halves = ops.cast(wide, "float32")
+    return ops.concatenate([ops.reshape(loss, (1,)), halves])
+
+
+def _forward_rows(rows: dict[int, Any], variable: Any, count: int) -> Any:
+    """A direct heavy step's forward rows, one per watched layer: those it made (``rows``,
+    by row), those a control-flow body wrote to ``variable`` instead (marked
+    ``_IN_VARIABLE``), and NaN for a layer the step did not call, or whose row no planned
+    probe reads."""
+    nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
+    in_variable = any(r is _IN_VARIABLE for r in rows.values())
+    table = kops.value(variable) if in_variable else None
+    return ops.stack(
+        [table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan) for i in range(count)]
+    )
