@@ -173,3 +173,14 @@ def test_a_gradient_that_outgrows_its_scale_saturates_under_delayed_scaling():
     found, _ = feed(Fp8Readiness(), [fp8(0), fp8(1, grad_amax=5.0)])
     [f] = found
     assert "grew 50x" in f.message and "saturate" in f.message
+
+
+def test_when_nothing_moved_at_all_the_optimizers_own_arithmetic_is_named():
+    """Keras' Adam under the bfloat16 policy: beta_2 = 0.999 rounds to 1.0, and no update
+    is applied at all: more than rounding."""
+    d = low(RoundedUpdates(patience=1))
+    [f] = d.update(obs(0, update_lost=np.array([1.0, 0.5, 1.0, 0.0])))
+    assert "No element of any bfloat16 matrix moved at all" in f.message and "beta_2" in f.message
+    d = low(RoundedUpdates(patience=1))
+    [f] = d.update(obs(0, update_lost=np.array([0.9, 0.5, 1.0, 0.0])))
+    assert "beta_2" not in f.message

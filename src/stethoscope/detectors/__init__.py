@@ -15,6 +15,7 @@ from stethoscope.detectors.chance import LossAtChance
 from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput, UnshuffledData
 from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
+from stethoscope.detectors.initialization import PoorInitialization
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
 from stethoscope.detectors.pipeline import (
@@ -32,13 +33,7 @@ from stethoscope.detectors.precision import (
     RoundedUpdates,
 )
 from stethoscope.detectors.repeated import RepeatedData
-from stethoscope.detectors.weights import (
-    AllZero,
-    FrozenWeights,
-    LargeUpdates,
-    PoorInitialization,
-    SmallUpdates,
-)
+from stethoscope.detectors.weights import AllZero, FrozenWeights, LargeUpdates, SmallUpdates
 
 __all__ = [
     "DETECTORS",

@@ -59,6 +59,18 @@ def _sentence(clause: str) -> str:
     return clause[:1].upper() + clause[1:]
 
 
+def _nothing_moved(lost: np.ndarray, dtype: str) -> str:
+    """A clause for when no element of any 16-bit matrix moved: more than rounding, the
+    optimizer's own arithmetic in that dtype may cancel every update (empty otherwise)."""
+    if not len(lost) or lost.min() < 1.0:
+        return ""
+    return (
+        f" No element of any {dtype} matrix moved at all: beyond rounding, the optimizer's "
+        f"own arithmetic in {dtype} may cancel every update (Adam's beta_2=0.999 is 1.0 in "
+        "bfloat16, and its bias correction then 0)."
+    )
+
+
 def _half(obs: Observation) -> np.ndarray:
     """Which parameters of ``obs`` are held in a 16-bit format."""
     return np.array([d in HALF for d in obs.dtypes], dtype=bool)
@@ -139,9 +151,9 @@ class RoundedUpdates(_LowPrecision):
                 f"{dtype} weight matrices past {self.fraction:.0%} since step {st['since']}). "
                 f"{dtype} keeps {fmt.bits} significant bits: an update under "
                 f"{fmt.eps / 2:.2%} of the weight it moves rounds away, so those weights "
-                f"have stopped learning. {_sentence(_master_weights(self.setup))}, raise "
-                "the learning rate, or use stochastic rounding or Kahan summation in the "
-                "optimizer.",
+                f"have stopped learning.{_nothing_moved(lost[judged], dtype)} "
+                f"{_sentence(_master_weights(self.setup))}, raise the learning rate, or use "
+                "stochastic rounding or Kahan summation in the optimizer.",
                 value=share,
                 threshold=self.fraction,
                 where=obs.names[worst],
