@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["E4M3", "E5M2", "FORMATS", "HALF", "NumberFormat", "format_of"]
+__all__ = ["E4M3", "E5M2", "FORMATS", "HALF", "NumberFormat", "format_of", "sum_tolerance"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,13 @@ def format_of(dtype: object) -> NumberFormat | None:
         name = str(dtype) if not isinstance(dtype, type) else dtype.__name__
     name = name.rsplit(".", 1)[-1]
     return FORMATS.get(_ALIASES.get(name, name))
+
+
+def sum_tolerance(dtype: object) -> float:
+    """How far from 1 a row of probabilities held in ``dtype`` may sum and still be
+    probabilities: each value is rounded to half a unit in its last place, and the
+    softmax that made them computed in that dtype, so a few ulps (a bfloat16 softmax's
+    rows stray by up to a few 1e-3; float32's by far less than the 1e-3 kept as the
+    floor)."""
+    fmt = format_of(dtype)
+    return max(1e-3, 4 * fmt.eps) if fmt is not None else 1e-3

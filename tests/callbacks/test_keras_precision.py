@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 keras = pytest.importorskip("keras")
 
 from stethoscope import KerasStethoscope  # noqa: E402
+from stethoscope.callbacks._keras import ops as kops  # noqa: E402
 from stethoscope.callbacks._keras.precision import (  # noqa: E402
     FP8_FLOORS,
     fp8_shares,
@@ -354,3 +355,15 @@ def test_fp8_readiness_reads_the_weights_after_the_step_and_the_unscaled_gradien
     np.testing.assert_allclose(obs.fp8_amax[:, 0], [np.abs(w).max() for w in weights])
     assert obs.fp8_underflow.shape == (4, 4)
     assert np.all(obs.fp8_amax[:, 1] < 10.0)  # the scale of 32768 divided out
+
+
+def test_a_bfloat16_softmax_is_probabilities_within_its_own_rounding():
+    """MobileNetV3Small under mixed_bfloat16 was told its softmax output was logits: a
+    bfloat16 softmax sums to 1 within a few 1e-3 only, not float32's 1e-3."""
+    logits = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+    probs = keras.ops.softmax(keras.ops.cast(logits, "bfloat16"), axis=-1)
+    sums = keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(probs, "float32"), axis=-1))
+    assert np.abs(sums - 1).max() > 1e-3  # the situation, built
+    assert keras.ops.convert_to_numpy(kops.probability_rows(probs))[0] == 1.0
+    off = keras.ops.cast(probs, "float32") * 1.01
+    assert keras.ops.convert_to_numpy(kops.probability_rows(off))[0] == 0.0

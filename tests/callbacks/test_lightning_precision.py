@@ -20,6 +20,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from stethoscope import LightningStethoscope
 from stethoscope.callbacks._lightning.precision import gradient_shares, rounded_away
+from stethoscope.callbacks._lightning.predictions import probability_rows
 from stethoscope.detectors import default_detectors
 from stethoscope.record import RunRecord
 from stethoscope.testing import CapturingSink
@@ -250,3 +251,15 @@ def test_the_record_keeps_the_precision_statistics_per_layer(tmp_path):
         lost = record.layers("update_lost")
         assert "net.0.weight" in lost.names and np.nanmedian(lost.values) > 0.5
         assert "loss_scale" not in record.kinds()  # no loss scaler under bf16-true
+
+
+def test_a_bfloat16_softmax_is_probabilities_within_its_own_rounding():
+    """A softmax computed in bfloat16 (bf16-mixed) sums to 1 within a few 1e-3 only; read
+    against float32's 1e-3, it was taken for logits and named logits_mismatch."""
+    logits = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits.to(torch.bfloat16), dim=1)
+    assert (probs.float().sum(1) - 1).abs().max() > 1e-3  # the situation, built
+    assert probability_rows(probs)[0][0].item() == 1.0
+    assert probability_rows(logits.to(torch.bfloat16))[0][0].item() == 0.0
+    off = probs.float() * 1.01  # float32 rows off by 1%: not probabilities
+    assert probability_rows(off)[0][0].item() == 0.0

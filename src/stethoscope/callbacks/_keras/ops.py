@@ -13,6 +13,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from stethoscope.number_formats import sum_tolerance
 from stethoscope.prints import PRINT_PRIME, PRINT_WIDTH, print_weights
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
 
@@ -343,11 +344,10 @@ def probability_rows(y_pred: Any) -> Any | None:
     if width is None:
         return None
     rows = ops.reshape(ops.cast(ops.stop_gradient(t), "float32"), (-1, width))
-    if width >= 2:
+    if width >= 2:  # a 16-bit softmax's rows sum to 1 within its rounding only
         sums = ops.sum(rows, axis=1)
-        probs = ops.logical_and(
-            ops.all(ops.greater_equal(rows, 0.0)), ops.all(ops.less(ops.abs(sums - 1.0), 1e-3))
-        )
+        near = ops.less(ops.abs(sums - 1.0), sum_tolerance(t.dtype))
+        probs = ops.logical_and(ops.all(ops.greater_equal(rows, 0.0)), ops.all(near))
     else:
         probs = ops.all(ops.logical_and(ops.greater_equal(rows, 0.0), ops.less_equal(rows, 1.0)))
     return ops.stack([ops.cast(probs, "float32"), ops.convert_to_tensor(float(width), "float32")])

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from stethoscope.number_formats import sum_tolerance
+
 __all__ = ["output_tensor", "probability_rows"]
 
 
@@ -40,8 +42,9 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
         t = t.detach()
         width = int(t.shape[-1]) if t.dim() >= 2 else 1
         rows = t.reshape(-1, width).float()
-        if width >= 2:
-            probs = (rows >= 0).all() & ((rows.sum(dim=1) - 1).abs() < 1e-3).all()
+        if width >= 2:  # a 16-bit softmax's rows sum to 1 within its rounding only
+            near = (rows.sum(dim=1) - 1).abs() < sum_tolerance(t.dtype)
+            probs = (rows >= 0).all() & near.all()
         else:
             probs = ((rows >= 0) & (rows <= 1)).all()
         losses = _losses(rows, labels) if width >= 2 else None
