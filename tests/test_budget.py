@@ -168,3 +168,18 @@ def test_a_distributed_run_has_no_budget_so_its_ranks_keep_one_schedule():
     assert m.budget is None and m.sampler.stretch == 1
     m.distribute(rank=0, world_size=1)
     assert m.budget is not None and m.budget.fraction == 0.01
+
+
+def test_the_longest_stretch_counts_only_the_detectors_that_take_part():
+    """loss_scale_collapse (every 4 steps) sits out without a loss scaler: it must not let
+    the 16-step detectors stretch to 16 x 64 = 1024 steps instead of LONGEST."""
+    from stethoscope.advice import TrainingSetup
+    from stethoscope.sinks.base import RunContext
+
+    m = _monitor()
+    assert (m.budget.shortest, m.budget.most) == (16, LONGEST // 16)
+    m.start(RunContext(framework="x", setup=TrainingSetup(low_precision=True, loss_scaled=True)))
+    assert (m.budget.shortest, m.budget.most) == (4, LONGEST // 4)
+    m.budget.stretch = 64
+    m.start(RunContext(framework="x", setup=TrainingSetup()))  # a second fit, in float32
+    assert (m.budget.shortest, m.budget.most, m.budget.stretch) == (16, 16, 16)

@@ -60,9 +60,8 @@ class OverheadBudget:
 
     def __init__(self, fraction: float, shortest: int) -> None:
         self.fraction = fraction
-        self.shortest = max(shortest, 1)
-        self.most = max(1, LONGEST // self.shortest)
         self.stretch = 1
+        self.aim(shortest)
         #: The least stretch that leaves quiet intervals between the sampled ones, where
         #: an interval clocks several steps (see :meth:`clock`).
         self.least = 1
@@ -73,6 +72,14 @@ class OverheadBudget:
         self._steps = 0
         self._intervals = 0
         self._after_sampled = False
+
+    def aim(self, shortest: int) -> None:
+        """The shortest declared interval of the sampled detectors that take part is now
+        ``shortest`` (a rule that does not apply to the training sits out): the stretch
+        may not take it past :data:`LONGEST`."""
+        self.shortest = max(shortest, 1)
+        self.most = max(1, LONGEST // self.shortest)
+        self.stretch = min(self.stretch, self.most)
 
     def clock(self, seconds: float, *, sampled: bool, steps: int = 1) -> int | None:
         """One steady-state interval's time, ``steps`` training steps clocked together (one

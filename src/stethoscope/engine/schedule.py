@@ -62,7 +62,7 @@ class Schedule:
         self.planner.set_idle(frozenset(idle) | self._not_applying)
         self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
         fraction = self._budget_fraction if world_size == 1 else None
-        self.budget = _budget(fraction, self.sampler)
+        self.budget = _budget(fraction, self.sampler, self._shortest_sampled())
 
     def sit_out(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run from now on."""
@@ -75,6 +75,15 @@ class Schedule:
         back = self._not_applying - names
         self._not_applying = names
         self.planner.set_idle((self.planner.idle - back) | names)
+        if self.budget is not None:
+            self.budget.aim(self._shortest_sampled())
+
+    def _shortest_sampled(self) -> int:
+        """The shortest declared interval of a sampled detector that takes part."""
+        idle = self.planner.idle
+        return min(
+            (n for d, n in self.sampler.declared.items() if n > 1 and d not in idle), default=16
+        )
 
     def open_epoch(self, step: int) -> None:
         """Measure at ``step``, the next one (an epoch's or a run's first), what the
@@ -146,12 +155,14 @@ def _sink_wants(sinks: Sequence[Sink]) -> tuple[frozenset[str], int]:
     return frozenset().union(*(s.wants for s in wanting)), min(s.wants_every for s in wanting)
 
 
-def _budget(fraction: float | None, sampler: AdaptiveSampler) -> OverheadBudget | None:
-    """The overhead budget of ``fraction`` for ``sampler``'s sampled detectors."""
+def _budget(
+    fraction: float | None, sampler: AdaptiveSampler, shortest: int
+) -> OverheadBudget | None:
+    """The overhead budget of ``fraction`` for ``sampler``'s sampled detectors, the
+    shortest declared interval of those taking part being ``shortest``."""
     if fraction is None:
         return None
-    sampled = [every for every in sampler.declared.values() if every > 1]
-    budget = OverheadBudget(fraction, shortest=min(sampled, default=16))
+    budget = OverheadBudget(fraction, shortest=shortest)
     budget.stretch = sampler.stretch  # a run that goes on keeps the stretch it had
     return budget
 

@@ -21,7 +21,7 @@ from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.reductions import KerasReduction, Layout, ReadBack, Store
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import Slot
-from stethoscope.number_formats import E4M3, E5M2, format_of
+from stethoscope.number_formats import E4M3, E5M2, HALF, format_of
 from stethoscope.observation import Observation
 
 __all__ = [
@@ -42,9 +42,13 @@ FP8_FLOORS = tuple(fmt.smallest / 2 / fmt.max for fmt in (E4M3, E5M2))
 def gradient_shares(g: Any, scale: Any = None) -> Any:
     """The share of ``g``'s elements that are subnormal in its dtype, the share that are
     exactly zero, and its largest magnitude (``scale``, a loss scale it carries, divided
-    out of that): three float32 numbers. The magnitudes are compared in ``g``'s own dtype
-    (its smallest normal value is a power of two, held exactly)."""
+    out of that): three float32 numbers; NaN for a gradient wider than 16 bits (the
+    precision detectors judge 16-bit ones only, and nothing is spent on the others). The
+    magnitudes are compared in ``g``'s own dtype (its smallest normal value is a power of
+    two, held exactly)."""
     fmt = format_of(keras.backend.standardize_dtype(g.dtype))
+    if fmt is None or fmt.name not in HALF:
+        return ops.convert_to_tensor(np.full(3, np.nan, dtype=np.float32))
     n = math.prod(g.shape)
     if not n:
         return ops.zeros((3,), "float32")
@@ -62,7 +66,10 @@ def rounded_away(before: Any, after: Any, grad: Any) -> Any:
     """Of a variable's elements whose gradient ``grad`` is not zero, the share that is
     exactly as it was before the step (``before``: its value then, in its own dtype or
     in float32, which holds every 16-bit value exactly): the updates that rounded away.
-    NaN where every gradient element is zero."""
+    NaN where every gradient element is zero, and for a variable wider than 16 bits (not
+    judged, not measured)."""
+    if keras.backend.standardize_dtype(after.dtype) not in HALF:
+        return ops.convert_to_tensor(np.float32(np.nan))
     if keras.backend.standardize_dtype(before.dtype) != keras.backend.standardize_dtype(
         after.dtype
     ):

@@ -9,6 +9,7 @@ the device (never read there), since a skip is known only at the step it happens
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from stethoscope.callbacks._lightning.measures import StepMeasures
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.reduction import Reduction
-from stethoscope.number_formats import E4M3, E5M2, format_of
+from stethoscope.number_formats import E4M3, E5M2, FORMATS, HALF
 from stethoscope.observation import Observation
 
 __all__ = [
@@ -35,32 +36,49 @@ __all__ = [
 _CHUNK = 2**24
 
 
+#: Per 16-bit dtype, the bit pattern of its smallest normal magnitude. A non-negative
+#: float's bit pattern, read as an integer, orders as its value does: with the sign bit
+#: masked off, a 16-bit tensor is judged in integer ops, which a CPU runs several times
+#: faster than bfloat16 arithmetic.
+_TINY_BITS = {
+    getattr(torch, name): int(
+        torch.tensor(FORMATS[name].tiny, dtype=getattr(torch, name)).view(torch.int16)
+    )
+    for name in HALF
+}
+_MAGNITUDE = 0x7FFF  # all but the sign bit
+
+
 def gradient_shares(
     grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """For each gradient, the share of its elements that are subnormal in its dtype, the
-    share that are exactly zero, and its largest magnitude (``scale``, a loss scale it
-    still carries, divided out of that): one float32 tensor ``(len(grads), 3)`` on the
-    device."""
+    """For each gradient held in 16 bits, the share of its elements that are subnormal in
+    its dtype, the share that are exactly zero, and its largest magnitude (``scale``, a
+    loss scale it still carries, divided out of that); NaN for a wider gradient (the
+    precision detectors judge 16-bit ones only, and nothing is spent on the others). One
+    float32 tensor ``(len(grads), 3)`` on the device."""
     rows = []
     with torch.no_grad():
         for g in grads:
-            g = g.detach()
-            fmt = format_of(g.dtype)
-            tiny = fmt.tiny if fmt is not None else 0.0
+            tiny = _TINY_BITS.get(g.dtype)
+            if tiny is None:
+                rows.append(torch.full((3,), math.nan, device=g.device))
+                continue
+            bits = g.detach().reshape(-1).view(torch.int16)
             subnormal = torch.zeros((), dtype=torch.int64, device=g.device)
             zero = torch.zeros_like(subnormal)
-            peak = torch.zeros((), dtype=torch.float32, device=g.device)
-            for chunk in g.reshape(-1).split(_CHUNK):
-                magnitude = chunk.abs()
+            peak = torch.zeros((), dtype=torch.int16, device=g.device)
+            for chunk in bits.split(_CHUNK):
+                magnitude = chunk & _MAGNITUDE
                 zeros = torch.count_nonzero(magnitude == 0)
                 subnormal += torch.count_nonzero(magnitude < tiny) - zeros
                 zero += zeros
-                peak = torch.maximum(peak, magnitude.max().float())
+                peak = torch.maximum(peak, magnitude.max())
+            peak = peak.view(g.dtype).float()  # a NaN's pattern is above every number's
             if scale is not None:
                 peak = peak / scale
             n = max(g.numel(), 1)
-            rows.append(torch.stack([subnormal.float() / n, zero.float() / n, peak.float()]))
+            rows.append(torch.stack([subnormal.float() / n, zero.float() / n, peak]))
     if not rows:
         return torch.zeros((0, 3))
     return torch.stack(rows)
@@ -69,19 +87,24 @@ def gradient_shares(
 def rounded_away(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 ) -> torch.Tensor:
-    """For each parameter, of its elements whose gradient is not zero, the share that is
-    exactly as it was before the step (``before``: its snapshot): the updates that
-    rounded away. NaN where every gradient element is zero. One float32 tensor."""
+    """For each parameter held in 16 bits, of its elements whose gradient is not zero, the
+    share that is exactly as it was before the step (``before``: its snapshot): the
+    updates that rounded away. NaN where every gradient element is zero, and for a wider
+    parameter (not judged, not measured). One float32 tensor."""
     shares = []
     with torch.no_grad():
         for b, a, g in zip(before, after, grads, strict=True):
-            a, g = a.detach().reshape(-1), g.detach().reshape(-1)
-            b = b.reshape(-1)
+            if a.dtype not in _TINY_BITS or g.dtype not in _TINY_BITS:
+                shares.append(torch.full((), math.nan, device=a.device))
+                continue
+            a = a.detach().reshape(-1).view(torch.int16)
+            g = g.detach().reshape(-1).view(torch.int16)
+            b = b.reshape(-1).view(torch.int16)
             pushed = torch.zeros((), dtype=torch.int64, device=a.device)
             stayed = torch.zeros_like(pushed)
             for lo in range(0, a.numel(), _CHUNK):
                 part = slice(lo, lo + _CHUNK)
-                moving = g[part] != 0
+                moving = (g[part] & _MAGNITUDE) != 0
                 pushed += torch.count_nonzero(moving)
                 stayed += torch.count_nonzero(moving & (a[part] == b[part]))
             shares.append(stayed.float() / pushed.float())
