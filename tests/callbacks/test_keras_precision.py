@@ -28,6 +28,7 @@ from stethoscope.callbacks._keras.precision import (  # noqa: E402
     rounded_away,
 )
 from stethoscope.detectors import default_detectors  # noqa: E402
+from stethoscope.record import RunRecord  # noqa: E402
 from stethoscope.testing import CapturingSink  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -369,3 +370,16 @@ def test_a_bfloat16_softmax_is_probabilities_within_its_own_rounding():
     assert keras.ops.convert_to_numpy(kops.probability_rows(probs))[0] == 1.0
     off = keras.ops.cast(probs, "float32") * 1.01
     assert keras.ops.convert_to_numpy(kops.probability_rows(off))[0] == 0.0
+
+
+def test_the_record_keeps_the_precision_statistics_and_the_loss_scale(tmp_path):
+    model = mlp("mixed_float16", keras.optimizers.Adam(1e-3), inf_at=(3, 4))
+    run(model, "loss_scale", epochs=1, record=tmp_path / "r")
+    with RunRecord(tmp_path / "r") as record:
+        assert {"loss_scale", "fp8_weight_e4m3", "fp8_grad_e5m2"} <= set(record.kinds())
+        scale = record.layers("loss_scale")
+        assert scale.names == ("loss scale",) and scale.values[-1, 0] < 2.0**15
+    run(mlp("bfloat16", keras.optimizers.SGD(1e-3)), epochs=1, record=tmp_path / "b")
+    with RunRecord(tmp_path / "b") as record:
+        lost = record.layers("update_lost")
+        assert "mlp/hidden/kernel" in lost.names and np.nanmax(lost.values) > 0.5
