@@ -19,6 +19,8 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 keras = pytest.importorskip("keras")
 
+from _observed import PRECISION, Observed, named  # noqa: E402
+
 from stethoscope import KerasStethoscope  # noqa: E402
 from stethoscope.callbacks._keras import ops as kops  # noqa: E402
 from stethoscope.callbacks._keras.precision import (  # noqa: E402
@@ -37,20 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 tf = pytest.importorskip("tensorflow")
 
-PRECISION = {"rounded_updates", "gradient_underflow", "loss_scale_collapse", "overflow_risk"}
 N, FEATURES, CLASSES, BATCH = 512, 12, 3, 16  # 32 steps an epoch
-
-
-class Observed(CapturingSink):
-    """A capturing sink that also keeps every observation that measured ``statistic``."""
-
-    def __init__(self, statistic: str) -> None:
-        super().__init__()
-        self.statistic, self.observations = statistic, []
-
-    def observe(self, obs: Any, interval: int) -> None:
-        if obs.has(self.statistic):
-            self.observations.append(obs)
 
 
 class InfGradient(keras.layers.Layer):
@@ -152,10 +141,6 @@ def run(
         x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb, *callbacks]
     )
     return sink
-
-
-def named(sink: CapturingSink) -> set[str]:
-    return {f.detector for f in sink.at_least("warning")}
 
 
 # -- the statistics' kernels ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from _models import TinyMLP, fit, loader
+from _observed import PRECISION, Observed, named
 from lightning.pytorch.plugins import MixedPrecision
 
 from stethoscope import LightningStethoscope
@@ -23,21 +24,6 @@ from stethoscope.callbacks._lightning.precision import gradient_shares, rounded_
 from stethoscope.callbacks._lightning.predictions import probability_rows
 from stethoscope.detectors import default_detectors
 from stethoscope.record import RunRecord
-from stethoscope.testing import CapturingSink
-
-PRECISION = {"rounded_updates", "gradient_underflow", "loss_scale_collapse", "overflow_risk"}
-
-
-class Observed(CapturingSink):
-    """A capturing sink that also keeps every observation that measured ``statistic``."""
-
-    def __init__(self, statistic: str) -> None:
-        super().__init__()
-        self.statistic, self.observations = statistic, []
-
-    def observe(self, obs: Any, interval: int) -> None:
-        if obs.has(self.statistic):
-            self.observations.append(obs)
 
 
 class Weighted(TinyMLP):
@@ -82,10 +68,6 @@ def run(model: L.LightningModule, statistic: str = "precision", *, steps: int = 
     callback = LightningStethoscope(sinks=[sink], stop_on=None, **kw.pop("callback_kw", {}))
     trainer, _ = fit(model, steps=steps, callback=callback, **kw)
     return trainer, sink
-
-
-def named(sink: CapturingSink) -> set[str]:
-    return {f.detector for f in sink.at_least("warning")}
 
 
 # -- the statistics' kernels ---------------------------------------------------------------------

@@ -83,7 +83,52 @@ class _LowPrecision(Detector):
         return self.setup.low_precision
 
 
-class RoundedUpdates(_LowPrecision):
+class _ShareStreak(_LowPrecision):
+    """A rule on a per-tensor share: a 16-bit tensor's share of something at or past
+    ``fraction`` on ``patience`` measured steps in a row, said once per streak (what
+    :class:`RoundedUpdates` and :class:`GradientUnderflow` judge).
+
+    Args:
+        fraction: The share.
+        patience: Consecutive measured steps at or past it.
+    """
+
+    def __init__(self, *, fraction: float, patience: int) -> None:
+        check_fraction(self.name, "fraction", fraction)
+        check_positive(self.name, "patience", patience, integer=True)
+        self.fraction, self.patience = float(fraction), patience
+        super().__init__()
+
+    def _initial_state(self) -> dict:
+        return {"count": 0, "since": None, "fired": False}
+
+    def _worst(
+        self, obs: Observation, shares: np.ndarray, judged: np.ndarray, what: str
+    ) -> tuple[int, np.ndarray] | None:
+        """The tensor to name and which tensors are past the share, on the step the
+        streak is long enough to say (None on every other step). ``what``: the suspicion
+        a step of the streak raises before that, of ``{share}`` and ``{name}``."""
+        st = self.state
+        if not judged.any():
+            return None
+        past = judged & (shares >= self.fraction)
+        if not past.any():
+            st["count"], st["since"], st["fired"] = 0, None, False
+            return None
+        st["count"] += 1
+        if st["since"] is None:
+            st["since"] = obs.step
+        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
+            return None
+        worst = int(np.flatnonzero(past)[np.argmax(shares[past])])
+        self.suspect = what.format(share=shares[worst], name=obs.names[worst])
+        if st["count"] < self.patience:
+            return None
+        st["fired"] = True
+        return worst, past
+
+
+class RoundedUpdates(_ShareStreak):
     """Updates that round away: a 16-bit weight the optimizer step leaves as it was.
 
     A bfloat16 weight keeps 8 significant bits: an update smaller than half of 2**-7 of
@@ -106,40 +151,22 @@ class RoundedUpdates(_LowPrecision):
     advice = "fp32 master weights; raise the LR; stochastic rounding"
 
     def __init__(self, *, fraction: float = 0.5, patience: int = 3) -> None:
-        check_fraction(self.name, "fraction", fraction)
-        check_positive(self.name, "patience", patience, integer=True)
-        self.fraction, self.patience = float(fraction), patience
-        super().__init__()
+        super().__init__(fraction=fraction, patience=patience)
 
     def current_advice(self) -> str:
         return "bf16-mixed; raise the LR" if self.setup.framework == "lightning" else self.advice
 
-    def _initial_state(self) -> dict:
-        return {"count": 0, "since": None, "fired": False}
-
     def _update(self, obs: Observation) -> list[Finding]:
-        st = self.state
         if obs.update_lost is None:  # a step whose update was not applied (recovery)
             return []
         lost = np.asarray(obs.update_lost, dtype=np.float64)
         judged = _half(obs) & np.asarray(obs.is_matrix, dtype=bool) & np.isfinite(lost)
-        if not judged.any():
+        said = self._worst(obs, lost, judged, "{share:.0%} of {name}'s updates rounded away")
+        if said is None:
             return []
-        past = judged & (lost >= self.fraction)
-        if not past.any():
-            st["count"], st["since"], st["fired"] = 0, None, False
-            return []
-        st["count"] += 1
-        if st["since"] is None:
-            st["since"] = obs.step
-        worst = int(np.flatnonzero(past)[np.argmax(lost[past])])
+        worst, past = said
+        st = self.state
         share, dtype = float(lost[worst]), obs.dtypes[worst]
-        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
-            return []
-        self.suspect = f"{share:.0%} of {obs.names[worst]}'s updates rounded away"
-        if st["count"] < self.patience:
-            return []
-        st["fired"] = True
         fmt = FORMATS[dtype]
         return [
             self.finding(
@@ -161,7 +188,7 @@ class RoundedUpdates(_LowPrecision):
         ]
 
 
-class GradientUnderflow(_LowPrecision):
+class GradientUnderflow(_ShareStreak):
     """Gradients that underflow in float16: subnormal, or flushed to zero.
 
     float16's smallest normal value is 6.1e-5; below it a gradient keeps fewer bits, and
@@ -185,35 +212,17 @@ class GradientUnderflow(_LowPrecision):
     advice = "scale the loss (16-mixed) or train in bf16"
 
     def __init__(self, *, fraction: float = 0.05, patience: int = 2) -> None:
-        check_fraction(self.name, "fraction", fraction)
-        check_positive(self.name, "patience", patience, integer=True)
-        self.fraction, self.patience = float(fraction), patience
-        super().__init__()
-
-    def _initial_state(self) -> dict:
-        return {"count": 0, "since": None, "fired": False}
+        super().__init__(fraction=fraction, patience=patience)
 
     def _update(self, obs: Observation) -> list[Finding]:
-        st = self.state
         subnormal = np.asarray(obs.grad_subnormal, dtype=np.float64)
         judged = _half(obs) & np.isfinite(subnormal)
-        if not judged.any():
+        said = self._worst(obs, subnormal, judged, "{share:.0%} of {name}'s gradient is subnormal")
+        if said is None:
             return []
-        past = judged & (subnormal >= self.fraction)
-        if not past.any():
-            st["count"], st["since"], st["fired"] = 0, None, False
-            return []
-        st["count"] += 1
-        if st["since"] is None:
-            st["since"] = obs.step
-        worst = int(np.flatnonzero(past)[np.argmax(subnormal[past])])
+        worst, past = said
+        st = self.state
         share, dtype = float(subnormal[worst]), obs.dtypes[worst]
-        if st["fired"]:  # said once: a suspicion now would keep the sampler hot for good
-            return []
-        self.suspect = f"{share:.0%} of {obs.names[worst]}'s gradient is subnormal"
-        if st["count"] < self.patience:
-            return []
-        st["fired"] = True
         fmt = FORMATS[dtype]
         zero = float(np.asarray(obs.grad_zero, dtype=np.float64)[worst])
         return [
