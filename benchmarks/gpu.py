@@ -427,6 +427,10 @@ CENSUS_MODES: dict[str, tuple[dict | None, str, dict]] = {
         "fused",
         {"precision": "16-mixed"},
     ),
+    # the precision statistics on 16-bit weights, and a GradScaler's skips counted on the
+    # device at every step
+    "defaults, bf16-true": ({}, "fused", {"precision": "bf16-true"}),
+    "defaults, 16-mixed, GradScaler": ({}, "fused", {"precision": "16-mixed"}),
 }
 
 

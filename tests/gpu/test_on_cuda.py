@@ -28,6 +28,8 @@ SYNC_FREE = [
     "log_stats=True",
     "recover=True, fused AdamW",
     "recover=True, 16-mixed, GradScaler, fused AdamW",
+    "defaults, bf16-true",
+    "defaults, 16-mixed, GradScaler",
 ]
 
 
