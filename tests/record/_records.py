@@ -48,7 +48,8 @@ def synthetic_observation(step: int, plan: frozenset[str], *, loss: float) -> Ob
         kw["grad_peak"] = np.full(n, 0.5)
         kw["update_lost"] = np.linspace(0.0, 0.2, n) + 0.0001 * step
     if "loss_scale" in plan:
-        kw["loss_scale"], kw["scale_skipped"], kw["scale_steps"] = 2.0 ** (16 - step // 100), 0, 1
+        kw["loss_scale"], kw["scale_steps"] = 2.0 ** (16 - step // 100), 4
+        kw["scale_skipped"] = int(step % 100 == 0)  # the scale halves: one step in 4 skipped
     if "fp8" in plan:
         kw["fp8_underflow"] = np.tile([0.0, 0.0, 0.02, 0.001], (n, 1))
         kw["fp8_amax"] = np.tile([1.0, 0.1], (n, 1))

@@ -50,7 +50,7 @@ CHARTS: tuple[tuple[str, str, str], ...] = (
         "For the parameters held in 16 bits: the share of each weight's elements that the "
         "optimizer step left as they were although their gradient was not zero (updates "
         "rounded away), and the share of each gradient that is subnormal (underflowing); "
-        "and a loss scaler's scale, over time.",
+        "and a loss scaler's scale and the share of the steps it skipped, over time.",
     ),
     (
         "fp8",

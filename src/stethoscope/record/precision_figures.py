@@ -22,9 +22,11 @@ def precision_figure(
     update_lost: LayerSeries | None,
     grad_subnormal: LayerSeries | None,
     loss_scale: LayerSeries | None,
+    scale_skipped: LayerSeries | None = None,
 ) -> go.Figure | str:
     """Of each parameter held in 16 bits, the share of its updates that rounded away and
-    of its gradient that was subnormal, and the loss scaler's scale, over time."""
+    of its gradient that was subnormal, and the loss scaler's scale and the share of the
+    steps it skipped, over time."""
     return pl.share_panels(
         [
             pl.Panel(
@@ -39,6 +41,11 @@ def precision_figure(
                 grad_subnormal,
             ),
             pl.Panel("Loss scale", "scale", loss_scale, share=False),
+            pl.Panel(
+                "Steps the loss scaler skipped: share since the last measurement",
+                "skipped",
+                scale_skipped,
+            ),
         ],
         title="Precision",
         empty="The run held nothing in 16 bits, so no precision statistics were recorded.",

@@ -88,7 +88,10 @@ def _build(record: RunRecord) -> dict[str, go.Figure | str]:
         "distributions": f.distribution_figure(layers("weight_hist"), layers("grad_hist")),
         "dead_saturated": f.dead_saturated_figure(layers("dead"), layers("saturated")),
         "precision": precision_figure(
-            layers("update_lost"), layers("grad_subnormal"), layers("loss_scale")
+            layers("update_lost"),
+            layers("grad_subnormal"),
+            layers("loss_scale"),
+            layers("scale_skipped"),
         ),
         "fp8": fp8_figure(layers("fp8_weight_e4m3"), layers("fp8_grad_e5m2")),
     }

@@ -54,6 +54,7 @@ LAYER_KINDS: dict[str, str] = {
     "update_lost": "parameters held in 16 bits (their share of updates rounded away)",
     "grad_subnormal": "parameters held in 16 bits (their gradient's subnormal share)",
     "loss_scale": "the loss scaler (one name: its scale)",
+    "scale_skipped": "the loss scaler (one name: the share of steps it skipped since the last)",
     "fp8_weight_e4m3": "parameters (their weights' share lost to zero in e4m3)",
     "fp8_grad_e5m2": "parameters (their gradient's share lost to zero in e5m2)",
 }
@@ -274,6 +275,9 @@ class RunRecorder(Sink):
             keep((step, "grad_subnormal", tuple(names[i] for i in half), subnormal))
         if obs.loss_scale is not None:
             keep((step, "loss_scale", ("loss scale",), np.array([obs.loss_scale])))
+            if obs.scale_steps:
+                skipped = np.array([obs.scale_skipped / obs.scale_steps])
+                keep((step, "scale_skipped", ("skipped steps",), skipped))
         if obs.fp8_underflow is not None:
             lost = np.asarray(obs.fp8_underflow).reshape(-1, 4)
             keep((step, "fp8_weight_e4m3", names, lost[:, 0]))
