@@ -80,6 +80,13 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
         """Whether the data of ``statistic`` (a name in ``STATISTICS``) is present."""
         return getattr(self, _MARKERS[statistic]) is not None
 
+    def drop_update(self) -> None:
+        """This step's update was not applied (the recovery ladder or a loss scaler skipped
+        it): its update statistics, all zero, say nothing of the layers and would read as
+        updates too small to learn, or rounded away. They are dropped before it is
+        judged."""
+        self.update_norm = self.prev_weight_norm = self.update_lost = None
+
 
 def global_norm(norms: np.ndarray) -> float:
     """The L2 norm of all tensors together, from their individual L2 norms."""

@@ -139,7 +139,7 @@ class Recoverer:
         (``small_updates``) or as updates rounded away (``rounded_updates``), so they are
         dropped before the step is judged."""
         if obs.update_norm is not None and self.ladder.was_skipped(obs.step):
-            obs.update_norm = obs.prev_weight_norm = obs.update_lost = None
+            obs.drop_update()
 
     def skipped_again(self, step: int, epoch: int, before: SkippedBatch) -> None:
         """The adapter did not apply step ``step``, whose batch was skipped before."""

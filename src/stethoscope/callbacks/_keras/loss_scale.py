@@ -155,4 +155,4 @@ class LossScale(KerasReduction):
         obs.scale_steps = obs.step + 1 - self._since
         self._since, self._skips = obs.step + 1, total
         if skipped:  # the optimizer skipped this very step: its update was not applied
-            obs.update_norm = obs.prev_weight_norm = obs.update_lost = None
+            obs.drop_update()

@@ -18,7 +18,14 @@ import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
-from stethoscope.callbacks._keras.reductions import KerasReduction, Layout, ReadBack, Store
+from stethoscope.callbacks._keras.reductions import (
+    KerasReduction,
+    Layout,
+    ReadBack,
+    Store,
+    snapshotted,
+    value_before,
+)
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import Slot
 from stethoscope.number_formats import E4M3, E5M2, HALF, format_of
@@ -137,8 +144,8 @@ class GradientPrecision(KerasReduction):
     def before_update(self, store: Store, tvars: list[Any]) -> Any:
         if not self.whole:  # UpdateNorms copies them into its snapshot variables
             return None
-        chosen = ((self.position.get(id(v)), v) for v in tvars)
-        return {pos: kops.value(v) for pos, v in chosen if pos in self.snapshot}
+        chosen = snapshotted(tvars, self.position, self.snapshot)
+        return {pos: kops.value(v) for pos, v in chosen}
 
     def on_update(self, store: Store, now: dict[int, Any], before: Any) -> None:
         grads = store.gradients()
@@ -148,8 +155,7 @@ class GradientPrecision(KerasReduction):
             if pos not in self.snapshot or pos not in now or pos not in grads:
                 lost.append(nan)
                 continue
-            old = before[pos] if before is not None else store.variable(f"snapshot_{pos}")
-            lost.append(rounded_away(ops.convert_to_tensor(old), now[pos], grads[pos]))
+            lost.append(rounded_away(value_before(store, before, pos), now[pos], grads[pos]))
         store.put("update_lost", ops.stack(lost))
 
     def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:

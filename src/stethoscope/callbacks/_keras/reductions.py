@@ -59,6 +59,8 @@ __all__ = [
     "UpdateNorms",
     "WeightNorms",
     "slots_of",
+    "snapshotted",
+    "value_before",
 ]
 
 #: Statistics of mistakes Keras' ``fit`` cannot make, which no Keras reduction measures:
@@ -306,8 +308,7 @@ class UpdateNorms(KerasReduction):
         return out
 
     def before_update(self, store: Store, tvars: list[Any]) -> Any:
-        chosen = [(self.position.get(id(v)), v) for v in tvars]
-        chosen = [(pos, v) for pos, v in chosen if pos in self.snapshot]
+        chosen = snapshotted(tvars, self.position, self.snapshot)
         if self.whole:
             return {pos: kops.value(v) for pos, v in chosen}
         for pos, v in chosen:
@@ -320,11 +321,7 @@ class UpdateNorms(KerasReduction):
         for pos, w in now.items():
             if pos not in self.snapshot:
                 continue
-            if before is not None:
-                old = before[pos]
-            else:
-                old = ops.convert_to_tensor(store.variable(f"snapshot_{pos}"))
-            old = ops.cast(old, "float32")
+            old = ops.cast(value_before(store, before, pos), "float32")
             changes[pos] = kops.half_square(ops.subtract(ops.cast(w, "float32"), old))
             prev[pos] = kops.half_square(old)
         count = store.layout.count
@@ -545,6 +542,21 @@ class ForwardRows(KerasReduction):
         if "trace" in plan:
             obs.trace_names = tuple(name for name, _, _ in self.layers)
             obs.trace_finite = rows[:, 3] != 0.0  # NaN: a layer this step did not call
+
+
+def snapshotted(tvars: list[Any], position: dict[int, int], snapshot: frozenset[int]) -> list:
+    """``(position, variable)`` of the variables of ``tvars`` whose update is measured
+    (those within the snapshot budget)."""
+    chosen = ((position.get(id(v)), v) for v in tvars)
+    return [(pos, v) for pos, v in chosen if pos in snapshot]
+
+
+def value_before(store: Store, before: dict[int, Any] | None, pos: int) -> Any:
+    """The value of the variable at ``pos`` before the update: the step's own read of it
+    (``before``, in a whole heavy function), else its snapshot variable."""
+    if before is not None:
+        return before[pos]
+    return ops.convert_to_tensor(store.variable(f"snapshot_{pos}"))
 
 
 def slots_of(reduction: KerasReduction, layout: Layout, regime: Regime) -> list[Slot]:

@@ -296,4 +296,4 @@ class LossScale(Reduction):
         obs.loss_scale, obs.scale_skipped = float(values[0]), int(values[1])
         obs.scale_steps = int(contexts[-1])
         if values[2]:  # the scaler skipped this very step: its update was not applied
-            obs.update_norm = obs.prev_weight_norm = obs.update_lost = None
+            obs.drop_update()
