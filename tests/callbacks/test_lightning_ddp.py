@@ -10,14 +10,11 @@ it has not finished within :data:`TIMEOUT`.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import run_ranks
 from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
@@ -46,49 +43,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Run both ranks through every scenario; the directory of what they wrote."""
-    out = tmp_path_factory.mktemp("ddp")
-    port = _free_port()
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "PYTHONPATH": path,
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(WORKER), str(out), *SCENARIOS]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()  # only the two processes this fixture started
-                proc.wait()
-            log.close()
-    failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
-    if failed:
-        logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r, _ in failed)
-        pytest.fail(f"DDP ranks failed or timed out (rank, code): {failed}\n{logs}")
-    return out
+    return run_ranks(WORKER, tmp_path_factory.mktemp("ddp"), SCENARIOS, TIMEOUT)
 
 
 def findings(out: Path, scenario: str) -> list[dict]:

@@ -91,7 +91,7 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
         "snapshot": [],
         "weights": [],
         "attach": [],
-        "zero_rows": [],
+        "row_norms": [],
         "input_moments": [],
         "class_labels": [],
         "sample_prints": [],
@@ -113,7 +113,7 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     monkeypatch.setattr(ParameterProbe, "snapshot", spy("snapshot", ParameterProbe.snapshot))
     monkeypatch.setattr(ParameterProbe, "weight_norms", spy("weights", ParameterProbe.weight_norms))
     monkeypatch.setattr(ForwardProbe, "attach", spy("attach", ForwardProbe.attach))
-    bare = [(reductions, "zero_rows")]  # module functions, called bare
+    bare = [(reductions, "row_norms")]  # module functions, called bare
     bare += [
         (batch_reductions, fn)
         for fn in (
@@ -160,7 +160,7 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     assert calls["weights"] == planned
     assert calls["snapshot"] == planned_updates  # small/large_updates, frozen_weights
     assert set(planned_updates) < set(planned)
-    for probe in ("attach", "zero_rows"):
+    for probe in ("attach", "row_norms"):
         assert calls[probe] == planned, probe  # hooks and unit stats: sampled steps only
     for probe in ("input_moments", "class_labels"):  # on sampled steps only
         assert calls[probe] and set(calls[probe]) <= set(planned), probe

@@ -30,15 +30,16 @@ from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
-from stethoscope.callbacks._lightning.parameters import ParameterProbe, unit_layers
+from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.precision import ScaleSkips
 from stethoscope.callbacks._lightning.ranks import LightningRanks
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.recovery import LightningRecovery
 from stethoscope.callbacks._lightning.reductions import (
     ReductionSet,
-    make_reductions,
+    watch_parameters,
 )
+from stethoscope.callbacks._lightning.shards import ShardCombiner
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
@@ -173,6 +174,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._backward_always = self._backward_on = False
         self._recovery: LightningRecovery | None = None
         self._scale_skips: ScaleSkips | None = None
+        self._batch: BatchParts | None = None
+        #: Under sharded parameters: combines the ranks' measures of their shards.
+        self._combiner: ShardCombiner | None = None
 
     # -- set-up -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -181,17 +185,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._reset_run()
         self._trainer = trainer
         self._clock = step_clock_for(trainer.strategy.root_device)
-        probe = self._probe = ParameterProbe(list(pl_module.named_parameters()))
-        layers = unit_layers(pl_module, probe)
-        for _, i, mod in layers:
-            probe.fan_in[i] = mod.weight.numel() / max(mod.weight.shape[0], 1)
-        self._forward = ForwardProbe(pl_module, layers)
         # DDP averages the gradients over every rank's batch
-        batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._scale_skips = ScaleSkips.of(scaler_of(trainer))
-        self._reductions = make_reductions(
-            pl_module, probe, layers, self._forward, batch, self._scale_skips
-        )
+        self._batch = batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
         self._val_prints = ValidationPrints(batch.inputs)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
@@ -207,10 +202,16 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._backward_on = self._backward_always  # as start_fit set it
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # at train start: a strategy that shards the model (FSDP2's configure_model)
+        # replaces its parameters after setup
+        watched = watch_parameters(pl_module, self._batch, scaler_of(trainer))
+        self._probe, self._forward, self._scale_skips, self._reductions = watched
         optimizers = trainer.optimizers
         # the dict object stays the same while schedulers change its "lr": read it per step
         self._lr_group = optimizers[0].param_groups[0] if optimizers else None
         self._probe.optimized_by(optimizers)
+        if self._ranks is not None:  # before the monitor starts: how the ranks judge
+            self._ranks.watch_replicas(trainer, pl_module, sharded=self._probe.sharded)
         context = run_context(
             trainer,
             record=self.record,
@@ -223,8 +224,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._remember_skipped(trainer.strategy.broadcast if trainer.world_size > 1 else None)
             self._recovery = LightningRecovery(self.recoverer, self._act)
             self._recovery.start(trainer, pl_module)
-        if self._ranks is not None:
-            self._ranks.watch_replicas(trainer, pl_module)
+        if self._probe.sharded and self._ranks is not None:
+            self._combiner = self._ranks.combine_shards(self._reductions.unsharded)
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(
@@ -244,7 +245,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         if self._scale_skips is not None and "updates" in plan:
             plan |= {"loss_scale"}  # whether the scaler skipped the step (LossScale)
-        self._measures = measures = StepMeasures(step, trainer.current_epoch, plan)
+        self._measures = measures = StepMeasures(
+            step, trainer.current_epoch, plan, combiner=self._combiner
+        )
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
         backward = self._backward_always or not plan.isdisjoint(self._reductions.before_backward)

@@ -276,7 +276,9 @@ class Monitor:
                 self.ledger.enter(f)
 
     # -- distributed runs -------------------------------------------------------------
-    def distribute(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
+    def distribute(
+        self, *, rank: int, world_size: int, replicated: bool = True, sharded: bool = False
+    ) -> None:
         """Take part in a run of ``world_size`` processes as ``rank`` (1: a single process).
 
         Rank zero alone writes to the sinks. In a single process the detectors that
@@ -288,8 +290,9 @@ class Monitor:
             replicated: Whether every rank holds the same gradients and weights
                 (:data:`~stethoscope.statistics.REPLICATED`), as under DDP: then
                 off rank zero the detectors that judge only those do not run, and rank
-                zero judges them for everyone. ``False`` (sharded parameters): every
-                rank judges its own.
+                zero judges them for everyone. ``False``: every rank judges its own.
+            sharded: The ranks combine those statistics from their shards (FSDP2): every
+                rank measures them where rank zero, which judges them, does.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
@@ -301,7 +304,10 @@ class Monitor:
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
         self.judges_replicated = world_size == 1 or rank == 0 or not replicated
-        self.schedule.take_part(rank=rank, world_size=world_size, replicated=replicated)
+        self.sharded = sharded and world_size > 1  # the ranks combine their shards' statistics
+        self.schedule.take_part(
+            rank=rank, world_size=world_size, replicated=replicated, sharded=sharded
+        )
         self.judge.held = Held()
 
     @property
@@ -400,6 +406,11 @@ class Monitor:
                 if self.rank == 0:
                     warn_sitting_out(off)
         self.ledger.call_sinks("start", context)
+
+    def cannot_measure(self, statistics: frozenset[str], why: str) -> list[str]:
+        """The adapter cannot measure ``statistics`` in this run (``why``: a few words):
+        see ``Schedule.cannot_measure``; rank zero says so."""
+        return self.schedule.cannot_measure(statistics, why, warn=self.rank == 0)
 
     def begin(self, *, fresh: bool) -> None:
         """Start a training run: reopen after a previous run's close, forget its stop.

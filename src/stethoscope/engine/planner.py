@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from stethoscope.detectors.base import Detector
 from stethoscope.engine.sampler import AdaptiveSampler
-from stethoscope.statistics import EVENT, EVERY_STEP, GATHERED, with_requirements
+from stethoscope.statistics import EVENT, EVERY_STEP, GATHERED, REPLICATED, with_requirements
 
 __all__ = ["QUIET_HORIZON", "SINK_HOT_SHORTENING", "Planner"]
 
@@ -50,6 +50,9 @@ class Planner:
         #: and that step, once planned.
         self._next: frozenset[str] = frozenset()
         self._next_step: int | None = None
+        #: Under sharded parameters, the detectors idle here whose statistics this rank
+        #: measures all the same (see :meth:`measure_shards`); None: not sharded.
+        self._shard_readers: frozenset[str] | None = None
         self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
 
@@ -61,6 +64,27 @@ class Planner:
         self._sink_every = every if self._sink_wants else 0
         self._sink_shortest = max(1, every // SINK_HOT_SHORTENING)
         self.changed()
+
+    def measure_shards(self, idle_here: frozenset[str]) -> None:
+        """The parameters are sharded: every rank measures the statistics of the whole
+        model (:data:`~stethoscope.statistics.REPLICATED`) at the same steps, since the
+        ranks combine them in a collective, though only rank zero judges them.
+
+        Those statistics are then planned from what every rank knows alike: the detectors
+        due at the step (the sampler's schedule, agreed where the ranks meet), less those
+        that take part nowhere, and what they declare they need or want; never from a
+        detector's own state (finished, wanting, requests), which only the rank that
+        judges it has. ``idle_here``: the detectors idle on this rank alone (rank zero
+        judges them), whose statistics it measures all the same."""
+        self._shard_readers = frozenset(idle_here)
+        self._agreed = {}
+        self.changed()
+
+    def sat_out(self, names: frozenset[str]) -> None:
+        """The detectors ``names`` take part nowhere from now on: under sharded
+        parameters, no rank measures their statistics for them any more."""
+        if self._shard_readers is not None and not self._shard_readers.isdisjoint(names):
+            self.measure_shards(self._shard_readers - names)
 
     def sink_interval(self, step: int) -> int:
         """How often the sinks' statistics are measured at ``step`` (0: never)."""
@@ -84,6 +108,7 @@ class Planner:
         self._plans: dict[tuple, frozenset[str]] = {}
         self._loss_readers: tuple[Detector, ...] | None = None
         self._arriving: tuple[Detector, ...] | None = None
+        self._agreed: dict[frozenset[str], frozenset[str]] = {}
         self.changed()
 
     def due(self, step: int) -> frozenset[str]:
@@ -127,6 +152,20 @@ class Planner:
             self._quiet_steps, self._quiet_plan = range(step, end), planned
         return planned
 
+    def _agreed_plan(self, step: int) -> frozenset[str]:
+        """What every rank measures of the whole model at ``step`` (see
+        :meth:`measure_shards`)."""
+        due = self.due(step)
+        hit = self._agreed.get(due)
+        if hit is None:
+            nowhere = self.idle - self._shard_readers
+            wanted: set[str] = set()
+            for d in self.detectors:
+                if d.name in due and d.name not in nowhere:
+                    wanted |= d.needs | d.wants
+            hit = self._agreed[due] = with_requirements(wanted) & REPLICATED
+        return hit
+
     def is_quiet(self, step: int) -> bool:
         """Whether ``step`` measures no more than the every-step statistics (the loss)."""
         return self.plan(step) <= EVERY_STEP
@@ -145,6 +184,8 @@ class Planner:
             planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
         if self.requested:
             planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)
+        if self._shard_readers is not None:
+            planned = (planned - REPLICATED) | self._agreed_plan(step)
         if self._sink_every and step % self.sink_interval(step) == 0:
             planned = planned | self._sink_wants
         return planned

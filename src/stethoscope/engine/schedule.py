@@ -46,13 +46,19 @@ class Schedule:
         """The statistics the sinks want measured, beside the detectors'."""
         return self._sink_wants[0]
 
-    def take_part(self, *, rank: int, world_size: int, replicated: bool) -> None:
+    def take_part(
+        self, *, rank: int, world_size: int, replicated: bool, sharded: bool = False
+    ) -> None:
         """Plan for ``rank`` of ``world_size`` (see ``Monitor.distribute``): in a single
         process the detectors that compare ranks do not run; off rank zero of a replicated
         run, those that judge only what every rank holds alike do not either (rank zero
         judges them). Only rank zero measures what the sinks want (it alone writes), and
         only a single process keeps a budget: the ranks of a distributed run share one
-        schedule, which their own clocks would pull apart."""
+        schedule, which their own clocks would pull apart.
+
+        ``sharded``: the ranks combine those statistics from their shards, so every rank
+        measures them where rank zero does, for the sinks too (see
+        ``Planner.measure_shards``)."""
         if world_size == 1:
             idle = {d.name for d in self.detectors if d.needs & GATHERED}
         elif rank != 0 and replicated:
@@ -60,13 +66,37 @@ class Schedule:
         else:
             idle = set()
         self.planner.set_idle(frozenset(idle) | self._not_applying)
-        self.planner.sinks_want(*(self._sink_wants if rank == 0 else (frozenset(), 0)))
+        if sharded and world_size > 1:
+            self.planner.measure_shards(frozenset(idle) - self._not_applying)
+        writes = rank == 0 or (sharded and world_size > 1)
+        self.planner.sinks_want(*(self._sink_wants if writes else (frozenset(), 0)))
         fraction = self._budget_fraction if world_size == 1 else None
         self.budget = _budget(fraction, self.sampler, self._shortest_sampled())
 
     def sit_out(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run from now on."""
         self.planner.set_idle(self.planner.idle | names)
+        self.planner.sat_out(names)
+
+    def cannot_measure(self, statistics: frozenset[str], why: str, *, warn: bool) -> list[str]:
+        """The adapter cannot measure ``statistics`` in this run (``why``: a few words for
+        the user): the detectors taking part that need any of them sit out, and ``warn``
+        says so once. Returns their names."""
+        off = sorted(
+            d.name
+            for d in self.detectors
+            if not d.needs.isdisjoint(statistics) and not self.idle(d.name)
+        )
+        if off:
+            self.sit_out(frozenset(off))
+            if warn:
+                warnings.warn(
+                    f"stethoscope: {', '.join(off)} cannot judge this run ({why}): they are "
+                    "off; the other detectors judge it as usual",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        return off
 
     def not_applying(self, names: frozenset[str]) -> None:
         """The detectors whose rule does not apply to the training starting now (see
@@ -75,6 +105,7 @@ class Schedule:
         back = self._not_applying - names
         self._not_applying = names
         self.planner.set_idle((self.planner.idle - back) | names)
+        self.planner.sat_out(names)
         if self.budget is not None:
             self.budget.aim(self._shortest_sampled())
 

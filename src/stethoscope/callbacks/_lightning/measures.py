@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning.shards import COMBINES, ShardCombiner
 from stethoscope.statistics import EVERY_STEP
 
 __all__ = ["Reading", "StepMeasures"]
@@ -66,8 +67,12 @@ class StepMeasures:
     #: The loss scale the gradients being measured still carry (see ``loss_scale``), or
     #: None; set per optimizer before its gradients are measured.
     grad_scale: torch.Tensor | None = None
+    #: Under sharded parameters: combines what each rank measured of its own shards
+    #: (None: every rank holds whole parameters, nothing is combined).
+    combiner: ShardCombiner | None = None
     _parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _contexts: dict[str, list[Any]] = field(default_factory=dict)
+    _combines: dict[str, list[str | None]] = field(default_factory=dict)
 
     @property
     def sampled(self) -> bool:
@@ -79,29 +84,50 @@ class StepMeasures:
         """Whether anything measured waits to be read (or forward hooks to be collected)."""
         return bool(self._parts) or self.forward
 
-    def add(self, statistic: str, tensor: torch.Tensor, context: Any = None) -> None:
+    def add(
+        self,
+        statistic: str,
+        tensor: torch.Tensor,
+        context: Any = None,
+        *,
+        combine: str | None = None,
+    ) -> None:
         """Keep ``tensor`` (flattened, float32) as a part of ``statistic``'s reading, with
-        what its decoding needs to know."""
+        what its decoding needs to know.
+
+        Args:
+            combine: Under sharded parameters, how the ranks combine it, one of
+                :data:`~stethoscope.callbacks._lightning.shards.COMBINES` (None: this
+                rank's own, as the loss is).
+        """
+        if combine is not None and combine not in COMBINES:
+            raise ValueError(f"combine={combine!r} must be one of {COMBINES} or None")
         self._parts.setdefault(statistic, []).append(tensor.reshape(-1).float())
         self._contexts.setdefault(statistic, []).append(context)
+        self._combines.setdefault(statistic, []).append(combine)
 
     def note(self, statistic: str, context: Any) -> None:
         """Keep a fact seen on the host (no tensor) as a part of ``statistic``'s reading:
         its decoding finds it among the contexts."""
         self._parts.setdefault(statistic, [])
         self._contexts.setdefault(statistic, []).append(context)
+        self._combines.setdefault(statistic, [])
 
     def take(self, lr: float | None) -> Reading | None:
         """What was measured since the last take, as one reading (None: nothing)."""
         if not self._parts:
             return None
         layout = []
-        tensors = []
+        tensors: list[torch.Tensor] = []
+        kinds: list[str | None] = []
         for name, parts in self._parts.items():
             tensors.extend(parts)
+            kinds.extend(self._combines[name])
             n = sum(t.numel() for t in parts)
             layout.append((name, n, tuple(self._contexts[name])))
-        self._parts, self._contexts = {}, {}
+        self._parts, self._contexts, self._combines = {}, {}, {}
+        if self.combiner is not None and any(kinds):
+            tensors = self.combiner.combine(tensors, kinds)
         if not tensors:  # facts seen on the host alone
             tensors = [torch.zeros(0)]
         values = tensors[0] if len(tensors) == 1 else torch.cat(tensors)

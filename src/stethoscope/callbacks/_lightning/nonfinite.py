@@ -31,6 +31,10 @@ def look_if_nonfinite(
         return None
     if judged.step != current_step or not monitor.judges_replicated:
         return None  # off rank zero under DDP, the detectors that would read them are idle
+    if monitor.sharded:
+        # each rank holds a shard: the whole model's norms need every rank, and the
+        # others' losses were finite (they do not look); the next sampled step names them
+        return None
     reading = reductions.gradients_and_weights_now(judged.step, judged.epoch, judged.lr)
     if reading is None:
         return None

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from stethoscope.callbacks._lightning.shards import is_sharded, local_part, row_span, scatter_rows
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
@@ -16,13 +17,17 @@ __all__ = [
     "ParameterProbe",
     "checksums",
     "magnitude_histograms",
+    "row_norms",
     "unit_layers",
-    "zero_rows",
 ]
 
 
 class ParameterProbe:
     """Fused reductions over a fixed, ordered set of named parameters.
+
+    Under a strategy that shards the parameters (FSDP2's DTensors), each reduction is of
+    the part this rank holds (see :mod:`~stethoscope.callbacks._lightning.shards`); the
+    sizes, shapes and names are the whole parameters'.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs in registration order; only
@@ -41,6 +46,9 @@ class ParameterProbe:
         self.names: tuple[str, ...] = tuple(n for n, _ in pairs)
         self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        #: Whether the parameters are sharded over the ranks: their reductions are then
+        #: partial, to be combined (see ``StepMeasures.add``'s ``combine``).
+        self.sharded = any(is_sharded(p) for p in self.params)
         self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
         self.is_matrix = np.array([p.dim() >= 2 for p in self.params], dtype=bool)
         #: The dtype each parameter is held in, by name (``"bfloat16"``); see ``describe``.
@@ -76,13 +84,22 @@ class ParameterProbe:
         """The indices whose parameter has a gradient this step."""
         return [i for i in indices if self.params[i].grad is not None]
 
+    def grad(self, i: int) -> torch.Tensor:
+        """The gradient of parameter ``i`` that this rank reduces (detached; its shard,
+        under sharding)."""
+        return local_part(self.params[i].grad).detach()
+
+    def data(self, i: int) -> torch.Tensor:
+        """Parameter ``i`` as this rank reduces it (detached; its shard, under sharding)."""
+        return local_part(self.params[i]).detach()
+
     def grad_norms(self, indices: Sequence[int]) -> torch.Tensor:
         """L2 norm of each gradient, as one float32 tensor on the device."""
-        return _stack_norms([self.params[i].grad.detach() for i in indices])
+        return _stack_norms([self.grad(i) for i in indices])
 
     def snapshot(self, indices: Sequence[int]) -> list[torch.Tensor]:
         """Copies of these parameters, to measure the optimizer's update against."""
-        return torch._foreach_mul([self.params[i].detach() for i in indices], 1.0)
+        return torch._foreach_mul([self.data(i) for i in indices], 1.0)
 
     def choose(self, indices: Sequence[int]) -> list[int]:
         """The parameters to snapshot this sampled step: at most ``snapshot_budget`` elements.
@@ -110,7 +127,7 @@ class ParameterProbe:
 
     def weight_norms(self, indices: Sequence[int]) -> torch.Tensor:
         """L2 norm of each parameter now, as one float32 tensor on the device."""
-        return _stack_norms([self.params[i].detach() for i in indices])
+        return _stack_norms([self.data(i) for i in indices])
 
     def update_norms(
         self, before: list[torch.Tensor], snapped: Sequence[int]
@@ -119,7 +136,7 @@ class ParameterProbe:
         ``before``, and of ``before`` itself. The snapshots' memory is reused for the
         differences: they are spent."""
         previous = _stack_norms(before)
-        torch._foreach_sub_(before, [self.params[i].detach() for i in snapped])
+        torch._foreach_sub_(before, [self.data(i) for i in snapped])
         return _stack_norms(before), previous
 
     def describe(self, obs: Observation, indices: Sequence[int]) -> None:
@@ -160,8 +177,18 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all of ``tensors`` together, a float32 0-d tensor on their device,
     accumulated as :func:`_stack_norms` does (an fp16 gradient whose norm passes 65504 is
-    large, not infinite)."""
-    return torch.linalg.vector_norm(_stack_norms(tensors))
+    large, not infinite).
+
+    Sharded tensors (DTensors) give the norm of the whole tensors: each rank's sum of the
+    squares of what it holds, summed over the ranks in one all-reduce on the device, so
+    every rank calls it at the same step (the recovery gate does, at every step).
+    """
+    if not (tensors and is_sharded(tensors[0])):
+        return torch.linalg.vector_norm(_stack_norms(tensors))
+    local = torch.linalg.vector_norm(_stack_norms([local_part(t) for t in tensors]))
+    squares = local.double().square()  # float64: a large norm's square would overflow
+    torch.distributed.all_reduce(squares)
+    return squares.sqrt().float()
 
 
 #: The integer type of each element size, to read a tensor's bit patterns as integers.
@@ -207,21 +234,25 @@ def unit_layers(
     return out
 
 
-def zero_rows(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """For each gradient, 1.0 for every output unit (row) that is zero, else 0.0.
+def row_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """For each gradient, the L2 norm of each output unit's row (dim 0), accumulated in
+    float32, all in one tensor: a unit got no gradient where it is zero (exactly when
+    every entry is, or under ~1e-19, where a square underflows). On the CPU it is far
+    cheaper than the max-abs norm, and it leaves no temporary the size of the gradient.
 
-    The row's L2 norm, accumulated in float32, is zero exactly when every entry is
-    (or under ~1e-19, where a square underflows): on the CPU it is far cheaper than
-    the max-abs norm, and it leaves no temporary the size of the gradient.
+    A sharded gradient (a DTensor) gives the norms of the rows held here, at their rows
+    of the whole gradient, and zeros elsewhere: the ranks' norms combine as norms do.
     """
-    return torch.cat(
-        [
-            (
-                torch.linalg.vector_norm(g.detach().flatten(1), 2, dim=1, dtype=torch.float32) == 0
-            ).float()
-            for g in grads
-        ]
-    )
+    out = []
+    for g in grads:
+        span = row_span(g)
+        if span is not None and span[2] == 0:  # no row held here, or counted elsewhere
+            out.append(torch.zeros(span[0], device=g.device))
+            continue
+        local = local_part(g).detach()
+        norms = torch.linalg.vector_norm(local.flatten(1), 2, dim=1, dtype=torch.float32)
+        out.append(norms if span is None else scatter_rows(norms, span))
+    return torch.cat(out)
 
 
 #: Elements histogrammed at once: bounds the temporaries of one large tensor.

@@ -151,19 +151,21 @@ class GradientPrecision(Reduction):
     statistics = frozenset({"precision"})
     name = "precision"
     per_parameter = True
+    combines_shards = False  # shares of each whole tensor's elements
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        grads = [self.probe.params[i].grad for i in indices]
+        grads = [self.probe.grad(i) for i in indices]
         measures.add("precision", gradient_shares(grads, measures.grad_scale), ("grads", indices))
 
     def at_end(self, measures: StepMeasures) -> None:
         if not measures.snapshots:
             return
-        params = [self.probe.params[i] for i in measures.snapped]
-        lost = rounded_away(measures.snapshots, params, [p.grad for p in params])
+        snapped = measures.snapped
+        params = [self.probe.data(i) for i in snapped]
+        lost = rounded_away(measures.snapshots, params, [self.probe.grad(i) for i in snapped])
         measures.add("precision", lost, ("lost", tuple(measures.snapped)))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
@@ -191,17 +193,18 @@ class Fp8Fit(Reduction):
     statistics = frozenset({"fp8"})
     name = "fp8"
     per_parameter = True
+    combines_shards = False  # shares of each whole tensor's elements
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        grads = [self.probe.params[i].grad for i in indices]
+        grads = [self.probe.grad(i) for i in indices]
         measures.add("fp8", fp8_shares(grads, measures.grad_scale), ("grads", len(indices)))
 
     def at_end(self, measures: StepMeasures) -> None:
         if measures.params:
-            weights = [self.probe.params[i] for i in measures.params]
+            weights = [self.probe.data(i) for i in measures.params]
             measures.add("fp8", fp8_shares(weights), ("weights", len(measures.params)))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:

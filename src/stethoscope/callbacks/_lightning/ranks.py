@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from stethoscope.callbacks._lightning.reductions import RankTiming, ReplicaChecksums
+from stethoscope.callbacks._lightning.shards import ShardCombiner
 from stethoscope.distributed import RankMeeting
 from stethoscope.engine import Decision, Monitor
 from stethoscope.recovery import Recoverer
@@ -48,25 +49,41 @@ class LightningRanks:
         self.replicas: ReplicaChecksums | None = None
         self._drain, self._act = drain, act
 
-    def watch_replicas(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The tensors replica_divergence compares (see ``ReplicaChecksums.of``); under a
-        strategy that shards the parameters, every rank judges its own gradients and
-        weights instead."""
+    def watch_replicas(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, sharded: bool
+    ) -> None:
+        """How the ranks judge the gradients and weights: under DDP, every rank holds the
+        same, rank zero judges them and replica_divergence compares the replicas' exact
+        checksums (see ``ReplicaChecksums.of``). ``sharded`` (FSDP2's DTensors): every
+        rank measures its shards, the ranks combine them, rank zero judges the whole
+        model's; nothing is replicated to compare. Under another strategy, every rank
+        judges what it holds."""
         self.replicas = ReplicaChecksums.of(trainer.strategy.model, pl_module)
+        rank, world_size = trainer.global_rank, trainer.world_size
         if self.replicas is not None:
             return
-        self.monitor.distribute(
-            rank=trainer.global_rank, world_size=trainer.world_size, replicated=False
-        )
+        if sharded:
+            self.monitor.distribute(rank=rank, world_size=world_size, sharded=True)
+            self.monitor.cannot_measure(
+                frozenset({"replicas"}), "each rank holds a shard, not a replica, of the weights"
+            )
+            return
+        self.monitor.distribute(rank=rank, world_size=world_size, replicated=False)
         if trainer.is_global_zero:
             warnings.warn(
-                f"stethoscope: LightningStethoscope is tested under DDP only; with "
-                f"{type(trainer.strategy).__name__} every rank judges the gradients and "
-                "weights it holds (a shard, if they are sharded), and replica_divergence "
-                "is off",
+                f"stethoscope: with {type(trainer.strategy).__name__}, whose parameters "
+                "are neither DDP's replicas nor DTensor shards, every rank judges the "
+                "gradients and weights it holds, and replica_divergence is off",
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def combine_shards(self, unsharded: frozenset[str]) -> ShardCombiner:
+        """The parameters are sharded (FSDP2): the combiner of the ranks' measures of
+        their shards. The detectors of the ``unsharded`` statistics, shares of each whole
+        tensor that shards cannot give, are off (said once)."""
+        self.monitor.cannot_measure(unsharded, "the parameters are sharded over the ranks")
+        return ShardCombiner.of_process_group()
 
     def batch_done(self, trainer: pl.Trainer, step: int) -> None:
         """A batch of ``step`` ended: meet if the optimizer stepped on a step the ranks

@@ -220,8 +220,9 @@ class StepGate:
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
         norm = 0.0
-        if grads and not bad:
-            total = total_norm(grads)
+        # taken even after a bad loss: under sharding it is a collective every rank makes
+        total = total_norm(grads) if grads else None
+        if total is not None and not bad:
             norm = float(total if grad_scale is None else total / grad_scale)  # CPU: no wait
         if self.scaler_skips_nonfinite and (bad or not math.isfinite(norm)):
             # a non-finite loss makes non-finite gradients: the GradScaler skips this step

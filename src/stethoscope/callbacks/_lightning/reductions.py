@@ -36,7 +36,8 @@ from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
     checksums,
     magnitude_histograms,
-    zero_rows,
+    row_norms,
+    unit_layers,
 )
 from stethoscope.callbacks._lightning.precision import (
     Fp8Fit,
@@ -59,6 +60,7 @@ __all__ = [
     "UpdateNorms",
     "WeightNorms",
     "make_reductions",
+    "watch_parameters",
 ]
 
 
@@ -76,7 +78,7 @@ class GradNorms(Reduction):
         norms = self.probe.grad_norms(indices)
         if measures.grad_scale is not None:
             norms = norms / measures.grad_scale
-        measures.add("grads", norms)
+        measures.add("grads", norms, combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.grad_norm = values
@@ -84,7 +86,8 @@ class GradNorms(Reduction):
 
 class StaleGrads(Reduction):
     """How many parameters still hold a non-zero gradient when the step's first backward
-    pass begins: one fused norm kernel, counted on the device."""
+    pass begins: one fused norm kernel (of the shards, combined, under sharding), counted
+    on the host."""
 
     statistics = frozenset({"stale_grads"})
     name = "stale_grads"
@@ -93,16 +96,16 @@ class StaleGrads(Reduction):
         self.probe = probe
 
     def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
-        params = self.probe.params
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        if not grads:
-            measures.add("stale_grads", torch.zeros(1, device=params[0].device))
+        probe = self.probe
+        held = [i for i, p in enumerate(probe.params) if p.grad is not None]
+        if not held:
+            measures.add("stale_grads", torch.zeros(1, device=probe.params[0].device))
             return
-        norms = torch.stack(torch._foreach_norm(grads))
-        measures.add("stale_grads", (norms > 0).sum().float())
+        norms = torch.stack(torch._foreach_norm([probe.grad(i) for i in held]))
+        measures.add("stale_grads", norms, combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.stale_grads = float(values[0])
+        obs.stale_grads = float(np.count_nonzero(values > 0))
 
 
 class WeightNorms(Reduction):
@@ -117,7 +120,7 @@ class WeightNorms(Reduction):
 
     def at_end(self, measures: StepMeasures) -> None:
         if measures.params:
-            measures.add("weights", self.probe.weight_norms(measures.params))
+            measures.add("weights", self.probe.weight_norms(measures.params), combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.weight_norm = values
@@ -145,7 +148,12 @@ class UpdateNorms(Reduction):
         updates, previous = self.probe.update_norms(measures.snapshots, measures.snapped)
         where = {i: k for k, i in enumerate(measures.params)}
         positions = tuple(where[i] for i in measures.snapped)
-        measures.add("updates", torch.cat([updates, previous]), (len(measures.params), positions))
+        measures.add(
+            "updates",
+            torch.cat([updates, previous]),
+            (len(measures.params), positions),
+            combine="norm",
+        )
         measures.snapshots, measures.snapped = [], []
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
@@ -192,14 +200,14 @@ class UnitRows(Reduction):
             grads = [self.probe.params[i].grad for _, i in layers]
             units = tuple((name, g.shape[0]) for (name, _), g in zip(layers, grads, strict=True))
             # every micro-batch of the step has started by now: the samples are complete
-            measures.add("units", zero_rows(grads), (units, measures.samples))
+            measures.add("units", row_norms(grads), (units, measures.samples), combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         layers = [layer for units, _ in contexts for layer in units]
         obs.unit_samples = contexts[-1][1]
         obs.unit_names = tuple(name for name, _ in layers)
         cuts = np.cumsum([units for _, units in layers])[:-1]
-        obs.unit_zero = tuple(part.astype(bool) for part in np.split(values, cuts))
+        obs.unit_zero = tuple(part == 0 for part in np.split(values, cuts))
 
 
 class Distributions(Reduction):
@@ -214,15 +222,15 @@ class Distributions(Reduction):
         self.probe = probe
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        grads = [self.probe.params[i].grad for i in indices]
+        grads = [self.probe.grad(i) for i in indices]
         hist = magnitude_histograms(grads, scale=measures.grad_scale)
-        measures.add("distributions", hist, ("grads", len(indices)))
+        measures.add("distributions", hist, ("grads", len(indices)), combine="sum")
 
     def at_end(self, measures: StepMeasures) -> None:
         if measures.params:
-            weights = [self.probe.params[i] for i in measures.params]
+            weights = [self.probe.data(i) for i in measures.params]
             hist = magnitude_histograms(weights)
-            measures.add("distributions", hist, ("weights", len(measures.params)))
+            measures.add("distributions", hist, ("weights", len(measures.params)), combine="sum")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         rows = values.reshape(-1, DISTRIBUTION_BINS)
@@ -310,6 +318,10 @@ class ReductionSet:
         # per plan: the reductions it runs, and those of them that need the parameters an
         # optimizer steps (a handful of plans per run)
         self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
+        #: The statistics that cannot be combined from the ranks' shards of the parameters.
+        self.unsharded = frozenset(
+            s for r in self.all if not r.combines_shards for s in r.statistics
+        )
         #: The statistics measured just before a step's first backward pass: those of the
         #: reductions that have a ``before_backward`` (its hook is on where a plan names one).
         self.before_backward = frozenset(
@@ -423,3 +435,23 @@ def make_reductions(
         LossScale(scale_skips),
     )
     return ReductionSet(reductions, probe)
+
+
+def watch_parameters(
+    model: torch.nn.Module, batch: BatchParts, scaler: Any
+) -> tuple[ParameterProbe, ForwardProbe, ScaleSkips | None, ReductionSet]:
+    """The probes of ``model``'s parameters and layers, and every reduction of its run.
+
+    Args:
+        model: The LightningModule, with the parameters it trains with (sharded ones
+            included: made after a strategy's ``configure_model``).
+        batch: The parts of a batch (inputs, labels, samples).
+        scaler: The precision plugin's GradScaler, or None.
+    """
+    probe = ParameterProbe(list(model.named_parameters()))
+    layers = unit_layers(model, probe)
+    for _, i, mod in layers:
+        probe.fan_in[i] = mod.weight.numel() / max(mod.weight.shape[0], 1)
+    forward = ForwardProbe(model, layers)
+    skips = ScaleSkips.of(scaler)
+    return probe, forward, skips, make_reductions(model, probe, layers, forward, batch, skips)

@@ -31,6 +31,7 @@ from stethoscope.callbacks._lightning.device import (
     accelerator_for,
     to_host_into,
 )
+from stethoscope.callbacks._lightning.shards import DTensor, is_sharded
 from stethoscope.recovery import Recovery
 from stethoscope.recovery.snapshots import Snapshot, SnapshotStore
 
@@ -38,17 +39,23 @@ __all__ = ["Snapshots"]
 
 
 class _Tensor:
-    """Where a tensor was in a state: its place in the state's list of tensors."""
+    """Where a tensor was in a state: its place in the state's list of tensors, and for a
+    DTensor, how to make one again of its local shard (see :func:`_hollow`)."""
 
-    __slots__ = ("index",)
+    __slots__ = ("index", "sharding")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, sharding: tuple | None = None) -> None:
         self.index = index
+        self.sharding = sharding
 
 
 def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with each tensor replaced by its place in ``tensors`` (appended there),
-    everything else copied."""
+    everything else copied. A DTensor (a sharded model's) is taken as this rank's shard
+    alone, never gathered: each rank keeps its own."""
+    if is_sharded(obj):
+        tensors.append(obj.to_local().detach())
+        return _Tensor(len(tensors) - 1, (obj.device_mesh, obj.placements, obj.shape, obj.stride()))
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
         return _Tensor(len(tensors) - 1)
@@ -62,7 +69,12 @@ def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """The state ``obj`` was hollowed from (:func:`_hollow`), with ``tensors`` in place."""
     if isinstance(obj, _Tensor):
-        return tensors[obj.index]
+        if obj.sharding is None:
+            return tensors[obj.index]
+        mesh, placements, shape, stride = obj.sharding
+        return DTensor.from_local(
+            tensors[obj.index], mesh, placements, run_check=False, shape=shape, stride=stride
+        )
     if isinstance(obj, dict):
         return {k: _fill(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -1,0 +1,145 @@
+"""What this rank holds of each parameter when a strategy shards them, and how the ranks
+combine what each measured of its own part.
+
+FSDP2 (Lightning's ``ModelParallelStrategy``, ``fully_shard``) holds each parameter and
+gradient as a ``DTensor``: every rank stores one shard (``Shard``) or a copy
+(``Replicate``) along each dimension of a device mesh. A reduction of the DTensor itself
+would be a collective per tensor, with a placement to resolve; instead each rank reduces
+the plain tensor it holds (:func:`local_part`) and the ranks combine the numbers of a
+sampled step in one or two all-reduces (:class:`ShardCombiner`): sums of squares for the
+norms, sums for the counts, maxima for the peaks. A part held alike by several ranks (a
+``Replicate`` placement) is counted once: by the rank at coordinate 0 along each of those
+mesh dimensions; the others reduce an empty view of it.
+
+Nothing here runs for a model whose parameters are plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+try:  # a build without torch.distributed has no DTensor: then nothing is sharded
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - depends on the torch build
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+try:  # where a shard's rows start in the whole tensor (private in torch 2.13)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - depends on the torch version
+    compute_local_shape_and_global_offset = None
+
+__all__ = [
+    "COMBINES",
+    "DTensor",
+    "ShardCombiner",
+    "is_sharded",
+    "local_part",
+    "row_span",
+    "scatter_rows",
+]
+
+#: How the ranks combine a part of a step's reading: ``"norm"`` (an L2 norm: the root of
+#: the sum of the squares), ``"sum"`` (counts) or ``"max"`` (a peak).
+COMBINES = ("norm", "sum", "max")
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor, whose value is spread over several ranks."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def _counted_here(tensor: Any) -> bool:
+    """Whether this rank counts its local part of ``tensor``: always, but along a mesh
+    dimension whose placement is ``Replicate`` (every rank there holds the same), only
+    the rank at coordinate 0 does."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: holds nothing
+        return False
+    return all(
+        c == 0 for c, p in zip(coordinate, tensor.placements, strict=True) if p.is_replicate()
+    )
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor this rank reduces of ``tensor``: itself, unless it is a DTensor:
+    then its local shard, or an empty view of it where another rank counts the same
+    (see :func:`_counted_here`)."""
+    if not is_sharded(tensor):
+        return tensor
+    local = tensor.to_local()
+    return local if _counted_here(tensor) else local.reshape(-1)[:0]
+
+
+def row_span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """For a DTensor: ``(rows of the whole tensor, first row held here, rows held here)``
+    along dimension 0, with ``0`` rows where another rank counts the same; None for a
+    plain tensor (it holds every row), or where torch cannot say."""
+    if not is_sharded(tensor):
+        return None
+    rows = tensor.shape[0]
+    if not _counted_here(tensor):
+        return rows, 0, 0
+    if compute_local_shape_and_global_offset is None:  # pragma: no cover - torch version
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return rows, offset[0], shape[0]
+
+
+def scatter_rows(local_rows: torch.Tensor, span: tuple[int, int, int]) -> torch.Tensor:
+    """``local_rows``, the values of the rows held here, placed at their rows of the
+    whole tensor; zeros elsewhere (summed over the ranks, each row is counted once)."""
+    rows, first, held = span
+    out = local_rows.new_zeros(rows)
+    if held:
+        out[first : first + held] = local_rows
+    return out
+
+
+class ShardCombiner:
+    """Combines the parts of a step's reading that every rank measured of its own shards.
+
+    Every rank must combine the same parts, in the same order, at the same steps (the
+    ranks plan those statistics alike: see ``Monitor.distribute(sharded=True)``).
+
+    Args:
+        all_reduce: ``(tensor, op)`` reduces ``tensor`` in place over every rank, ``op``
+            ``"sum"`` or ``"max"`` (``torch.distributed.all_reduce`` in a run).
+    """
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor, str], None]) -> None:
+        self.all_reduce = all_reduce
+
+    @classmethod
+    def of_process_group(cls) -> ShardCombiner:
+        """The combiner over the default process group: one asynchronous all-reduce on
+        the device per combine (NCCL enqueues it; the host does not wait)."""
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
+        return cls(lambda tensor, op: torch.distributed.all_reduce(tensor, ops[op]))
+
+    def combine(
+        self, parts: Sequence[torch.Tensor], kinds: Sequence[str | None]
+    ) -> list[torch.Tensor]:
+        """``parts`` with every one whose kind is not None combined over the ranks: at
+        most two collectives (the sums, squares of the norms included, then the
+        maxima), whatever the number of parts."""
+        out = list(parts)
+        for op, wanted in (("sum", ("norm", "sum")), ("max", ("max",))):
+            chosen = [i for i, k in enumerate(kinds) if k in wanted]
+            if not chosen:
+                continue
+            # in float64: the square of a large float32 norm would overflow
+            flat = torch.cat(
+                [
+                    out[i].double().square() if kinds[i] == "norm" else out[i].double()
+                    for i in chosen
+                ]
+            )
+            self.all_reduce(flat, op)
+            for i, value in zip(chosen, flat.split([out[i].numel() for i in chosen]), strict=True):
+                out[i] = (value.sqrt() if kinds[i] == "norm" else value).float()
+        return out

@@ -1,0 +1,168 @@
+"""One rank of the sharded-training tests, run as a script; ``test_lightning_fsdp.py``
+starts two.
+
+    python _fsdp_worker.py OUTDIR SCENARIO [SCENARIO ...]
+
+As ``_ddp_worker.py`` does, both ranks run every scenario in turn in one process group
+(gloo, 2 CPU ranks). A ``fsdp_*`` scenario trains under Lightning's
+``ModelParallelStrategy`` (FSDP2: ``fully_shard`` on each linear layer and on the model,
+every parameter a DTensor holding half of its rows per rank); a ``ddp_*`` one is its
+twin under DDP, from the same initial weights and batches. Each writes
+``OUTDIR/SCENARIO.jsonl`` (rank zero's findings), ``OUTDIR/SCENARIO-rank{r}.json`` (this
+rank's last step, whether it stopped and why, its recovery ladder) and, from rank zero,
+``OUTDIR/SCENARIO-observed.json``: every per-parameter statistic handed to the
+detectors, by step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from _ddp_worker import RankFault, _damage_detectors
+from _models import dataset
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Subset
+
+from stethoscope import LightningStethoscope, Recovery
+from stethoscope.detectors import default_detectors
+from stethoscope.observation import Observation
+from stethoscope.sinks import JSONLSink, Sink
+
+
+class ShardedRankFault(RankFault):
+    """RankFault, sharded by FSDP2 in ``configure_model``: each linear layer, then the
+    whole model (Lightning calls it once the process group is up)."""
+
+    def configure_model(self) -> None:
+        for module in self.net:
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module)
+        fully_shard(self)
+
+
+class Observed(Sink):
+    """Keeps what the detectors were handed of each parameter, by step (rank zero)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, Any]] = {}
+
+    def observe(self, obs: Observation, interval: Any = None) -> None:
+        if obs.grad_norm is None and obs.weight_norm is None:
+            return
+        row = self.steps.setdefault(obs.step, {"names": list(obs.names or ())})
+        for field in ("grad_norm", "weight_norm", "update_norm", "prev_weight_norm"):
+            value = getattr(obs, field)
+            if value is not None:
+                row[field] = [None if np.isnan(v) else float(v) for v in value]
+        if obs.unit_zero is not None:
+            row["unit_zero"] = [z.astype(int).tolist() for z in obs.unit_zero]
+        if obs.grad_hist is not None:
+            row["grad_hist"] = obs.grad_hist.tolist()
+        if obs.stale_grads is not None:
+            row["stale_grads"] = obs.stale_grads
+
+
+#: Every sampled detector every other step: most steps compared.
+OFTEN = {d.name: 2 for d in default_detectors() if d.base_interval > 1}
+
+#: name: (model kwargs, callback kwargs, steps)
+SCENARIOS: dict[str, tuple[dict, dict, int]] = {
+    # the same training under both strategies: the statistics must agree (the record
+    # asks for the histograms too)
+    "fsdp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "ddp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    # rank 1's loss is NaN at step 37: agreed at the next meeting, step 48
+    "fsdp_nan": ({"rank_fault": "nan", "onset": 37}, {"escalate": False}, 80),
+    # the recovery ladder: rank 1's NaN batch at step 5 is skipped by both ranks...
+    "fsdp_skip": ({"rank_fault": "nan", "onset": 5}, {"recover": True}, 20),
+    # ...which leaves every shard as this twin, whose data never held that batch, does
+    "fsdp_twin": ({}, {"recover": True}, 19),
+    # an error on an applied step that rank 1 alone sees: every rank rolls its own shards
+    # back to the same step's snapshot
+    "fsdp_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
+}
+
+#: Each rank trains on its own half of the samples (every other one), in order: the
+#: twin's rank leaves out its batch of step 5 (32 samples from 160).
+TWIN_SKIPS = range(5 * 32, 6 * 32)
+
+
+def run(out: Path, name: str) -> None:
+    model_kw, cb_kw, steps = SCENARIOS[name]
+    if cb_kw.get("detectors") == "damage":  # made afresh: a detector keeps its state
+        cb_kw = {**cb_kw, "detectors": _damage_detectors()}
+    sharded = name.startswith("fsdp")
+    if cb_kw.pop("record", False):
+        cb_kw = {**cb_kw, "record": out / f"{name}-record"}
+    torch.manual_seed(0)  # the same initial weights on both ranks and under both strategies
+    model = (ShardedRankFault if sharded else RankFault)(lr=1e-2, **model_kw)
+    observed = Observed()
+    callback = LightningStethoscope(sinks=[JSONLSink(out / f"{name}.jsonl"), observed], **cb_kw)
+    timeout = timedelta(seconds=60)
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+        if sharded
+        else DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # each rank's batches are given: see TWIN_SKIPS
+        callbacks=[callback],
+    )
+    full = dataset(2048)
+    mine = list(range(trainer.global_rank, len(full), 2))
+    if name.endswith("_twin"):
+        mine = [i for k, i in enumerate(mine) if k not in TWIN_SKIPS]
+    data = DataLoader(Subset(full, mine), batch_size=32, shuffle=False)
+    trainer.fit(model, data)
+    stopped = callback.stopped_by
+    recoverer = callback.recoverer
+    result = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "should_stop": trainer.should_stop,
+        "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
+        "ladder": [[r.step, r.act, r.why] for r in recoverer.ladder.history] if recoverer else None,
+        # what this rank holds of each parameter, bit for bit
+        "shards": {n: _digest(p) for n, p in model.named_parameters()},
+    }
+    (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if trainer.global_rank == 0:
+        (out / f"{name}-observed.json").write_text(json.dumps(observed.steps))
+
+
+def _digest(parameter: torch.Tensor) -> str:
+    """A digest of the bytes this rank holds of ``parameter``."""
+    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+    return hashlib.sha256(local.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:]:
+        run(out, name)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

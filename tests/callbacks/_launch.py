@@ -1,0 +1,57 @@
+"""Start the two ranks of a distributed test as a launcher would, and wait for them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: Path, out: Path, scenarios: tuple[str, ...], timeout: float) -> Path:
+    """Run ``worker`` as ranks 0 and 1 of one process group on this machine (the
+    environment names each rank: ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each
+    through every scenario; fail the test with their logs if either fails or is still
+    running after ``timeout`` seconds. Returns ``out``, where they wrote."""
+    port = _free_port()
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "PYTHONPATH": path,
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        log = open(out / f"log{rank}.txt", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, str(worker), str(out), *scenarios]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()  # only the two processes started here
+                proc.wait()
+            log.close()
+    failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r, _ in failed)
+        pytest.fail(f"ranks failed or timed out (rank, code): {failed}\n{logs}")
+    return out

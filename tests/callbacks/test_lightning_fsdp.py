@@ -1,0 +1,126 @@
+"""Sharded training: two real CPU ranks (gloo) under Lightning's ``ModelParallelStrategy``
+(FSDP2), each holding half of every parameter's rows as a DTensor.
+
+Both ranks run every scenario of ``_fsdp_worker.py`` once; each test reads what they
+wrote. The ``ddp_norms`` scenario is the DDP twin of ``fsdp_norms``: the same weights,
+the same batches, so the same statistics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _launch import run_ranks
+
+from stethoscope.record import RunRecord
+
+WORKER = Path(__file__).with_name("_fsdp_worker.py")
+SCENARIOS = ("fsdp_norms", "ddp_norms", "fsdp_nan", "fsdp_skip", "fsdp_twin", "fsdp_rollback")
+#: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
+TIMEOUT = 180
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Run both ranks through every scenario; the directory of what they wrote."""
+    return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), SCENARIOS, TIMEOUT)
+
+
+def findings(out: Path, scenario: str) -> list[dict]:
+    path = out / f"{scenario}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ranks(out: Path, scenario: str) -> list[dict]:
+    return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def observed(out: Path, scenario: str) -> dict[int, dict]:
+    steps = json.loads((out / f"{scenario}-observed.json").read_text())
+    return {int(step): row for step, row in steps.items()}
+
+
+def test_sharded_statistics_equal_those_of_the_unsharded_model(runs):
+    sharded, replicated = observed(runs, "fsdp_norms"), observed(runs, "ddp_norms")
+    # every other step sampled, under both strategies alike
+    assert sorted(sharded) == sorted(replicated) == list(range(0, 24, 2))
+    compared = set()
+    for step, want in replicated.items():
+        got = sharded[step]
+        assert got["names"] == want["names"] and len(want["names"]) == 8  # 4 layers
+        for field in ("grad_norm", "weight_norm", "update_norm", "prev_weight_norm"):
+            if field in want:
+                a = np.array(got[field], dtype=float)
+                b = np.array(want[field], dtype=float)
+                np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=f"{field} at step {step}")
+                compared.add(field)
+        # which units got no gradient, and the histograms: counts, exactly
+        for field in ("unit_zero", "grad_hist", "stale_grads"):
+            if field in want:
+                assert got[field] == want[field], (field, step)
+                compared.add(field)
+    assert compared == {
+        "grad_norm",
+        "weight_norm",
+        "update_norm",
+        "prev_weight_norm",
+        "unit_zero",
+        "grad_hist",
+        "stale_grads",
+    }
+
+
+def test_a_sharded_run_is_quiet_and_records_the_whole_model(runs):
+    assert findings(runs, "fsdp_norms") == []
+    replicated = observed(runs, "ddp_norms")
+    with RunRecord(runs / "fsdp_norms-record") as record:
+        assert list(record.losses().steps) == list(range(24))
+        grads = record.layers("grad_norm")  # the whole model's, in rank zero's record
+        assert grads.names == tuple(replicated[0]["names"])
+        np.testing.assert_allclose(grads.values[0], replicated[0]["grad_norm"], rtol=1e-5)
+        hist = record.layers("weight_hist")  # every element counted once, over both ranks
+        assert hist.values[0].sum(axis=-1).tolist() == [
+            float(n) for n in (640, 32, 1024, 32, 1024, 32, 128, 4)
+        ]
+
+
+def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(runs):
+    found = findings(runs, "fsdp_nan")
+    first = min((f for f in found if f["detector"] == "nonfinite_loss"), key=lambda f: f["step"])
+    assert (first["step"], first["rank"], first["where"]) == (37, 1, "loss")
+    # agreed at the next meeting, step 48, where every rank measured its shards: the
+    # gradients of the whole model are named there, in backward order
+    gradients = next(f for f in found if f["detector"] == "nonfinite_gradients")
+    assert gradients["step"] == 48 and gradients["where"] == "net.4.bias"
+    for r in ranks(runs, "fsdp_nan"):
+        assert r["global_step"] == 49 and r["should_stop"]
+        assert (r["stopped_by"]["step"], r["stopped_by"]["rank"]) == (37, 1)
+
+
+def test_a_skipped_nan_batch_leaves_every_shard_as_if_never_seen(runs):
+    for skipped, twin in zip(ranks(runs, "fsdp_skip"), ranks(runs, "fsdp_twin"), strict=True):
+        assert [(step, act) for step, act, _ in skipped["ladder"]] == [(5, "skip")]
+        assert skipped["global_step"] == 20 and twin["global_step"] == 19
+        assert skipped["shards"] == twin["shards"]  # bit for bit, on each rank
+    mine, other = ranks(runs, "fsdp_skip")[1]["ladder"][0][2], ranks(runs, "fsdp_skip")[0]
+    assert "the loss is nan" in mine and "on another rank" in other["ladder"][0][2]
+
+
+def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs):
+    first, second = ranks(runs, "fsdp_rollback")
+    for r in (first, second):
+        assert r["global_step"] == 48 and not r["should_stop"]
+    assert first["ladder"] == second["ladder"]
+    assert [(step, act) for step, act, _ in first["ladder"]] == [(31, "rollback"), (31, "cool")]
+    assert "snapshot of step 24" in first["ladder"][0][2]
+    # each rank restored its own shards: they differ, as two halves do
+    assert first["shards"] != second["shards"]
