@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -89,6 +90,8 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # an error on an applied step that rank 1 alone sees: every rank rolls its own shards
     # back to the same step's snapshot
     "fsdp_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
+    # the same, the snapshots on disk in one directory both ranks share
+    "fsdp_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
 }
 
 #: Each rank trains on its own half of the samples (every other one), in order: the
@@ -100,13 +103,21 @@ def run(out: Path, name: str) -> None:
     model_kw, cb_kw, steps = SCENARIOS[name]
     if cb_kw.get("detectors") == "damage":  # made afresh: a detector keeps its state
         cb_kw = {**cb_kw, "detectors": _damage_detectors()}
+    if cb_kw.get("recover") == "disk":
+        shared = out / f"{name}-snapshots"  # shared by every node
+        recovery = Recovery(snapshot_every=8, snapshot_in="disk", snapshot_dir=shared)
+        cb_kw = {**cb_kw, "recover": recovery}
     sharded = name.startswith("fsdp")
+    # in a two-node run each node writes where its own disk would be
+    nodes = int(os.environ.get("STETHOSCOPE_TEST_NODES", "1"))  # see _launch.run_ranks
+    here = out / f"node{os.environ['NODE_RANK']}" if nodes > 1 else out
+    here.mkdir(exist_ok=True)
     if cb_kw.pop("record", False):
-        cb_kw = {**cb_kw, "record": out / f"{name}-record"}
+        cb_kw = {**cb_kw, "record": here / f"{name}-record"}
     torch.manual_seed(0)  # the same initial weights on both ranks and under both strategies
     model = (ShardedRankFault if sharded else RankFault)(lr=1e-2, **model_kw)
     observed = Observed()
-    callback = LightningStethoscope(sinks=[JSONLSink(out / f"{name}.jsonl"), observed], **cb_kw)
+    callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
     strategy = (
         ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
@@ -115,7 +126,8 @@ def run(out: Path, name: str) -> None:
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=2 // nodes,
+        num_nodes=nodes,
         strategy=strategy,
         max_steps=steps,
         max_epochs=-1,
@@ -142,6 +154,8 @@ def run(out: Path, name: str) -> None:
         "should_stop": trainer.should_stop,
         "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
         "ladder": [[r.step, r.act, r.why] for r in recoverer.ladder.history] if recoverer else None,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
         # what this rank holds of each parameter, bit for bit
         "shards": {n: _digest(p) for n, p in model.named_parameters()},
     }

@@ -17,11 +17,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: Path, out: Path, scenarios: tuple[str, ...], timeout: float) -> Path:
+def run_ranks(
+    worker: Path, out: Path, scenarios: tuple[str, ...], timeout: float, *, nodes: bool = False
+) -> Path:
     """Run ``worker`` as ranks 0 and 1 of one process group on this machine (the
-    environment names each rank: ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each
-    through every scenario; fail the test with their logs if either fails or is still
-    running after ``timeout`` seconds. Returns ``out``, where they wrote."""
+    environment names each rank: ``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``), each through every scenario; fail the test with their logs if
+    either fails or is still running after ``timeout`` seconds. Returns ``out``, where
+    they wrote.
+
+    ``nodes``: each rank is the only process of a node of its own (``NODE_RANK`` 0 and 1,
+    both ``LOCAL_RANK`` 0, ``STETHOSCOPE_TEST_NODES=2`` for the worker's Trainer), as a
+    two-node run's ranks are."""
     port = _free_port()
     root = Path(__file__).resolve().parents[2]
     path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
@@ -30,8 +37,9 @@ def run_ranks(worker: Path, out: Path, scenarios: tuple[str, ...], timeout: floa
         env = {
             **os.environ,
             "PYTHONPATH": path,
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
+            "LOCAL_RANK": "0" if nodes else str(rank),
+            "NODE_RANK": str(rank) if nodes else "0",
+            "STETHOSCOPE_TEST_NODES": "2" if nodes else "1",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",

@@ -19,7 +19,17 @@ from _launch import run_ranks
 from stethoscope.record import RunRecord
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-SCENARIOS = ("fsdp_norms", "ddp_norms", "fsdp_nan", "fsdp_skip", "fsdp_twin", "fsdp_rollback")
+SCENARIOS = (
+    "fsdp_norms",
+    "ddp_norms",
+    "fsdp_nan",
+    "fsdp_skip",
+    "fsdp_twin",
+    "fsdp_rollback",
+    "fsdp_rollback_disk",
+)
+#: What the two ranks run as two nodes of one process each.
+ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
 TIMEOUT = 180
 
@@ -33,6 +43,14 @@ pytestmark = pytest.mark.skipif(
 def runs(tmp_path_factory) -> Path:
     """Run both ranks through every scenario; the directory of what they wrote."""
     return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), SCENARIOS, TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory) -> Path:
+    """The same ranks as two nodes (``NODE_RANK`` 0 and 1, each ``LOCAL_RANK`` 0), each
+    writing its findings and record under ``node{NODE_RANK}``, as on its own disk."""
+    out = tmp_path_factory.mktemp("nodes")
+    return run_ranks(WORKER, out, ON_TWO_NODES, TIMEOUT, nodes=True)
 
 
 def findings(out: Path, scenario: str) -> list[dict]:
@@ -124,3 +142,30 @@ def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs):
     assert "snapshot of step 24" in first["ladder"][0][2]
     # each rank restored its own shards: they differ, as two halves do
     assert first["shards"] != second["shards"]
+
+
+def test_snapshots_in_a_directory_both_ranks_share_stay_each_ranks_own(runs):
+    # on disk, in one directory: each rank rolls back to its own shards, as in memory
+    pairs = zip(ranks(runs, "fsdp_rollback"), ranks(runs, "fsdp_rollback_disk"), strict=True)
+    for memory, disk in pairs:
+        assert disk["ladder"] == memory["ladder"]
+        assert disk["shards"] == memory["shards"]
+
+
+def test_two_nodes_agree_and_only_the_first_node_writes(nodes, runs):
+    first, second = ranks(nodes, "fsdp_nan")
+    assert (second["node_rank"], second["local_rank"]) == (1, 0)
+    for r in (first, second):
+        assert r["global_step"] == 49 and r["stopped_by"]["rank"] == 1
+    # the statistics, the record and the findings are rank zero's, on its node alone
+    assert observed(nodes, "fsdp_norms") == observed(runs, "fsdp_norms")
+    assert findings(nodes / "node0", "fsdp_nan") == findings(runs, "fsdp_nan")
+    assert (nodes / "node0" / "fsdp_norms-record" / "record.sqlite").is_file()
+    # node 1 made its sink's file and its record's directory, to refuse a bad path before
+    # training, and wrote nothing in them
+    assert (nodes / "node1" / "fsdp_nan.jsonl").read_text() == ""
+    assert list((nodes / "node1" / "fsdp_norms-record").iterdir()) == []
+    # the snapshots, on a file system both nodes share: each rank's own
+    pairs = zip(ranks(runs, "fsdp_rollback"), ranks(nodes, "fsdp_rollback_disk"), strict=True)
+    for memory, disk in pairs:
+        assert disk["shards"] == memory["shards"]

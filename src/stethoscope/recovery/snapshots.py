@@ -64,13 +64,18 @@ class SnapshotStore:
         self._save, self._load, self._suffix = save, load, suffix
         self._dir: Path | None = None
         self._taken = 0
+        #: In a run of several processes, this one's rank: it names the files, so that
+        #: ranks sharing a ``snapshot_dir`` (one machine, or a shared file system across
+        #: nodes) keep their own states (sharded ones differ), never each other's.
+        self.rank: int | None = None
 
     def keep(self, step: int, state: dict[str, Any], nbytes: int, began: float) -> Snapshot:
         """Keep ``state`` (``nbytes`` of arrays, copied since ``began``, a
         ``perf_counter`` time) as the snapshot of ``step``; drop the oldest past the bound."""
         path = None
         if self._on_disk(nbytes):
-            path = self._directory() / f"snapshot-{step}{self._suffix}"
+            rank = "" if self.rank is None else f"-rank{self.rank}"
+            path = self._directory() / f"snapshot-{step}{rank}{self._suffix}"
             self._save(state, path)
             state = None
         snap = Snapshot(step, state, path, nbytes, time.perf_counter() - began, self._taken == 0)

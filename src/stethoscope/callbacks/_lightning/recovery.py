@@ -407,6 +407,8 @@ class LightningRecovery:
             )
         self.gate.scaler_skips_nonfinite = self.scaler is not None
         self._ranks = trainer.world_size
+        if trainer.world_size > 1:  # each rank's files of its own, in a directory they share
+            self.snapshots.rank = trainer.global_rank
         self._fingerprints = trainer.accumulate_grad_batches == 1
         if self.gate.replay:
             self.gate.replay = self._can_replay(trainer, module)
