@@ -17,8 +17,13 @@ medians over the run (a warm-up is dropped), the median time inside the meeting 
 inside its all-gather call on each rank. For context, plain DDP runs of the same length
 without the callback come before and after, in the same processes.
 
+``--strategy fsdp2`` trains the same MLP sharded by FSDP2 (``fully_shard`` on each
+linear layer and on the model, Lightning's ``ModelParallelStrategy``): each rank reduces
+its shards on a sampled step and the ranks combine them in one all-reduce more.
+
 Run (it starts its two ranks itself; ~1 min on 2 cores):
     python -m benchmarks.ddp_overhead
+    python -m benchmarks.ddp_overhead --strategy fsdp2
     python -m benchmarks.ddp_overhead --steps 1600 --json out.json
 """
 
@@ -74,8 +79,9 @@ def _rank(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch import nn
+    from torch.distributed.fsdp import fully_shard
     from torch.utils.data import DataLoader, IterableDataset
 
     from stethoscope import LightningStethoscope
@@ -108,6 +114,13 @@ def _rank(args: argparse.Namespace) -> None:
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class ShardedMLP(MLP):
+        def configure_model(self) -> None:
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(self)
 
     class Start(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -173,13 +186,21 @@ def _rank(args: argparse.Namespace) -> None:
                     trainer, self.monitor, self.recoverer, drain, self._act
                 )
 
+    def strategy() -> Any:
+        timeout = timedelta(seconds=120)
+        if args.strategy == "fsdp2":
+            return ModelParallelStrategy(
+                data_parallel_size=2, tensor_parallel_size=1, timeout=timeout
+            )
+        return DDPStrategy(process_group_backend="gloo", timeout=timeout)
+
     def run(callbacks: list) -> None:
         start = Start()
         end = End(start)
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
-            strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=120)),
+            strategy=strategy(),
             max_steps=args.steps,
             logger=False,
             enable_checkpointing=False,
@@ -188,7 +209,8 @@ def _rank(args: argparse.Namespace) -> None:
             callbacks=[start, *callbacks, end],
         )
         torch.manual_seed(0)
-        trainer.fit(MLP(), DataLoader(Batches(), batch_size=None))
+        model = ShardedMLP() if args.strategy == "fsdp2" else MLP()
+        trainer.fit(model, DataLoader(Batches(), batch_size=None))
         return trainer, end.times
 
     trainer, plain = run([])
@@ -202,6 +224,7 @@ def _rank(args: argparse.Namespace) -> None:
     found = sum(s.count for summary in steth.summaries for s in summary.rows)
     inside = [(g, s) for step, g, s in ranks.meetings if step >= WARMUP]
     report = {
+        "strategy": args.strategy,
         "steps": args.steps,
         "warmup_dropped": WARMUP,
         "rank": trainer.global_rank,
@@ -227,6 +250,7 @@ def _rank(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1024)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ:

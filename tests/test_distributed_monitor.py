@@ -269,6 +269,74 @@ def test_with_sharded_parameters_every_rank_judges_its_own():
     assert not m.judges_replicated
 
 
+class WantsDistributions(CapturingSink):
+    """A sink that wants the weight histograms every 8 steps, as a record does."""
+
+    wants = frozenset({"distributions"})
+    wants_every = 8
+
+
+def sharded_ranks(n: int, **kw) -> World:
+    """:func:`ranks` whose parameters are sharded: the ranks combine what each measured."""
+    sinks = [WantsDistributions() for _ in range(n)]
+    monitors = [Monitor(sinks=[s], **kw) for s in sinks]
+    for r, m in enumerate(monitors):
+        m.distribute(rank=r, world_size=n, sharded=True)
+    return World(monitors, sinks)
+
+
+def test_with_sharded_parameters_every_rank_measures_the_whole_model_rank_zero_judges():
+    zero, one = sharded_ranks(2, escalate=False).monitors
+    assert zero.sharded and one.sharded
+    # the same statistics of the whole model on both ranks, the sink's included...
+    assert zero.plan(0) & REPLICATED == one.plan(0) & REPLICATED
+    assert {"grads", "weights", "distributions"} <= one.plan(0)
+    # ...but only rank zero judges them
+    replicated = {d.name for d in default_detectors() if d.needs <= REPLICATED}
+    assert replicated <= set(one.planner.idle)
+    assert not replicated & set(zero.planner.idle) - NOT_APPLYING  # precision rules: float32
+    assert zero.judges_replicated and not one.judges_replicated
+
+
+def test_a_detector_that_cannot_read_sits_out_on_every_rank_and_rank_zero_says_so():
+    zero, one = sharded_ranks(2, escalate=False).monitors
+    with pytest.warns(RuntimeWarning, match="replica_divergence cannot judge .* so it is off"):
+        assert zero.cannot_measure(frozenset({"replicas"}), "no replicas") == ["replica_divergence"]
+    # dead_relu is idle on rank one (rank zero judges it), which measures its units all
+    # the same: it must stop measuring them where rank zero does, or the ranks' combining
+    # collectives would no longer match
+    assert one.cannot_measure(frozenset({"units"}), "no units") == ["dead_relu"]  # no warning
+    with pytest.warns(RuntimeWarning, match="dead_relu cannot judge"):
+        zero.cannot_measure(frozenset({"units"}), "no units")
+    for m in (zero, one):
+        assert "units" not in m.plan(0) and m.schedule.idle("dead_relu")
+    assert zero.plan(0) & REPLICATED == one.plan(0) & REPLICATED
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sharded_ranks_plan_the_whole_model_alike_whatever_rank_zero_judges(seed):
+    """The no-deadlock invariant of sharded statistics: the ranks combine them in a
+    collective, so every rank must plan them at the same steps, though only rank zero
+    judges them (its detectors finish, want, escalate and stop on what it sees)."""
+    rng = np.random.default_rng(seed)
+    world = sharded_ranks(2, hot_steps=8, stop_on=None)
+    monitors = world.monitors
+    names = ("net.0.weight", "net.0.bias")
+    for t in range(300):
+        plans = [m.plan(t) & REPLICATED for m in monitors]
+        assert plans[0] == plans[1], f"step {t}: {plans}"
+        for r, m in enumerate(monitors):
+            loss = 2.3 * rng.lognormal(0, 0.05) * (30 if rng.random() < 0.02 else 1)
+            obs = Observation(step=t, rank=r, loss=loss)
+            if "grads" in plans[r]:  # the combined norms, the same on every rank
+                grads = np.abs(rng.normal(1.0, 0.1, 2)) * (1e4 if rng.random() < 0.05 else 1)
+                obs.grad_norm, obs.names = grads, names
+                obs.numel, obs.is_matrix = np.array([64.0, 8.0]), np.array([True, False])
+            m.observe(obs)
+        if world.due(t):
+            world.meet(t)
+
+
 # -- held decisions, agreed ------------------------------------------------------------------------
 def test_a_nan_on_rank_one_is_held_then_every_rank_stops_at_the_next_meeting():
     world = ranks(2, escalate=False)

@@ -67,8 +67,10 @@ class RankFault(TinyMLP):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         if self.rank_fault == "perturb" and self._mine() and self.global_step == self.onset:
+            weight = self.net[2].weight  # a DTensor's own part, on this rank alone
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
             with torch.no_grad():
-                self.net[2].weight[0, 0] += 1e-3
+                local[0, 0] += 1e-3
 
 
 class RankOneDamage(Detector):

@@ -20,9 +20,11 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import numpy as np
@@ -30,10 +32,13 @@ import torch
 from _ddp_worker import RankFault, _damage_detectors
 from _models import dataset
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Subset
 
 from stethoscope import LightningStethoscope, Recovery
+from stethoscope.callbacks._lightning.shards import ShardCombiner
 from stethoscope.detectors import default_detectors
 from stethoscope.observation import Observation
 from stethoscope.sinks import JSONLSink, Sink
@@ -48,6 +53,33 @@ class ShardedRankFault(RankFault):
             if isinstance(module, torch.nn.Linear):
                 fully_shard(module)
         fully_shard(self)
+
+
+class HybridShardedRankFault(RankFault):
+    """RankFault under HSDP: FSDP2 on a 2-D mesh of 2 replicas of 1 shard each, so every
+    parameter is a DTensor placed ``(Replicate(), Shard(0))``: each rank holds all of it,
+    as under DDP."""
+
+    def configure_model(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        for module in self.net:
+            if isinstance(module, torch.nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class TensorParallelRankFault(RankFault):
+    """RankFault under tensor parallelism over both ranks: its linear layers split by
+    columns and by rows in turn (weights ``Shard(0)`` and ``Shard(1)``; the biases of the
+    row-split layers ``Replicate()``, held whole by both ranks)."""
+
+    def configure_model(self) -> None:
+        linear = [i for i, m in enumerate(self.net) if isinstance(m, torch.nn.Linear)]
+        plan = {
+            f"net.{i}": ColwiseParallel() if k % 2 == 0 else RowwiseParallel()
+            for k, i in enumerate(linear)
+        }
+        parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
 
 
 class Observed(Sink):
@@ -90,8 +122,26 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # an error on an applied step that rank 1 alone sees: every rank rolls its own shards
     # back to the same step's snapshot
     "fsdp_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
+    # the ranks' shards left uncombined (a broken combine): the self-check says so
+    "fsdp_uncombined": ({}, {}, 4),
     # the same, the snapshots on disk in one directory both ranks share
     "fsdp_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
+    # HSDP: each parameter replicated over the ranks, as DDP's are
+    "hsdp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    # ...whose replicas are compared: rank 1's net.2.weight moves after step 20
+    "hsdp_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
+    # tensor parallelism: both ranks train on the same batches, so the reference is
+    # FSDP2 on the same batches on both ranks (the gradient of one rank's batch)
+    "tp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "fsdp_same_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+}
+
+#: How each layout shards the model, and the strategy's arguments.
+LAYOUTS: dict[str, tuple[type, dict]] = {
+    "ddp": (RankFault, {}),
+    "fsdp": (ShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
+    "hsdp": (HybridShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
+    "tp": (TensorParallelRankFault, {"data_parallel_size": 1, "tensor_parallel_size": 2}),
 }
 
 #: Each rank trains on its own half of the samples (every other one), in order: the
@@ -107,7 +157,8 @@ def run(out: Path, name: str) -> None:
         shared = out / f"{name}-snapshots"  # shared by every node
         recovery = Recovery(snapshot_every=8, snapshot_in="disk", snapshot_dir=shared)
         cb_kw = {**cb_kw, "recover": recovery}
-    sharded = name.startswith("fsdp")
+    layout = name.split("_")[0]
+    model_class, parallel = LAYOUTS[layout]
     # in a two-node run each node writes where its own disk would be
     nodes = int(os.environ.get("STETHOSCOPE_TEST_NODES", "1"))  # see _launch.run_ranks
     here = out / f"node{os.environ['NODE_RANK']}" if nodes > 1 else out
@@ -115,13 +166,13 @@ def run(out: Path, name: str) -> None:
     if cb_kw.pop("record", False):
         cb_kw = {**cb_kw, "record": here / f"{name}-record"}
     torch.manual_seed(0)  # the same initial weights on both ranks and under both strategies
-    model = (ShardedRankFault if sharded else RankFault)(lr=1e-2, **model_kw)
+    model = model_class(lr=1e-2, **model_kw)
     observed = Observed()
     callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
     strategy = (
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
-        if sharded
+        ModelParallelStrategy(**parallel, timeout=timeout)
+        if parallel
         else DDPStrategy(process_group_backend="gloo", timeout=timeout)
     )
     trainer = L.Trainer(
@@ -142,10 +193,18 @@ def run(out: Path, name: str) -> None:
     )
     full = dataset(2048)
     mine = list(range(trainer.global_rank, len(full), 2))
+    if layout == "tp" or name.startswith("fsdp_same"):  # the same batches on both ranks
+        mine = list(range(0, len(full), 2))
     if name.endswith("_twin"):
         mine = [i for k, i in enumerate(mine) if k not in TWIN_SKIPS]
     data = DataLoader(Subset(full, mine), batch_size=32, shuffle=False)
-    trainer.fit(model, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if name == "fsdp_uncombined":
+            with mock.patch.object(ShardCombiner, "of_process_group", _uncombined):
+                trainer.fit(model, data)
+        else:
+            trainer.fit(model, data)
     stopped = callback.stopped_by
     recoverer = callback.recoverer
     result = {
@@ -154,6 +213,7 @@ def run(out: Path, name: str) -> None:
         "should_stop": trainer.should_stop,
         "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
         "ladder": [[r.step, r.act, r.why] for r in recoverer.ladder.history] if recoverer else None,
+        "warnings": [str(w.message) for w in caught if "stethoscope" in str(w.message)],
         "local_rank": trainer.local_rank,
         "node_rank": trainer.node_rank,
         # what this rank holds of each parameter, bit for bit
@@ -162,6 +222,11 @@ def run(out: Path, name: str) -> None:
     (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
     if trainer.global_rank == 0:
         (out / f"{name}-observed.json").write_text(json.dumps(observed.steps))
+
+
+def _uncombined() -> ShardCombiner:
+    """A combiner that leaves each rank's numbers as they are: every norm is a shard's."""
+    return ShardCombiner(lambda tensor, op: None)
 
 
 def _digest(parameter: torch.Tensor) -> str:

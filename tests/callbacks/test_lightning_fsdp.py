@@ -27,6 +27,11 @@ SCENARIOS = (
     "fsdp_twin",
     "fsdp_rollback",
     "fsdp_rollback_disk",
+    "fsdp_uncombined",
+    "hsdp_norms",
+    "hsdp_perturb",
+    "tp_norms",
+    "fsdp_same_norms",
 )
 #: What the two ranks run as two nodes of one process each.
 ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
@@ -67,8 +72,18 @@ def observed(out: Path, scenario: str) -> dict[int, dict]:
     return {int(step): row for step, row in steps.items()}
 
 
-def test_sharded_statistics_equal_those_of_the_unsharded_model(runs):
-    sharded, replicated = observed(runs, "fsdp_norms"), observed(runs, "ddp_norms")
+@pytest.mark.parametrize(
+    ("layout", "reference"),
+    [
+        ("fsdp_norms", "ddp_norms"),  # every parameter Shard(0) over both ranks
+        ("hsdp_norms", "ddp_norms"),  # (Replicate(), Shard(0)): each counted by rank 0
+        # tensor parallelism, both ranks on the same batches: weights Shard(0) and
+        # Shard(1), the row-split layers' biases Replicate()
+        ("tp_norms", "fsdp_same_norms"),
+    ],
+)
+def test_sharded_statistics_equal_those_of_the_unsharded_model(runs, layout, reference):
+    sharded, replicated = observed(runs, layout), observed(runs, reference)
     # every other step sampled, under both strategies alike
     assert sorted(sharded) == sorted(replicated) == list(range(0, 24, 2))
     compared = set()
@@ -95,6 +110,28 @@ def test_sharded_statistics_equal_those_of_the_unsharded_model(runs):
         "grad_hist",
         "stale_grads",
     }
+
+
+def test_the_first_sampled_step_checks_the_combined_norms_against_torchs(runs):
+    for r in ranks(runs, "fsdp_norms"):  # combined right: nothing to say
+        assert not any("disagree" in w for w in r["warnings"])
+    first, second = ranks(runs, "fsdp_uncombined")  # each rank's own shards' norms
+    (warning,) = [w for w in first["warnings"] if "disagree" in w]
+    assert "may be wrong" in warning
+    assert not any("disagree" in w for w in second["warnings"])  # rank zero says it
+
+
+def test_a_replica_that_drifts_under_hsdp_is_named_and_every_rank_stops(runs):
+    # HSDP's replicas are compared as DDP's are: each tensor's checksum, summed over its
+    # shards, on every rank
+    errors = [f for f in findings(runs, "hsdp_perturb") if f["severity"] == "error"]
+    assert [(f["detector"], f["where"], f["rank"], f["step"]) for f in errors] == [
+        ("replica_divergence", "net.2.weight", 1, 20)
+    ]
+    for r in ranks(runs, "hsdp_perturb"):
+        assert r["global_step"] == 21 and r["stopped_by"]["detector"] == "replica_divergence"
+    # tensor parallelism's replicated biases are compared too, and agree
+    assert findings(runs, "tp_norms") == []
 
 
 def test_a_sharded_run_is_quiet_and_records_the_whole_model(runs):

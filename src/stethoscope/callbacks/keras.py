@@ -22,7 +22,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
 from stethoscope.callbacks._keras.describe import describe_run, loss_expects, training_setup
 from stethoscope.callbacks._keras.fit_call import data_order
-from stethoscope.callbacks._keras.layers import distribution
+from stethoscope.callbacks._keras.layers import distribution, strategy_name
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.recovery import (
     KerasRecovery,
@@ -30,6 +30,7 @@ from stethoscope.callbacks._keras.recovery import (
     refuse_unrecoverable,
 )
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.workers import KerasWorkers
 from stethoscope.detectors import Detector
 from stethoscope.engine import Settings, StopOn
 from stethoscope.observation import Observation
@@ -103,14 +104,15 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
     shard into its own copy of the probe's variables, and the callback combines the
     copies: one monitor, one set of findings, one summary. The gradient statistics
     are those of the summed gradients the optimizer applies; a non-finite loss names
-    its replica in the finding's ``rank``.
+    its replica in the finding's ``rank``. Under ``MultiWorkerMirroredStrategy`` each
+    worker is a rank, as a DDP process is (see ``docs/distributed.md``).
 
     Raises:
         ValueError: On bad arguments, naming the value and the valid choices, or
             when the Keras backend is not one of :data:`SUPPORTED_BACKENDS`; at the
-            start of ``fit``, under a ``tf.distribute`` strategy other than
-            ``MirroredStrategy`` (naming it), and with ``recover=`` where it cannot skip
-            (a ``LossScaleOptimizer``, which skips steps itself, among them).
+            start of ``fit``, under a ``tf.distribute`` strategy other than the two
+            mirrored ones (naming it), and with ``recover=`` where it cannot skip (a
+            ``LossScaleOptimizer``, which skips steps itself, among them).
 
     Example:
         >>> model.fit(x, y, callbacks=[KerasStethoscope()])  # doctest: +SKIP
@@ -155,6 +157,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._clock = StepClock()
         self._probe: GraphProbe | None = None
         self._recovery: KerasRecovery | None = None
+        self._workers: KerasWorkers | None = None  # the other workers (MultiWorkerMirrored)
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
         self._epoch = 0
         self._next = 0  # the global step of the next train step
@@ -224,10 +227,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 step0 = recorded
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
+        self._workers = KerasWorkers.join(strategy, model, self.monitor, self._act)
         self._next = step0
         self._pending = None
         probe.start(step0)
-        probe.print_validation(self.monitor.reads("val_prints"))
+        probe.print_validation(self._workers is None and self.monitor.reads("val_prints"))
         probe.install()
         self._probe = probe
         if recover:
@@ -276,7 +280,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             self._recovery = None
         self.monitor.flush()
         message = self._stop_message()
-        if message is not None:
+        if message is not None and self.monitor.writes:  # rank zero's (the workers')
             _after_progress_line(message)
         self.monitor.close()
 
@@ -342,14 +346,14 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 if decision is not None:
                     self._act(decision)
                 return
-        losses = ring if probe.saw_loss else None
+        losses = probe.losses(ring) if probe.saw_loss else None
         last = first + count - 1
         measured = probe.sampled_at() if first <= planned <= last else -1
-        bad_at, bad_rank = -1, 0
+        bad_at, bad_rank = -1, self.monitor.rank
         replica_losses: list[np.ndarray] = []
         if probe.flagged(ring):  # a step with a non-finite loss or gradient
             bad_at = first if direct else probe.nonfinite_step()
-            if probe.regime.replicas > 1:  # which replica's shard made it so
+            if probe.regime.replica_ranks:  # which replica's shard made it so
                 replica_losses = probe.replica_losses()
                 bad_rank = probe.bad_replica()
             if not direct:  # ready for the next one (off the healthy path)
@@ -372,7 +376,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 if decision is not None:
                     self._act(decision)
                 continue
-            obs = Observation(step=step, epoch=self._epoch, rank=0, loss=loss)
+            obs = Observation(step=step, epoch=self._epoch, rank=self.monitor.rank, loss=loss)
             if replica_losses and loss is not None and not math.isfinite(loss):
                 obs.rank = _first_nonfinite(replica_losses, step % k)
             if recovery is not None:
@@ -388,8 +392,10 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                     self.recoverer.drop_unapplied_update(obs)
             self._act(self.monitor.observe(obs))
             # a non-finite loss or gradient, the step's norms recorded: where only the
-            # gradient was not finite, nothing else raised a suspicion
-            if step == bad_at and (obs.loss is None or math.isfinite(obs.loss)):
+            # gradient was not finite, nothing else raised a suspicion (the workers of a
+            # distributed run escalate where they meet, all on the same step)
+            finite = obs.loss is None or math.isfinite(obs.loss)
+            if step == bad_at and finite and self._workers is None:
                 self.monitor.escalate(step, self._epoch, "a non-finite gradient")
             if step in (bad_at, weights_at):
                 self._look_at_nonfinite(
@@ -397,16 +403,19 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 )
             if recovery is not None:
                 recovery.after_step(step, self._epoch, first=first if step == last else None)
+        if self._workers is not None:
+            self._workers.executed(first, last, self._epoch)
 
     def _look_at_nonfinite(
-        self, judged: Observation, replica: int, *, grads: bool, weights: bool
+        self, judged: Observation, rank: int, *, grads: bool, weights: bool
     ) -> None:
         """Judge what its own observation (``judged``) did not carry, by every detector that
-        reads it, due or not: the gradient norms recorded at a non-finite step (``grads``),
-        and the weight norms after the execution that took it (``weights``, at its last
-        step), so that the parameter that went bad is named, whatever the schedule."""
-        obs = Observation(step=judged.step, epoch=judged.epoch, rank=replica)
-        self._probe.decode_nonfinite(obs, replica, grads=grads, weights=weights)
+        reads it, due or not: the gradient norms recorded at a non-finite step (``grads``,
+        by the replica that saw it first), and the weight norms after the execution that
+        took it (``weights``, at its last step), so that the parameter that went bad is
+        named, whatever the schedule. ``rank``: the finding's (a replica's, or a worker's)."""
+        obs = Observation(step=judged.step, epoch=judged.epoch, rank=rank)
+        self._probe.decode_nonfinite(obs, None, grads=grads, weights=weights)
         if judged.grad_norm is not None:
             obs.grad_norm = None  # judged already, as planned
         if judged.weight_norm is not None:
@@ -418,9 +427,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._collect()
         val = (logs or {}).get("val_loss")
         val = float(val) if isinstance(val, (int, float, np.floating)) else None
-        if self._probe is not None:
+        step = max(self._next - 1, 0)
+        if self._workers is not None:  # every worker ends the epoch here
+            self._workers.epoch_ended(step, epoch, val)
+        elif self._probe is not None:
             prints = self._probe.validation_prints()
-            step = max(self._next - 1, 0)
             self._act(self.monitor.observe_validation(step, epoch, val, prints=prints))
         self._end_epoch(epoch)
 
@@ -444,7 +455,7 @@ def _first_nonfinite(replica_losses: list[np.ndarray], slot: int) -> int:
 def _check_optimizer(optimizer: Any, strategy: Any) -> None:
     """Refuse what the probe cannot measure under a strategy; warn where its gradient
     statistics differ from those of one device."""
-    name = type(strategy).__name__
+    name = strategy_name(strategy)
     if hasattr(optimizer, "inner_optimizer") or not hasattr(optimizer, "_all_reduce_sum_gradients"):
         raise ValueError(
             f"KerasStethoscope under {name} measures the gradients where Keras' TensorFlow "

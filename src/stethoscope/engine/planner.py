@@ -80,6 +80,11 @@ class Planner:
         self._agreed = {}
         self.changed()
 
+    def somewhere(self, name: str) -> bool:
+        """Whether the detector ``name`` takes part on some rank: here, or on rank zero,
+        where this rank measures its statistics for it (see :meth:`measure_shards`)."""
+        return name not in self.idle or name in (self._shard_readers or ())
+
     def sat_out(self, names: frozenset[str]) -> None:
         """The detectors ``names`` take part nowhere from now on: under sharded
         parameters, no rank measures their statistics for them any more."""

@@ -81,18 +81,21 @@ class Schedule:
     def cannot_measure(self, statistics: frozenset[str], why: str, *, warn: bool) -> list[str]:
         """The adapter cannot measure ``statistics`` in this run (``why``: a few words for
         the user): the detectors taking part that need any of them sit out, and ``warn``
-        says so once. Returns their names."""
+        says so once. Returns their names. Under sharded parameters, every rank must make
+        the same call: those detectors then take part nowhere, and no rank measures their
+        statistics any more (the ranks plan them alike)."""
         off = sorted(
             d.name
             for d in self.detectors
-            if not d.needs.isdisjoint(statistics) and not self.idle(d.name)
+            if not d.needs.isdisjoint(statistics) and self.planner.somewhere(d.name)
         )
         if off:
             self.sit_out(frozenset(off))
             if warn:
                 warnings.warn(
-                    f"stethoscope: {', '.join(off)} cannot judge this run ({why}): they are "
-                    "off; the other detectors judge it as usual",
+                    f"stethoscope: {', '.join(off)} cannot judge this run ({why}), so "
+                    f"{'it is' if len(off) == 1 else 'they are'} off; the other detectors "
+                    "judge it as usual",
                     RuntimeWarning,
                     stacklevel=4,
                 )

@@ -13,6 +13,7 @@ __all__ = [
     "fused_activations",
     "input_scaling",
     "leaf_layers",
+    "strategy_name",
     "unit_layer",
 ]
 
@@ -92,7 +93,8 @@ _SINGLE = ("_DefaultDistributionStrategy", "OneDeviceStrategy")
 
 
 def distribution(model: Any) -> Any | None:
-    """The model's ``tf.distribute.MirroredStrategy``, or None when it trains on one replica.
+    """The model's ``tf.distribute.MirroredStrategy`` or ``MultiWorkerMirroredStrategy``,
+    or None when it trains on one replica.
 
     Raises:
         ValueError: For the other strategies, naming the strategy.
@@ -104,18 +106,27 @@ def distribution(model: Any) -> Any | None:
         return None
     import tensorflow as tf
 
-    if isinstance(strategy, tf.distribute.MirroredStrategy):
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if isinstance(strategy, mirrored):
         return strategy
     name = type(strategy).__name__
     if name in _SINGLE:
         return None
     raise ValueError(
-        f"KerasStethoscope supports tf.distribute.MirroredStrategy, not {name}: its probe "
-        "keeps a copy of its variables on each replica and reads them from this process, "
-        "which holds every replica only under MirroredStrategy (MultiWorkerMirroredStrategy, "
-        "TPUStrategy, ParameterServerStrategy and CentralStorageStrategy are not supported). "
-        "Train under MirroredStrategy, or without KerasStethoscope."
+        f"KerasStethoscope supports tf.distribute.MirroredStrategy and "
+        f"MultiWorkerMirroredStrategy, not {name}: its probe keeps a copy of its variables "
+        "on each replica and reads this process's copies, which hold the replicas' own "
+        "measures only where every replica mirrors the weights and runs the whole step "
+        "(TPUStrategy, ParameterServerStrategy and CentralStorageStrategy are not "
+        "supported). Train under one of those two, or without KerasStethoscope."
     )
+
+
+def strategy_name(strategy: Any) -> str:
+    """The name a user knows ``strategy`` by (``MultiWorkerMirroredStrategy``'s class is
+    ``CollectiveAllReduceStrategy``)."""
+    name = type(strategy).__name__
+    return "MultiWorkerMirroredStrategy" if name == "CollectiveAllReduceStrategy" else name
 
 
 def feeds_activation(layer: Any) -> bool:

@@ -74,7 +74,7 @@ class GraphProbe:
         model: A compiled, built Keras model.
         steps_per_execution: Train steps per call of the train function.
         forward: Whether to wrap the leaf layers (activation, output and trace rows).
-        strategy: The model's ``MirroredStrategy`` (see ``layers.distribution``), or None.
+        strategy: The model's mirrored strategy (see ``layers.distribution``), or None.
         recover: Whether each step judges itself before its update (``recover=``): the
             update runs in a ``cond`` on the verdict, against the bars the host writes.
         replay: Whether a step judged bad is computed again before it is skipped.
@@ -341,6 +341,12 @@ class GraphProbe:
         self.variables.write("bad_at", np.int64(-1))
         ring[self.regime.steps] = 0.0
         self.variables.write("losses", ring)
+
+    def losses(self, ring: np.ndarray) -> np.ndarray:
+        """The losses of ``ring``'s steps, this worker's own: Keras divides each replica's
+        loss by every replica in sync, so the sum of this worker's is multiplied back by
+        the workers (``MultiWorkerMirroredStrategy``), as a DDP rank judges its own."""
+        return ring if self.regime.workers == 1 else ring * self.regime.workers
 
     def replica_losses(self) -> list[np.ndarray]:
         """Each replica's own share of the losses of the last execution."""

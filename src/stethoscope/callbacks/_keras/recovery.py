@@ -87,7 +87,14 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
             skips steps itself), named with what to do instead.
     """
     reason = None
-    if regime.replicas > 1 and regime.steps > 1:
+    if regime.workers > 1:
+        # the bars the host writes come from each worker's own losses, and the skips and
+        # roll backs are each worker's own: nothing would keep the workers' steps alike
+        reason = (
+            "under MultiWorkerMirroredStrategy (each worker would judge a step against bars "
+            "from its own losses, so one worker could skip a step that another applies)"
+        )
+    elif regime.replicas > 1 and regime.steps > 1:
         # the decision is taken across replicas (a merge_call), which TensorFlow cannot
         # trace inside the loop that runs an execution's steps
         reason = f"under a distribution strategy with steps_per_execution={regime.steps}"

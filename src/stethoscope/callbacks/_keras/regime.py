@@ -29,7 +29,9 @@ class Regime:
 
     Args:
         steps: Train steps per call of the train function (``steps_per_execution``).
-        replicas: Replicas in sync (``MirroredStrategy``), 1 without a strategy.
+        replicas: Replicas in sync in this process (``MirroredStrategy``: every one; a
+            worker's own under ``MultiWorkerMirroredStrategy``), 1 without a strategy.
+        workers: Processes that train together (``MultiWorkerMirroredStrategy``), else 1.
         eager: The train step runs in Python (the torch backend): the host's own booleans
             choose the branches, since a tensor predicate would cost a device sync. (A
             TensorFlow ``run_eagerly=True`` step needs no such case: its conds resolve
@@ -48,6 +50,7 @@ class Regime:
 
     steps: int
     replicas: int
+    workers: int
     eager: bool
     whole: bool
     outputs: bool
@@ -56,16 +59,25 @@ class Regime:
     @classmethod
     def of(cls, *, steps_per_execution: int, strategy: Any) -> Regime:
         """The regime of a model compiled with ``steps_per_execution`` under ``strategy``
-        (a ``MirroredStrategy``, or None), on the current Keras backend."""
+        (a mirrored strategy, or None), on the current Keras backend."""
         steps = max(int(steps_per_execution), 1)
         backend = keras.backend.backend()
         eager = backend == "torch"
         outputs = backend == "tensorflow" and strategy is None
+        replicas = len(strategy.extended.worker_devices) if strategy is not None else 1
         return cls(
             steps=steps,
-            replicas=int(strategy.num_replicas_in_sync) if strategy is not None else 1,
+            replicas=replicas,
+            workers=int(strategy.num_replicas_in_sync) // replicas if strategy is not None else 1,
             eager=eager,
             whole=steps == 1 and not eager,
             outputs=outputs,
             direct=outputs and steps == 1,
         )
+
+    @property
+    def replica_ranks(self) -> bool:
+        """Whether a finding's ``rank`` names the replica whose shard made it: one process
+        holds every replica (``MirroredStrategy``). Under ``MultiWorkerMirroredStrategy`` it
+        names the worker, a rank of its own."""
+        return self.replicas > 1 and self.workers == 1

@@ -97,6 +97,16 @@ class ParameterProbe:
         """L2 norm of each gradient, as one float32 tensor on the device."""
         return _stack_norms([self.grad(i) for i in indices])
 
+    def whole_grad_norms(self, indices: Sequence[int]) -> torch.Tensor:
+        """torch's own L2 norm of each whole gradient, as one float32 tensor: for a
+        sharded one, a DTensor reduction (a collective per tensor, which every rank must
+        make: the reference of a check, not a statistic)."""
+        out = []
+        for i in indices:
+            norm = torch.linalg.vector_norm(self.params[i].grad.detach(), dtype=torch.float32)
+            out.append(norm.full_tensor() if is_sharded(norm) else norm)
+        return torch.stack(out)
+
     def snapshot(self, indices: Sequence[int]) -> list[torch.Tensor]:
         """Copies of these parameters, to measure the optimizer's update against."""
         return torch._foreach_mul([self.data(i) for i in indices], 1.0)

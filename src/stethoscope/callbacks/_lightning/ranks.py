@@ -52,21 +52,23 @@ class LightningRanks:
     def watch_replicas(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, sharded: bool
     ) -> None:
-        """How the ranks judge the gradients and weights: under DDP, every rank holds the
-        same, rank zero judges them and replica_divergence compares the replicas' exact
-        checksums (see ``ReplicaChecksums.of``). ``sharded`` (FSDP2's DTensors): every
-        rank measures its shards, the ranks combine them, rank zero judges the whole
-        model's; nothing is replicated to compare. Under another strategy, every rank
-        judges what it holds."""
+        """How the ranks judge the gradients and weights, and what replica_divergence
+        compares (see ``ReplicaChecksums.of``). Under DDP every rank holds the same, rank
+        zero judges them, and the replicas' exact checksums are compared. ``sharded``
+        (FSDP2's DTensors): every rank measures its shards, the ranks combine them, rank
+        zero judges the whole model's, and what several ranks hold alike (HSDP's
+        replicas) is compared. Under another strategy, every rank judges what it holds."""
         self.replicas = ReplicaChecksums.of(trainer.strategy.model, pl_module)
         rank, world_size = trainer.global_rank, trainer.world_size
-        if self.replicas is not None:
-            return
         if sharded:
             self.monitor.distribute(rank=rank, world_size=world_size, sharded=True)
-            self.monitor.cannot_measure(
-                frozenset({"replicas"}), "each rank holds a shard, not a replica, of the weights"
-            )
+            if self.replicas is None:
+                self.monitor.cannot_measure(
+                    frozenset({"replicas"}),
+                    "each rank holds a shard of every parameter: no replica to compare",
+                )
+            return
+        if self.replicas is not None:
             return
         self.monitor.distribute(rank=rank, world_size=world_size, replicated=False)
         if trainer.is_global_zero:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from stethoscope.callbacks._lightning.precision import (
     ScaleSkips,
 )
 from stethoscope.callbacks._lightning.reduction import Reduction
+from stethoscope.callbacks._lightning.shards import replicated, whole_checksums
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
@@ -65,7 +67,12 @@ __all__ = [
 
 
 class GradNorms(Reduction):
-    """Each gradient's L2 norm, in one fused kernel per optimizer."""
+    """Each gradient's L2 norm, in one fused kernel per optimizer.
+
+    Under sharded parameters, the first sampled step also takes torch's own norm of each
+    whole gradient (a collective per tensor, once) as a reference for the norms combined
+    from the ranks' shards: a disagreement is said once (:func:`check_combined`).
+    """
 
     statistics = frozenset({"grads"})
     name = "grads"
@@ -73,15 +80,49 @@ class GradNorms(Reduction):
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
+        self._check = probe.sharded  # until the first sampled step under sharding
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        norms = self.probe.grad_norms(indices)
-        if measures.grad_scale is not None:
-            norms = norms / measures.grad_scale
-        measures.add("grads", norms, combine="norm")
+        parts = [("norms", self.probe.grad_norms(indices), "norm")]
+        if self._check and measures.combiner is not None:
+            self._check = False  # every rank's first sampled step: agreed, as collectives need
+            parts.append(("reference", self.probe.whole_grad_norms(indices), None))
+        for kind, norms, combine in parts:
+            if measures.grad_scale is not None:
+                norms = norms / measures.grad_scale
+            measures.add("grads", norms, (kind, len(indices)), combine=combine)
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.grad_norm = values
+        parts: dict[str, list[np.ndarray]] = {"norms": [], "reference": []}
+        at = 0
+        for kind, n in contexts:  # per optimizer: its norms, then any reference
+            parts[kind].append(values[at : at + n])
+            at += n
+        obs.grad_norm = np.concatenate(parts["norms"])
+        if parts["reference"] and obs.rank == 0:
+            check_combined(obs.grad_norm, np.concatenate(parts["reference"]))
+
+
+def check_combined(combined: np.ndarray, reference: np.ndarray, rtol: float = 1e-3) -> bool:
+    """Whether the gradient norms combined from the ranks' shards agree with torch's own
+    norms of the whole gradients; if not, a warning says so (once: it is checked once).
+    Both non-finite in the same places counts as agreeing."""
+    finite = np.isfinite(reference)
+    same = np.array_equal(finite, np.isfinite(combined)) and np.allclose(
+        combined[finite], reference[finite], rtol=rtol, atol=0.0
+    )
+    if not same:
+        worst = int(np.nanargmax(np.abs(combined - reference) / np.maximum(reference, 1e-30)))
+        warnings.warn(
+            f"stethoscope: the gradient norms combined from the ranks' shards disagree with "
+            f"torch's norms of the whole gradients (parameter {worst}: {combined[worst]:.6g} "
+            f"against {reference[worst]:.6g}), so the gradient, update and weight "
+            "statistics of this sharded run may be wrong; please report it with the strategy "
+            "and the model's sharding",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return same
 
 
 class StaleGrads(Reduction):
@@ -246,30 +287,41 @@ class Distributions(Reduction):
 
 
 class ReplicaChecksums:
-    """Under DDP: an exact checksum of every replica's parameters (and of the buffers DDP
-    does not re-broadcast), for the meeting to compare across ranks."""
+    """An exact checksum of every tensor the ranks hold alike, for the meeting to compare
+    across ranks: under DDP, every replica's parameters (and the buffers DDP does not
+    re-broadcast); with sharded parameters, those placed ``Replicate`` along some mesh
+    dimension (HSDP's replicas), each summed over its shards first."""
 
     statistics = frozenset({"replicas"})
 
-    def __init__(self, named: Sequence[tuple[str, torch.Tensor]], buffers: int) -> None:
+    def __init__(
+        self, named: Sequence[tuple[str, torch.Tensor]], buffers: int, *, sharded: bool = False
+    ) -> None:
         self.tensors = [t for _, t in named]
         self.names = tuple(n for n, _ in named)
         self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
+        self.sharded = sharded
 
     @classmethod
     def of(cls, model: Any, module: torch.nn.Module) -> ReplicaChecksums | None:
         """What ``module``'s replicas compare under ``model`` (the strategy's wrapped model):
         under DDP, every parameter, and the buffers DDP does not overwrite from rank zero at
-        each forward pass. None for strategies that shard the parameters (FSDP, DeepSpeed):
-        they hold no whole replicas to compare."""
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        buffers = [] if model.broadcast_buffers else list(module.named_buffers())
-        return cls(list(module.named_parameters()) + buffers, len(buffers))
+        each forward pass; with DTensor parameters, those held alike by several ranks.
+        None where the ranks hold nothing alike to compare (FSDP2 sharding every
+        parameter, FSDP, DeepSpeed)."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            buffers = [] if model.broadcast_buffers else list(module.named_buffers())
+            return cls(list(module.named_parameters()) + buffers, len(buffers))
+        alike = [(n, p) for n, p in module.named_parameters() if replicated(p)]
+        return cls(alike, 0, sharded=True) if alike else None
 
     def shared(self) -> dict[str, Any]:
+        if self.sharded:
+            sums = whole_checksums(self.tensors, checksums([t.to_local() for t in self.tensors]))
+        else:
+            sums = checksums(self.tensors)
         return {
-            "replica_sums": checksums(self.tensors).cpu().numpy(),
+            "replica_sums": sums.cpu().numpy(),
             "replica_names": self.names,
             "replica_buffer": self.buffer,
         }

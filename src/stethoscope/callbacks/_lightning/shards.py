@@ -37,8 +37,10 @@ __all__ = [
     "ShardCombiner",
     "is_sharded",
     "local_part",
+    "replicated",
     "row_span",
     "scatter_rows",
+    "whole_checksums",
 ]
 
 #: How the ranks combine a part of a step's reading: ``"norm"`` (an L2 norm: the root of
@@ -97,6 +99,35 @@ def scatter_rows(local_rows: torch.Tensor, span: tuple[int, int, int]) -> torch.
     out = local_rows.new_zeros(rows)
     if held:
         out[first : first + held] = local_rows
+    return out
+
+
+def replicated(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor held alike by several ranks along some mesh
+    dimension (a ``Replicate`` placement: HSDP's replicas, a tensor-parallel norm)."""
+    return is_sharded(tensor) and any(p.is_replicate() for p in tensor.placements)
+
+
+def whole_checksums(tensors: Sequence[Any], sums: torch.Tensor) -> torch.Tensor:
+    """Each tensor's checksum over all of its shards, from ``sums``, the checksums of the
+    parts this rank holds (the int64 sums of their bit patterns, see ``checksums``): a
+    sum of bit patterns adds up over the shards, so an all-reduce over the mesh
+    dimensions a tensor is sharded along gives every rank of a replica the checksum of
+    its whole tensor, which every replica then compares. One all-reduce per group of
+    tensors sharded alike; a collective every rank makes at the same meeting."""
+    out = sums.clone()
+    by_groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        dims = tuple(d for d, p in enumerate(t.placements) if p.is_shard())
+        by_groups.setdefault((id(t.device_mesh), dims), []).append(i)
+    for (_, dims), indices in by_groups.items():
+        if not dims:
+            continue
+        mesh = tensors[indices[0]].device_mesh
+        part = out[indices]
+        for d in dims:
+            torch.distributed.all_reduce(part, group=mesh.get_group(d))
+        out[indices] = part
     return out
 
 
