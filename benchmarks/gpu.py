@@ -30,6 +30,8 @@ Sections (``--only``):
 * ``snapshot``: what a recovery snapshot and a roll back cost on GPT-2 medium with a
   fused AdamW: the host's time to start the copies, the time until they land, and a
   roll back; beside the per-tensor blocking copy of before.
+* ``sharded``: the norms handed to the detectors under FSDP2 and FSDP1 on one device,
+  against an unsharded fit (see ``benchmarks.gpu_sharded``).
 
 Run, from the project root:
 
@@ -56,6 +58,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_sharded
+from benchmarks.gpu_sharded import section_sharded
+
 BEGIN, END = "<!-- gpu tables: begin -->", "<!-- gpu tables: end -->"
 
 
@@ -64,7 +69,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="folder for results.jsonl and gpu.md")
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU, tiny sizes")
     ap.add_argument(
-        "--only", default="census,faults,small,medium,snapshot", help="sections, comma-separated"
+        "--only",
+        default="census,faults,sharded,small,medium,snapshot",
+        help="sections, comma-separated",
     )
     ap.add_argument("--budget", type=float, default=330.0, help="seconds for every section")
     ap.add_argument("--render", type=Path, help="a results.jsonl to render as tables")
@@ -886,6 +893,7 @@ SECTIONS: dict[str, Callable[[Run], None]] = {
     "small": section_small,
     "medium": section_medium,
     "snapshot": section_snapshot,
+    "sharded": section_sharded,
 }
 
 
@@ -1032,6 +1040,7 @@ def render(results: list[dict[str, Any]]) -> str:
             f"as before, held the host {snap['blocking_per_tensor_ms']} ms. A roll back took "
             f"{snap['rollback_ms']} ms.",
         ]
+    lines += gpu_sharded.render(results)
     for r in results:
         if "crashed" in r or "skipped" in r:
             lines.append(f"\nSection {r['section']}: {r.get('crashed') or r.get('skipped')}.")

@@ -69,3 +69,13 @@ def test_a_nan_loss_is_named_without_a_crash(recover, tmp_path):
     assert result["error"] is None
     assert any(f["detector"] == "nonfinite_loss" and f["step"] == 60 for f in result["findings"])
     assert result["steps"] == 120 if recover else result["stopped_by"][1] >= 60
+
+
+@pytest.mark.parametrize("layout", ["FSDP2", "FSDP1"])
+def test_sharded_strategies_hand_the_detectors_the_unsharded_norms(layout, tmp_path):
+    from benchmarks.gpu_sharded import compare, norms_fit
+
+    run = _run(tmp_path)
+    result = compare(norms_fit(run, layout), norms_fit(run, "plain"))
+    assert result["steps_compared"] >= 10 and result["names_match"]
+    assert max(result["largest_relative_difference"].values()) < 1e-5, result
