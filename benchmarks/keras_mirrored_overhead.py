@@ -50,8 +50,9 @@ class Sampled(keras.callbacks.Callback):
         self.flags = []
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        pending = self.cb._pending  # (first step, sampled step, plan) of this execution
-        self.flags.append(pending is not None and pending[0] == pending[1])
+        # (first step, batch, sampled step, plan) of this execution
+        pending = self.cb._pending
+        self.flags.append(pending is not None and pending[0] == pending[2])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

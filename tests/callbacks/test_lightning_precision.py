@@ -20,7 +20,7 @@ from _observed import PRECISION, Observed, named
 from lightning.pytorch.plugins import MixedPrecision
 
 from stethoscope import LightningStethoscope
-from stethoscope.callbacks._lightning.precision import gradient_shares, rounded_away
+from stethoscope.callbacks._lightning.precision import gradient_counts, rounded_counts
 from stethoscope.callbacks._lightning.predictions import probability_rows
 from stethoscope.detectors import default_detectors
 from stethoscope.record import RunRecord
@@ -73,30 +73,32 @@ def run(model: L.LightningModule, statistic: str = "precision", *, steps: int = 
 # -- the statistics' kernels ---------------------------------------------------------------------
 
 
-def test_gradient_shares_count_subnormals_zeros_and_the_peak_in_the_gradients_dtype():
+def test_gradient_counts_are_subnormals_zeros_elements_and_the_peak_in_the_dtype():
     tiny16 = torch.finfo(torch.float16).tiny
     g = torch.tensor(
         [0.0, 0.0, tiny16 / 4, -tiny16 / 2, tiny16, -3.0, 1e-3, 2.0], dtype=torch.float16
     )
     same_in_fp32 = g.float()  # in float32 those are normal numbers: not judged, not measured
-    shares = gradient_shares([g, same_in_fp32], scale=torch.tensor(2.0)).numpy()
-    assert shares[0] == pytest.approx([2 / 8, 2 / 8, 1.5])  # 2 subnormal, 2 zero, 3/2
-    assert np.isnan(shares[1]).all()
+    counts = gradient_counts([g, same_in_fp32], scale=torch.tensor(2.0)).numpy()
+    assert counts[0] == pytest.approx([2, 2, 8, 1.5])  # 2 subnormal, 2 zero, of 8; 3/2
+    assert np.isnan(counts[1]).all()
     bf16 = torch.tensor([0.0, 1e-39, -2e-39, 1e-30, -4.0, math.nan], dtype=torch.bfloat16)
-    bf16_shares = gradient_shares([bf16]).numpy()[0]
-    assert bf16_shares[:2] == pytest.approx([2 / 6, 1 / 6]) and np.isnan(bf16_shares[2])
+    bf16_counts = gradient_counts([bf16]).numpy()[0]
+    assert bf16_counts[:3] == pytest.approx([2, 1, 6]) and np.isnan(bf16_counts[3])
+    empty = gradient_counts([g[:0]]).numpy()[0]  # a shard another rank counts
+    assert empty.tolist() == [0, 0, 0, 0]
 
 
-def test_rounded_away_is_the_share_of_pushed_elements_left_as_they_were():
+def test_rounded_counts_are_the_pushed_elements_left_as_they_were_and_the_pushed():
     before = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0], dtype=torch.bfloat16)
     after = before.clone()
     after[0] += 1.0  # moved
     grad = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.bfloat16)
     # pushed: 0, 1, 2; of those 1 and 2 stayed. 3 and 4 had no gradient: not counted
-    assert rounded_away([before], [after], [grad]).item() == pytest.approx(2 / 3)
-    assert math.isnan(rounded_away([before], [after], [grad * 0]).item())  # nothing pushed
+    assert rounded_counts([before], [after], [grad]).tolist() == [[2.0, 3.0]]
+    assert rounded_counts([before], [after], [grad * 0]).tolist() == [[0.0, 0.0]]
     wide = [t.float() for t in (before, after, grad)]  # float32: not judged, not measured
-    assert math.isnan(rounded_away(*[[t] for t in wide]).item())
+    assert np.isnan(rounded_counts(*[[t] for t in wide]).numpy()).all()
 
 
 # -- bf16-true: updates that round away ------------------------------------------------------------

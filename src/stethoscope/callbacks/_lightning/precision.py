@@ -28,8 +28,8 @@ __all__ = [
     "LossScale",
     "ScaleSkips",
     "fp8_shares",
-    "gradient_shares",
-    "rounded_away",
+    "gradient_counts",
+    "rounded_counts",
 ]
 
 #: Elements taken at once: bounds the temporaries of one large tensor.
@@ -49,20 +49,21 @@ _TINY_BITS = {
 _MAGNITUDE = 0x7FFF  # all but the sign bit
 
 
-def gradient_shares(
+def gradient_counts(
     grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """For each gradient held in 16 bits, the share of its elements that are subnormal in
-    its dtype, the share that are exactly zero, and its largest magnitude (``scale``, a
-    loss scale it still carries, divided out of that); NaN for a wider gradient (the
-    precision detectors judge 16-bit ones only, and nothing is spent on the others). One
-    float32 tensor ``(len(grads), 3)`` on the device."""
+    """For each gradient held in 16 bits, how many of its elements are subnormal in its
+    dtype, how many are exactly zero, how many there are, and its largest magnitude
+    (``scale``, a loss scale it still carries, divided out of that); NaN for a wider
+    gradient (the precision detectors judge 16-bit ones only, and nothing is spent on the
+    others). Counts, not shares, so that the ranks holding shards of a gradient add them
+    up. One float32 tensor ``(len(grads), 4)`` on the device."""
     rows = []
     with torch.no_grad():
         for g in grads:
             tiny = _TINY_BITS.get(g.dtype)
             if tiny is None:
-                rows.append(torch.full((3,), math.nan, device=g.device))
+                rows.append(torch.full((4,), math.nan, device=g.device))
                 continue
             bits = g.detach().reshape(-1).view(torch.int16)
             subnormal = torch.zeros((), dtype=torch.int64, device=g.device)
@@ -73,29 +74,31 @@ def gradient_shares(
                 zeros = torch.count_nonzero(magnitude == 0)
                 subnormal += torch.count_nonzero(magnitude < tiny) - zeros
                 zero += zeros
-                peak = torch.maximum(peak, magnitude.max())
+                if chunk.numel():
+                    peak = torch.maximum(peak, magnitude.max())
             peak = peak.view(g.dtype).float()  # a NaN's pattern is above every number's
             if scale is not None:
                 peak = peak / scale
-            n = max(g.numel(), 1)
-            rows.append(torch.stack([subnormal.float() / n, zero.float() / n, peak]))
+            size = torch.full((), float(g.numel()), device=g.device)
+            rows.append(torch.stack([subnormal.float(), zero.float(), size, peak.reshape(())]))
     if not rows:
-        return torch.zeros((0, 3))
+        return torch.zeros((0, 4))
     return torch.stack(rows)
 
 
-def rounded_away(
+def rounded_counts(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 ) -> torch.Tensor:
-    """For each parameter held in 16 bits, of its elements whose gradient is not zero, the
-    share that is exactly as it was before the step (``before``: its snapshot): the
-    updates that rounded away. NaN where every gradient element is zero, and for a wider
-    parameter (not judged, not measured). One float32 tensor."""
-    shares = []
+    """For each parameter held in 16 bits, of its elements whose gradient is not zero, how
+    many are exactly as they were before the step (``before``: its snapshot), the updates
+    that rounded away, and how many there are (their share is the first over the second);
+    NaN for a wider parameter (not judged, not measured). One float32 tensor
+    ``(len(after), 2)`` on the device."""
+    rows = []
     with torch.no_grad():
         for b, a, g in zip(before, after, grads, strict=True):
             if a.dtype not in _TINY_BITS or g.dtype not in _TINY_BITS:
-                shares.append(torch.full((), math.nan, device=a.device))
+                rows.append(torch.full((2,), math.nan, device=a.device))
                 continue
             a = a.detach().reshape(-1).view(torch.int16)
             g = g.detach().reshape(-1).view(torch.int16)
@@ -107,10 +110,17 @@ def rounded_away(
                 moving = (g[part] & _MAGNITUDE) != 0
                 pushed += torch.count_nonzero(moving)
                 stayed += torch.count_nonzero(moving & (a[part] == b[part]))
-            shares.append(stayed.float() / pushed.float())
-    if not shares:
-        return torch.zeros(0)
-    return torch.stack(shares)
+            rows.append(torch.stack([stayed.float(), pushed.float()]))
+    if not rows:
+        return torch.zeros((0, 2))
+    return torch.stack(rows)
+
+
+def _share(part: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """``part / whole``, NaN where ``whole`` is 0 (nothing to take a share of)."""
+    out = np.full(np.shape(part), np.nan)
+    np.divide(part, whole, out=out, where=whole > 0)
+    return out
 
 
 #: Per fp8 format, the share of a tensor's largest magnitude below which a value rounds to
@@ -146,43 +156,52 @@ class GradientPrecision(Reduction):
     """The ``precision`` statistic: each gradient's subnormal and zero shares and its
     peak before the step, and each snapshotted parameter's rounded-away share after it
     (read from the ``updates`` snapshots before they are spent, so it runs before
-    :class:`~stethoscope.callbacks._lightning.reductions.UpdateNorms`)."""
+    :class:`~stethoscope.callbacks._lightning.reductions.UpdateNorms`). Measured as counts
+    and peaks, which the ranks of a sharded model add up and take the largest of."""
 
     statistics = frozenset({"precision"})
     name = "precision"
     per_parameter = True
-    combines_shards = False  # shares of each whole tensor's elements
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         grads = [self.probe.grad(i) for i in indices]
-        measures.add("precision", gradient_shares(grads, measures.grad_scale), ("grads", indices))
+        counts = gradient_counts(grads, measures.grad_scale)
+        measures.add("precision", counts[:, :3], ("grads", indices), combine="sum")
+        measures.add("precision", counts[:, 3], ("peaks", len(indices)), combine="max")
 
     def at_end(self, measures: StepMeasures) -> None:
         if not measures.snapshots:
             return
         snapped = measures.snapped
         params = [self.probe.data(i) for i in snapped]
-        lost = rounded_away(measures.snapshots, params, [self.probe.grad(i) for i in snapped])
-        measures.add("precision", lost, ("lost", tuple(measures.snapped)))
+        lost = rounded_counts(measures.snapshots, params, [self.probe.grad(i) for i in snapped])
+        measures.add("precision", lost, ("lost", tuple(snapped)), combine="sum")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        grads: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        peaks: list[np.ndarray] = []
         order: list[int] = []
         lost: dict[int, float] = {}
         at = 0
-        for kind, indices in contexts:
+        for kind, which in contexts:  # per optimizer: counts, peaks; then the lost updates
             if kind == "grads":
-                grads.append(values[at : at + 3 * len(indices)].reshape(-1, 3))
-                order.extend(indices)
-                at += 3 * len(indices)
+                counts.append(values[at : at + 3 * len(which)].reshape(-1, 3))
+                order.extend(which)
+                at += 3 * len(which)
+            elif kind == "peaks":
+                peaks.append(values[at : at + which])
+                at += which
             else:
-                lost.update(zip(indices, values[at : at + len(indices)].tolist(), strict=True))
-                at += len(indices)
-        rows = np.concatenate(grads) if grads else np.zeros((0, 3))
-        obs.grad_subnormal, obs.grad_zero, obs.grad_peak = rows[:, 0], rows[:, 1], rows[:, 2]
+                pairs = values[at : at + 2 * len(which)].reshape(-1, 2)
+                lost.update(zip(which, _share(pairs[:, 0], pairs[:, 1]).tolist(), strict=True))
+                at += 2 * len(which)
+        rows = np.concatenate(counts) if counts else np.zeros((0, 3))
+        obs.grad_subnormal = _share(rows[:, 0], rows[:, 2])
+        obs.grad_zero = _share(rows[:, 1], rows[:, 2])
+        obs.grad_peak = np.concatenate(peaks) if peaks else np.zeros(0)
         obs.update_lost = np.array([lost.get(i, np.nan) for i in order])
 
 
@@ -193,7 +212,7 @@ class Fp8Fit(Reduction):
     statistics = frozenset({"fp8"})
     name = "fp8"
     per_parameter = True
-    combines_shards = False  # shares of each whole tensor's elements
+    combines_shards = False  # shares judged against each whole tensor's peak
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
