@@ -17,6 +17,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.detectors import Detector, default_detectors
 from stethoscope.distributed import (
     FLAGS,
@@ -31,6 +32,7 @@ from stethoscope.distributed import (
 from stethoscope.engine.monitor import Monitor
 from stethoscope.findings import SAMPLER, Finding
 from stethoscope.observation import Observation
+from stethoscope.sinks.base import RunContext
 from stethoscope.statistics import GATHERED, REPLICATED
 from stethoscope.testing import CapturingSink, RecordingDetector
 
@@ -296,6 +298,23 @@ def test_with_sharded_parameters_every_rank_measures_the_whole_model_rank_zero_j
     assert replicated <= set(one.planner.idle)
     assert not replicated & set(zero.planner.idle) - NOT_APPLYING  # precision rules: float32
     assert zero.judges_replicated and not one.judges_replicated
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_off_rank_zero_the_precision_rules_stay_idle_in_a_low_precision_run(sharded):
+    """A bf16 run makes the precision rules apply at its start; off rank zero they still
+    judge nothing (rank zero judges them), though under sharding that rank measures their
+    statistics all the same. (Before, every rank judged them under DDP: each rank 1
+    finding repeated rank zero's.)"""
+    zero, one = sharded_ranks(2).monitors if sharded else ranks(2).monitors
+    bf16 = RunContext(setup=TrainingSetup(precision="bf16-true", low_precision=True))
+    for m in (zero, one):
+        m.start(bf16)
+    assert not zero.schedule.idle("rounded_updates")
+    assert one.schedule.idle("rounded_updates") and one.schedule.idle("gradient_underflow")
+    if sharded:  # measured for rank zero's rules, in the same collective
+        assert "precision" in one.plan(0)
+        assert zero.plan(0) & REPLICATED == one.plan(0) & REPLICATED
 
 
 def test_a_detector_that_cannot_read_sits_out_on_every_rank_and_rank_zero_says_so():

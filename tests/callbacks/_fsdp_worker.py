@@ -102,6 +102,10 @@ class Observed(Sink):
             row["grad_hist"] = obs.grad_hist.tolist()
         if obs.stale_grads is not None:
             row["stale_grads"] = obs.stale_grads
+        for field in ("grad_subnormal", "grad_zero", "grad_peak", "update_lost"):
+            value = getattr(obs, field)
+            if value is not None:
+                row[field] = [None if np.isnan(v) else float(v) for v in value]
 
 
 #: Every sampled detector every other step: most steps compared.
@@ -126,6 +130,9 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "fsdp_uncombined": ({}, {}, 4),
     # the same, the snapshots on disk in one directory both ranks share
     "fsdp_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
+    # bf16 weights and a learning rate too small for them: most updates round away
+    "fsdp_bf16": ({"depth": 3, "lr": 1e-5}, {"escalate": False, "precision": "bf16-true"}, 40),
+    "ddp_bf16": ({"depth": 3, "lr": 1e-5}, {"escalate": False, "precision": "bf16-true"}, 40),
     # HSDP: each parameter replicated over the ranks, as DDP's are
     "hsdp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
     # ...whose replicas are compared: rank 1's net.2.weight moves after step 20
@@ -151,6 +158,7 @@ TWIN_SKIPS = range(5 * 32, 6 * 32)
 
 def run(out: Path, name: str) -> None:
     model_kw, cb_kw, steps = SCENARIOS[name]
+    cb_kw = dict(cb_kw)  # a scenario's own: its entries are taken out below
     if cb_kw.get("detectors") == "damage":  # made afresh: a detector keeps its state
         cb_kw = {**cb_kw, "detectors": _damage_detectors()}
     if cb_kw.get("recover") == "disk":
@@ -166,7 +174,8 @@ def run(out: Path, name: str) -> None:
     if cb_kw.pop("record", False):
         cb_kw = {**cb_kw, "record": here / f"{name}-record"}
     torch.manual_seed(0)  # the same initial weights on both ranks and under both strategies
-    model = model_class(lr=1e-2, **model_kw)
+    model = model_class(**{"lr": 1e-2, **model_kw})
+    precision = cb_kw.pop("precision", "32-true")
     observed = Observed()
     callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
@@ -180,6 +189,7 @@ def run(out: Path, name: str) -> None:
         devices=2 // nodes,
         num_nodes=nodes,
         strategy=strategy,
+        precision=precision,
         max_steps=steps,
         max_epochs=-1,
         logger=False,
@@ -232,7 +242,8 @@ def _uncombined() -> ShardCombiner:
 def _digest(parameter: torch.Tensor) -> str:
     """A digest of the bytes this rank holds of ``parameter``."""
     local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-    return hashlib.sha256(local.detach().contiguous().numpy().tobytes()).hexdigest()
+    raw = local.detach().contiguous().view(torch.uint8)  # any dtype's bytes (bf16 too)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 def main() -> None:

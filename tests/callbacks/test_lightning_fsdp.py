@@ -32,6 +32,8 @@ SCENARIOS = (
     "hsdp_perturb",
     "tp_norms",
     "fsdp_same_norms",
+    "fsdp_bf16",
+    "ddp_bf16",
 )
 #: What the two ranks run as two nodes of one process each.
 ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
@@ -110,6 +112,17 @@ def test_sharded_statistics_equal_those_of_the_unsharded_model(runs, layout, ref
         "grad_hist",
         "stale_grads",
     }
+
+
+def test_the_precision_rules_judge_a_sharded_bf16_run_as_an_unsharded_one(runs):
+    sharded, replicated = observed(runs, "fsdp_bf16"), observed(runs, "ddp_bf16")
+    assert sorted(sharded) == sorted(replicated) and len(replicated) >= 3
+    for step, want in replicated.items():  # shares of counts summed over the shards
+        for field in ("grad_subnormal", "grad_zero", "grad_peak", "update_lost"):
+            assert sharded[step][field] == want[field], (field, step)
+    for scenario in ("fsdp_bf16", "ddp_bf16"):  # once, from rank zero, under both
+        found = [(f["detector"], f["where"], f["rank"]) for f in findings(runs, scenario)]
+        assert found == [("rounded_updates", "net.4.weight", 0)], scenario
 
 
 def test_the_first_sampled_step_checks_the_combined_norms_against_torchs(runs):

@@ -85,12 +85,6 @@ class Planner:
         where this rank measures its statistics for it (see :meth:`measure_shards`)."""
         return name not in self.idle or name in (self._shard_readers or ())
 
-    def sat_out(self, names: frozenset[str]) -> None:
-        """The detectors ``names`` take part nowhere from now on: under sharded
-        parameters, no rank measures their statistics for them any more."""
-        if self._shard_readers is not None and not self._shard_readers.isdisjoint(names):
-            self.measure_shards(self._shard_readers - names)
-
     def sink_interval(self, step: int) -> int:
         """How often the sinks' statistics are measured at ``step`` (0: never)."""
         if not self._sink_every:

@@ -38,6 +38,11 @@ class Schedule:
         #: Keeps the sampled steps' cost within the budget (None: no budget).
         self.budget: OverheadBudget | None = None
         self._not_applying: frozenset[str] = frozenset()  # see not_applying
+        #: Idle on this rank alone, rank zero judging them (see take_part), and whether
+        #: this rank measures their statistics all the same (sharded parameters).
+        self._rank_idle: frozenset[str] = frozenset()
+        self._measures_for_rank_zero = False
+        self._sat_out: frozenset[str] = frozenset()  # see sit_out
         # until a training starts, the setup is the default one's (float32, say)
         self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
@@ -65,9 +70,10 @@ class Schedule:
             idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
         else:
             idle = set()
-        self.planner.set_idle(frozenset(idle) | self._not_applying)
-        if sharded and world_size > 1:
-            self.planner.measure_shards(frozenset(idle) - self._not_applying)
+        self._rank_idle, self._sat_out = frozenset(idle), frozenset()
+        self._measures_for_rank_zero = sharded and world_size > 1
+        self.planner.set_idle(self._rank_idle | self._not_applying)
+        self._measure_for_rank_zero()
         writes = rank == 0 or (sharded and world_size > 1)
         self.planner.sinks_want(*(self._sink_wants if writes else (frozenset(), 0)))
         fraction = self._budget_fraction if world_size == 1 else None
@@ -75,8 +81,9 @@ class Schedule:
 
     def sit_out(self, names: frozenset[str]) -> None:
         """Detectors that take no part in this run from now on."""
+        self._sat_out |= names
         self.planner.set_idle(self.planner.idle | names)
-        self.planner.sat_out(names)
+        self._measure_for_rank_zero()
 
     def cannot_measure(self, statistics: frozenset[str], why: str, *, warn: bool) -> list[str]:
         """The adapter cannot measure ``statistics`` in this run (``why``: a few words for
@@ -107,10 +114,17 @@ class Schedule:
         training (a second fit in another precision) take part again."""
         back = self._not_applying - names
         self._not_applying = names
-        self.planner.set_idle((self.planner.idle - back) | names)
-        self.planner.sat_out(names)
+        # those idle on this rank alone stay so: rank zero judges them
+        self.planner.set_idle((self.planner.idle - back) | names | self._rank_idle)
+        self._measure_for_rank_zero()
         if self.budget is not None:
             self.budget.aim(self._shortest_sampled())
+
+    def _measure_for_rank_zero(self) -> None:
+        """Under sharded parameters, measure the statistics of the detectors idle on this
+        rank alone that take part on rank zero (see ``Planner.measure_shards``)."""
+        if self._measures_for_rank_zero:
+            self.planner.measure_shards(self._rank_idle - self._not_applying - self._sat_out)
 
     def _shortest_sampled(self) -> int:
         """The shortest declared interval of a sampled detector that takes part."""
