@@ -106,10 +106,17 @@ class Observed(Sink):
             value = getattr(obs, field)
             if value is not None:
                 row[field] = [None if np.isnan(v) else float(v) for v in value]
+        for field in ("fp8_underflow", "fp8_amax"):  # a row per parameter
+            value = getattr(obs, field)
+            if value is not None:
+                row[field] = np.nan_to_num(value, nan=-1.0).tolist()
 
 
 #: Every sampled detector every other step: most steps compared.
 OFTEN = {d.name: 2 for d in default_detectors() if d.base_interval > 1}
+
+#: A bf16 run judged at base intervals.
+BF16 = {"escalate": False, "precision": "bf16-true"}
 
 #: name: (model kwargs, callback kwargs, steps)
 SCENARIOS: dict[str, tuple[dict, dict, int]] = {
@@ -131,8 +138,9 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # the same, the snapshots on disk in one directory both ranks share
     "fsdp_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
     # bf16 weights and a learning rate too small for them: most updates round away
-    "fsdp_bf16": ({"depth": 3, "lr": 1e-5}, {"escalate": False, "precision": "bf16-true"}, 40),
-    "ddp_bf16": ({"depth": 3, "lr": 1e-5}, {"escalate": False, "precision": "bf16-true"}, 40),
+    # (with fp8_readiness, opt-in, whose counts are against each whole tensor's peak)
+    "fsdp_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "detectors": "fp8"}, 40),
+    "ddp_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "detectors": "fp8"}, 40),
     # HSDP: each parameter replicated over the ranks, as DDP's are
     "hsdp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
     # ...whose replicas are compared: rank 1's net.2.weight moves after step 20
@@ -161,6 +169,8 @@ def run(out: Path, name: str) -> None:
     cb_kw = dict(cb_kw)  # a scenario's own: its entries are taken out below
     if cb_kw.get("detectors") == "damage":  # made afresh: a detector keeps its state
         cb_kw = {**cb_kw, "detectors": _damage_detectors()}
+    if cb_kw.get("detectors") == "fp8":
+        cb_kw = {**cb_kw, "detectors": default_detectors(fp8_readiness={})}
     if cb_kw.get("recover") == "disk":
         shared = out / f"{name}-snapshots"  # shared by every node
         recovery = Recovery(snapshot_every=8, snapshot_in="disk", snapshot_dir=shared)

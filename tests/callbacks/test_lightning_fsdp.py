@@ -120,6 +120,11 @@ def test_the_precision_rules_judge_a_sharded_bf16_run_as_an_unsharded_one(runs):
     for step, want in replicated.items():  # shares of counts summed over the shards
         for field in ("grad_subnormal", "grad_zero", "grad_peak", "update_lost"):
             assert sharded[step][field] == want[field], (field, step)
+    fp8 = [step for step, want in replicated.items() if "fp8_underflow" in want]
+    assert fp8, "fp8_readiness measured nothing"
+    for step in fp8:  # counted against each whole tensor's peak, agreed first
+        for field in ("fp8_underflow", "fp8_amax"):
+            assert sharded[step][field] == replicated[step][field], (field, step)
     for scenario in ("fsdp_bf16", "ddp_bf16"):  # once, from rank zero, under both
         found = [(f["detector"], f["where"], f["rank"]) for f in findings(runs, scenario)]
         assert found == [("rounded_updates", "net.4.weight", 0)], scenario

@@ -20,7 +20,11 @@ from _observed import PRECISION, Observed, named
 from lightning.pytorch.plugins import MixedPrecision
 
 from stethoscope import LightningStethoscope
-from stethoscope.callbacks._lightning.precision import gradient_counts, rounded_counts
+from stethoscope.callbacks._lightning.precision import (
+    fp8_counts,
+    gradient_counts,
+    rounded_counts,
+)
 from stethoscope.callbacks._lightning.predictions import probability_rows
 from stethoscope.detectors import default_detectors
 from stethoscope.record import RunRecord
@@ -87,6 +91,21 @@ def test_gradient_counts_are_subnormals_zeros_elements_and_the_peak_in_the_dtype
     assert bf16_counts[:3] == pytest.approx([2, 1, 6]) and np.isnan(bf16_counts[3])
     empty = gradient_counts([g[:0]]).numpy()[0]  # a shard another rank counts
     assert empty.tolist() == [0, 0, 0, 0]
+
+
+def test_fp8_counts_are_against_the_peak_the_ranks_agree_on():
+    t = torch.tensor([0.0, 448.0, 1e-3, 1e-9, -2.0])
+    counts = fp8_counts([t], scale=torch.tensor(2.0)).numpy()[0]
+    # of 4 non-zero, scaled so that 448 meets each format's largest value: 1e-9 flushes
+    # in both (e4m3 keeps down to ~9.8e-4 here, e5m2 to ~6e-8); 1e-3 just stays in e4m3
+    assert counts.tolist() == pytest.approx([1, 1, 4, 224.0])
+    # a shard whose own peak is 2, when another rank holds 448: counted against 448
+    shard = torch.tensor([2.0, 1e-4, 0.0])
+    alone = fp8_counts([shard]).numpy()[0]
+    agreed = fp8_counts([shard], agree=lambda peaks: peaks.fill_(448.0)).numpy()[0]
+    assert alone.tolist() == pytest.approx([0, 0, 2, 2.0])
+    assert agreed.tolist() == pytest.approx([1, 0, 2, 448.0])
+    assert fp8_counts([shard[:0]]).tolist() == [[0.0, 0.0, 0.0, 0.0]]  # an empty shard
 
 
 def test_rounded_counts_are_the_pushed_elements_left_as_they_were_and_the_pushed():

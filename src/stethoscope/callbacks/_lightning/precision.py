@@ -10,7 +10,7 @@ the device (never read there), since a skip is known only at the step it happens
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ __all__ = [
     "GradientPrecision",
     "LossScale",
     "ScaleSkips",
-    "fp8_shares",
+    "fp8_counts",
     "gradient_counts",
     "rounded_counts",
 ]
@@ -129,27 +129,37 @@ def _share(part: np.ndarray, whole: np.ndarray) -> np.ndarray:
 FP8_FLOORS = tuple(fmt.smallest / 2 / fmt.max for fmt in (E4M3, E5M2))
 
 
-def fp8_shares(tensors: Sequence[torch.Tensor], scale: torch.Tensor | None = None) -> torch.Tensor:
-    """For each tensor, of its non-zero elements, the share that would round to zero in
-    e4m3 and in e5m2 under per-tensor scaling to its largest magnitude, and that largest
-    magnitude (``scale``, a loss scale the tensors carry, divided out of it): one float32
-    tensor ``(len(tensors), 3)`` on the device."""
-    rows = []
+def fp8_counts(
+    tensors: Sequence[torch.Tensor],
+    scale: torch.Tensor | None = None,
+    agree: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """For each tensor, of its non-zero elements, how many would round to zero in e4m3 and
+    in e5m2 under per-tensor scaling to its largest magnitude, how many there are, and
+    that largest magnitude (``scale``, a loss scale the tensors carry, divided out of it):
+    one float32 tensor ``(len(tensors), 4)`` on the device.
+
+    ``agree``: under sharding, makes the peaks every rank's largest, in place (an
+    all-reduce), before the elements are counted against them: the scaling is the whole
+    tensor's, and the counts then add up over the ranks."""
+    if not tensors:
+        return torch.zeros((0, 4))
     with torch.no_grad():
-        for t in tensors:
+        zero = torch.zeros((), device=tensors[0].device)  # the peak of an empty shard
+        peaks = torch.stack(
+            [t.detach().abs().max().float() if t.numel() else zero for t in tensors]
+        )
+        if agree is not None:
+            agree(peaks)
+        rows = []
+        for t, amax in zip(tensors, peaks, strict=True):
             magnitude = t.detach().reshape(-1).float().abs()
-            amax = magnitude.max() if magnitude.numel() else magnitude.new_zeros(())
             nonzero = torch.count_nonzero(magnitude).float()
-            under = [
-                (torch.count_nonzero(magnitude < amax * floor) - (magnitude.numel() - nonzero))
-                / nonzero
-                for floor in FP8_FLOORS
-            ]
-            peak = amax / scale if scale is not None else amax
-            rows.append(torch.stack([*under, peak.reshape(())]))
-    if not rows:
-        return torch.zeros((0, 3))
-    return torch.stack(rows)
+            zeros = magnitude.numel() - nonzero
+            under = [torch.count_nonzero(magnitude < amax * f) - zeros for f in FP8_FLOORS]
+            rows.append(torch.stack([*under, nonzero]))
+        peak = peaks / scale if scale is not None else peaks
+        return torch.cat([torch.stack(rows), peak.reshape(-1, 1)], dim=1)
 
 
 class GradientPrecision(Reduction):
@@ -207,37 +217,55 @@ class GradientPrecision(Reduction):
 
 class Fp8Fit(Reduction):
     """The ``fp8`` statistic: how each gradient (before the step) and each weight (after
-    it) would fit e4m3 and e5m2 under per-tensor scaling."""
+    it) would fit e4m3 and e5m2 under per-tensor scaling. Measured as counts against
+    each whole tensor's peak, which the ranks of a sharded model agree on first."""
 
     statistics = frozenset({"fp8"})
     name = "fp8"
     per_parameter = True
-    combines_shards = False  # shares judged against each whole tensor's peak
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         grads = [self.probe.grad(i) for i in indices]
-        measures.add("fp8", fp8_shares(grads, measures.grad_scale), ("grads", len(indices)))
+        self._add(measures, "grads", fp8_counts(grads, measures.grad_scale, _agree(measures)))
 
     def at_end(self, measures: StepMeasures) -> None:
         if measures.params:
             weights = [self.probe.data(i) for i in measures.params]
-            measures.add("fp8", fp8_shares(weights), ("weights", len(measures.params)))
+            self._add(measures, "weights", fp8_counts(weights, agree=_agree(measures)))
+
+    @staticmethod
+    def _add(measures: StepMeasures, kind: str, counts: torch.Tensor) -> None:
+        n = counts.shape[0]
+        measures.add("fp8", counts[:, :3], (kind, "counts", n), combine="sum")
+        measures.add("fp8", counts[:, 3], (kind, "peaks", n))  # agreed already
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        rows = values.reshape(-1, 3)
-        parts: dict[str, list[np.ndarray]] = {"grads": [], "weights": []}
+        parts: dict[tuple[str, str], list[np.ndarray]] = {}
         at = 0
-        for kind, n in contexts:  # gradients per optimizer, then the weights
-            parts[kind].append(rows[at : at + n])
-            at += n
-        if not parts["grads"] or not parts["weights"]:
+        for kind, what, n in contexts:  # per optimizer its gradients, then the weights
+            width = 3 if what == "counts" else 1
+            parts.setdefault((kind, what), []).append(values[at : at + width * n].reshape(n, -1))
+            at += width * n
+        if ("grads", "counts") not in parts or ("weights", "counts") not in parts:
             return
-        grads, weights = np.concatenate(parts["grads"]), np.concatenate(parts["weights"])
-        obs.fp8_underflow = np.concatenate([weights[:, :2], grads[:, :2]], axis=1)
-        obs.fp8_amax = np.stack([weights[:, 2], grads[:, 2]], axis=1)
+        shares = {}
+        for kind in ("weights", "grads"):
+            counts = np.concatenate(parts[kind, "counts"])
+            shares[kind] = _share(counts[:, :2], counts[:, 2:3])
+        obs.fp8_underflow = np.concatenate([shares["weights"], shares["grads"]], axis=1)
+        obs.fp8_amax = np.concatenate(
+            [np.concatenate(parts["weights", "peaks"]), np.concatenate(parts["grads", "peaks"])],
+            axis=1,
+        )
+
+
+def _agree(measures: StepMeasures) -> Callable[[torch.Tensor], None] | None:
+    """Under sharding, how the ranks make a tensor of peaks every rank's largest."""
+    combiner = measures.combiner
+    return None if combiner is None else lambda peaks: combiner.all_reduce(peaks, "max")
 
 
 class ScaleSkips:

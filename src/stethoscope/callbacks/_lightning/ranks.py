@@ -80,11 +80,10 @@ class LightningRanks:
                 stacklevel=2,
             )
 
-    def combine_shards(self, unsharded: frozenset[str]) -> ShardCombiner:
+    @staticmethod
+    def combine_shards() -> ShardCombiner:
         """The parameters are sharded (FSDP2): the combiner of the ranks' measures of
-        their shards. The detectors of the ``unsharded`` statistics, shares of each whole
-        tensor that shards cannot give, are off (said once)."""
-        self.monitor.cannot_measure(unsharded, "the parameters are sharded over the ranks")
+        their shards, over the run's process group."""
         return ShardCombiner.of_process_group()
 
     def batch_done(self, trainer: pl.Trainer, step: int) -> None:

@@ -41,10 +41,6 @@ class Reduction:
     #: Whether it measures the parameters an optimizer steps (the callback then tells the
     #: measures which ones, in :meth:`before_step`'s order).
     per_parameter: ClassVar[bool] = False
-    #: Whether the ranks can combine what each measured of its own shards of the
-    #: parameters (norms, counts): not so for a share of each tensor's elements judged
-    #: against the whole tensor's peak.
-    combines_shards: ClassVar[bool] = True
 
     def at_start(self, measures: StepMeasures, batch: Any) -> None:
         """The step's first batch, before its forward pass."""

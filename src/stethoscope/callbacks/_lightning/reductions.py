@@ -370,10 +370,6 @@ class ReductionSet:
         # per plan: the reductions it runs, and those of them that need the parameters an
         # optimizer steps (a handful of plans per run)
         self._by_plan: dict[frozenset[str], tuple[tuple[Reduction, ...], tuple]] = {}
-        #: The statistics that cannot be combined from the ranks' shards of the parameters.
-        self.unsharded = frozenset(
-            s for r in self.all if not r.combines_shards for s in r.statistics
-        )
         #: The statistics measured just before a step's first backward pass: those of the
         #: reductions that have a ``before_backward`` (its hook is on where a plan names one).
         self.before_backward = frozenset(
