@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from _ddp_worker import RankFault, _damage_detectors
 from _models import dataset
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Subset
@@ -80,6 +81,23 @@ class TensorParallelRankFault(RankFault):
             for k, i in enumerate(linear)
         }
         parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
+
+
+class FlatShardedRankFault(RankFault):
+    """RankFault under FSDP1: each linear layer wrapped in ``FullyShardedDataParallel``
+    with ``use_orig_params=True`` (``FULL_SHARD``), so each parameter the model shows is a
+    1-D slice of its elements, empty on some rank. Wrapped here, on the CPU, since
+    Lightning wraps only on CUDA (``device_id``); its strategy is :class:`CPUFSDPStrategy`."""
+
+    def configure_model(self) -> None:
+        for i, module in enumerate(self.net):
+            if isinstance(module, torch.nn.Linear):
+                self.net[i] = FSDP(module, use_orig_params=True, device_id=torch.device("cpu"))
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, which refuses any accelerator but CUDA by its exact
+    type: a subclass runs on the CPU, with the model wrapped by hand (above)."""
 
 
 class Observed(Sink):
@@ -148,6 +166,13 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # tensor parallelism: both ranks train on the same batches, so the reference is
     # FSDP2 on the same batches on both ranks (the gradient of one rank's batch)
     "tp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    # FSDP1's flat parameters, each rank a slice of each
+    "fsdp1_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "fsdp1_skip": ({"rank_fault": "nan", "onset": 5}, {"recover": True}, 20),
+    "fsdp1_twin": ({}, {"recover": True}, 19),
+    "fsdp1_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
+    "fsdp1_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
+    "ddp_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
     "fsdp_same_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
 }
 
@@ -157,6 +182,7 @@ LAYOUTS: dict[str, tuple[type, dict]] = {
     "fsdp": (ShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
     "hsdp": (HybridShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
     "tp": (TensorParallelRankFault, {"data_parallel_size": 1, "tensor_parallel_size": 2}),
+    "fsdp1": (FlatShardedRankFault, {"flat": True}),
 }
 
 #: Each rank trains on its own half of the samples (every other one), in order: the
@@ -189,11 +215,12 @@ def run(out: Path, name: str) -> None:
     observed = Observed()
     callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
-    strategy = (
-        ModelParallelStrategy(**parallel, timeout=timeout)
-        if parallel
-        else DDPStrategy(process_group_backend="gloo", timeout=timeout)
-    )
+    if parallel.get("flat"):
+        strategy = CPUFSDPStrategy(timeout=timeout)
+    elif parallel:
+        strategy = ModelParallelStrategy(**parallel, timeout=timeout)
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo", timeout=timeout)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2 // nodes,

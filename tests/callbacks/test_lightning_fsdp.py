@@ -1,5 +1,7 @@
 """Sharded training: two real CPU ranks (gloo) under Lightning's ``ModelParallelStrategy``
-(FSDP2), each holding half of every parameter's rows as a DTensor.
+(FSDP2, each rank holding half of every parameter's rows as a DTensor; HSDP; tensor
+parallelism) and ``FSDPStrategy`` (FSDP1's flat slices, through a CPU seam: see
+``_fsdp_worker.CPUFSDPStrategy``).
 
 Both ranks run every scenario of ``_fsdp_worker.py`` once; each test reads what they
 wrote. The ``ddp_norms`` scenario is the DDP twin of ``fsdp_norms``: the same weights,
@@ -34,6 +36,12 @@ SCENARIOS = (
     "fsdp_same_norms",
     "fsdp_bf16",
     "ddp_bf16",
+    "fsdp1_norms",
+    "fsdp1_skip",
+    "fsdp1_twin",
+    "fsdp1_rollback",
+    "fsdp1_rollback_disk",
+    "ddp_rollback",
 )
 #: What the two ranks run as two nodes of one process each.
 ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
@@ -82,6 +90,9 @@ def observed(out: Path, scenario: str) -> dict[int, dict]:
         # tensor parallelism, both ranks on the same batches: weights Shard(0) and
         # Shard(1), the row-split layers' biases Replicate()
         ("tp_norms", "fsdp_same_norms"),
+        # FSDP1, use_orig_params: each parameter a 1-D slice of its elements, empty on
+        # some rank (wrapped by hand on the CPU, where Lightning would not wrap)
+        ("fsdp1_norms", "ddp_norms"),
     ],
 )
 def test_sharded_statistics_equal_those_of_the_unsharded_model(runs, layout, reference):
@@ -179,29 +190,42 @@ def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(run
         assert (r["stopped_by"]["step"], r["stopped_by"]["rank"]) == (37, 1)
 
 
-def test_a_skipped_nan_batch_leaves_every_shard_as_if_never_seen(runs):
-    for skipped, twin in zip(ranks(runs, "fsdp_skip"), ranks(runs, "fsdp_twin"), strict=True):
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp1"])
+def test_a_skipped_nan_batch_leaves_every_shard_as_if_never_seen(runs, layout):
+    pairs = zip(ranks(runs, f"{layout}_skip"), ranks(runs, f"{layout}_twin"), strict=True)
+    for skipped, twin in pairs:
         assert [(step, act) for step, act, _ in skipped["ladder"]] == [(5, "skip")]
         assert skipped["global_step"] == 20 and twin["global_step"] == 19
         assert skipped["shards"] == twin["shards"]  # bit for bit, on each rank
-    mine, other = ranks(runs, "fsdp_skip")[1]["ladder"][0][2], ranks(runs, "fsdp_skip")[0]
+    mine, other = ranks(runs, f"{layout}_skip")[1]["ladder"][0][2], ranks(runs, f"{layout}_skip")[0]
     assert "the loss is nan" in mine and "on another rank" in other["ladder"][0][2]
 
 
-def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs):
-    first, second = ranks(runs, "fsdp_rollback")
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp1"])
+def test_an_error_one_rank_holds_rolls_every_rank_back_alike(runs, layout):
+    first, second = ranks(runs, f"{layout}_rollback")
     for r in (first, second):
         assert r["global_step"] == 48 and not r["should_stop"]
     assert first["ladder"] == second["ladder"]
     assert [(step, act) for step, act, _ in first["ladder"]] == [(31, "rollback"), (31, "cool")]
     assert "snapshot of step 24" in first["ladder"][0][2]
-    # each rank restored its own shards: they differ, as two halves do
+    # each rank restored its own shards: they differ, as two halves do...
     assert first["shards"] != second["shards"]
+    # ...and the whole model then trains on as under DDP, rolled back alike
+    sharded, replicated = observed(runs, f"{layout}_rollback"), observed(runs, "ddp_rollback")
+    after = [step for step in replicated if step > 31 and step in sharded]
+    assert len(after) >= 4
+    for step in after:
+        np.testing.assert_allclose(
+            sharded[step]["weight_norm"], replicated[step]["weight_norm"], rtol=1e-5
+        )
 
 
-def test_snapshots_in_a_directory_both_ranks_share_stay_each_ranks_own(runs):
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp1"])
+def test_snapshots_in_a_directory_both_ranks_share_stay_each_ranks_own(runs, layout):
     # on disk, in one directory: each rank rolls back to its own shards, as in memory
-    pairs = zip(ranks(runs, "fsdp_rollback"), ranks(runs, "fsdp_rollback_disk"), strict=True)
+    memory, disk = f"{layout}_rollback", f"{layout}_rollback_disk"
+    pairs = zip(ranks(runs, memory), ranks(runs, disk), strict=True)
     for memory, disk in pairs:
         assert disk["ladder"] == memory["ladder"]
         assert disk["shards"] == memory["shards"]

@@ -10,7 +10,7 @@ from _models import TinyMLP, fit
 from torch import nn
 
 from stethoscope import LightningStethoscope
-from stethoscope.callbacks._lightning import batch_reductions, parameters, reductions
+from stethoscope.callbacks._lightning import batch_reductions, parameters
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -113,8 +113,8 @@ def test_unsampled_steps_never_touch_parameters(monkeypatch):
     monkeypatch.setattr(ParameterProbe, "snapshot", spy("snapshot", ParameterProbe.snapshot))
     monkeypatch.setattr(ParameterProbe, "weight_norms", spy("weights", ParameterProbe.weight_norms))
     monkeypatch.setattr(ForwardProbe, "attach", spy("attach", ForwardProbe.attach))
-    bare = [(reductions, "row_norms")]  # module functions, called bare
-    bare += [
+    monkeypatch.setattr(ParameterProbe, "unit_rows", spy("row_norms", ParameterProbe.unit_rows))
+    bare = [
         (batch_reductions, fn)
         for fn in (
             "input_moments",

@@ -223,7 +223,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self.recoverer is not None:
             self._remember_skipped(trainer.strategy.broadcast if trainer.world_size > 1 else None)
             self._recovery = LightningRecovery(self.recoverer, self._act)
-            self._recovery.start(trainer, pl_module)
+            self._recovery.start(trainer, pl_module, sharded=self._probe.sharded)
         if self._probe.sharded and self._ranks is not None:
             self._combiner = self._ranks.combine_shards()
 

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.shards import is_sharded, local_part, row_span, scatter_rows
+from stethoscope.callbacks._lightning.shards import (
+    FlatSlice,
+    flat_row_norms,
+    is_sharded,
+    local_part,
+    row_span,
+    scatter_rows,
+)
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
@@ -22,16 +30,27 @@ __all__ = [
 ]
 
 
+#: The name FSDP1 gives the module it wraps, in its parameters' and modules' names.
+_FSDP1_WRAPPED = "_fsdp_wrapped_module"
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` as the model names it, without FSDP1's wrappers in it."""
+    return ".".join(part for part in name.split(".") if part != _FSDP1_WRAPPED)
+
+
 class ParameterProbe:
     """Fused reductions over a fixed, ordered set of named parameters.
 
-    Under a strategy that shards the parameters (FSDP2's DTensors), each reduction is of
-    the part this rank holds (see :mod:`~stethoscope.callbacks._lightning.shards`); the
-    sizes, shapes and names are the whole parameters'.
+    Under a strategy that shards the parameters (FSDP2's DTensors, FSDP1's flat slices),
+    each reduction is of the part this rank holds (see
+    :mod:`~stethoscope.callbacks._lightning.shards`); the sizes, shapes and names are the
+    whole parameters'.
 
     Args:
         named_parameters: ``(name, parameter)`` pairs in registration order; only
             those that require grad are watched.
+        flat: FSDP1's slice of each parameter it shards, by ``id`` (see ``flat_slices``).
     """
 
     def __init__(
@@ -39,18 +58,26 @@ class ParameterProbe:
         named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
         *,
         snapshot_budget: int = 2**25,
+        flat: dict[int, FlatSlice] | None = None,
     ) -> None:
         pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.snapshot_budget = snapshot_budget
         self._rotation = 0
-        self.names: tuple[str, ...] = tuple(n for n, _ in pairs)
+        # FSDP1 names a wrapped module's parameters through its wrapper
+        self.names: tuple[str, ...] = tuple(_unwrapped(n) for n, _ in pairs)
         self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._flat = [(flat or {}).get(id(p)) for p in self.params]
+        #: The shape of each whole parameter.
+        self.shapes: tuple[torch.Size, ...] = tuple(
+            f.shape if f is not None else p.shape
+            for p, f in zip(self.params, self._flat, strict=True)
+        )
         #: Whether the parameters are sharded over the ranks: their reductions are then
         #: partial, to be combined (see ``StepMeasures.add``'s ``combine``).
-        self.sharded = any(is_sharded(p) for p in self.params)
-        self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
-        self.is_matrix = np.array([p.dim() >= 2 for p in self.params], dtype=bool)
+        self.sharded = any(is_sharded(p) for p in self.params) or any(self._flat)
+        self.numel = np.array([s.numel() for s in self.shapes], dtype=np.float64)
+        self.is_matrix = np.array([len(s) >= 2 for s in self.shapes], dtype=bool)
         #: The dtype each parameter is held in, by name (``"bfloat16"``); see ``describe``.
         self.dtypes: tuple[str, ...] = tuple(_dtype_name(p) for p in self.params)
         #: Inputs per output unit of each weight of a layer with units; NaN elsewhere
@@ -81,13 +108,28 @@ class ParameterProbe:
         return seen
 
     def with_grad(self, indices: Sequence[int]) -> list[int]:
-        """The indices whose parameter has a gradient this step."""
-        return [i for i in indices if self.params[i].grad is not None]
+        """The indices whose parameter has a gradient this step. FSDP1 leaves none on a
+        rank that holds no element of the parameter: every rank counts it alike, with an
+        empty gradient there (see :meth:`grad`), so that the ranks' readings match."""
+        params, flat = self.params, self._flat
+        return [i for i in indices if params[i].grad is not None or flat[i] is not None]
 
     def grad(self, i: int) -> torch.Tensor:
         """The gradient of parameter ``i`` that this rank reduces (detached; its shard,
-        under sharding)."""
-        return local_part(self.params[i].grad).detach()
+        under sharding; empty where FSDP1 left this rank none)."""
+        g = self.params[i].grad
+        if g is None:  # FSDP1, no element of it here (see with_grad)
+            return self.params[i].detach().reshape(-1)[:0]
+        return local_part(g).detach()
+
+    def unit_rows(self, indices: Sequence[int]) -> torch.Tensor:
+        """The L2 norm of each output unit's row of each of these gradients, in one tensor
+        (see :func:`row_norms`; FSDP1's slices: :func:`flat_row_norms`)."""
+        parts = []
+        for i in indices:
+            flat, g = self._flat[i], self.params[i].grad
+            parts.append(row_norms([g]) if flat is None else flat_row_norms(g, flat))
+        return torch.cat(parts)
 
     def data(self, i: int) -> torch.Tensor:
         """Parameter ``i`` as this rank reduces it (detached; its shard, under sharding)."""
@@ -184,18 +226,26 @@ def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(
+    tensors: list[torch.Tensor], *, across_ranks: bool = False, device: Any = None
+) -> torch.Tensor:
     """The L2 norm of all of ``tensors`` together, a float32 0-d tensor on their device,
     accumulated as :func:`_stack_norms` does (an fp16 gradient whose norm passes 65504 is
     large, not infinite).
 
-    Sharded tensors (DTensors) give the norm of the whole tensors: each rank's sum of the
-    squares of what it holds, summed over the ranks in one all-reduce on the device, so
-    every rank calls it at the same step (the recovery gate does, at every step).
+    Sharded tensors (DTensors, or ``across_ranks``: FSDP1's slices, plain tensors) give
+    the norm of the whole tensors: each rank's sum of the squares of what it holds,
+    summed over the ranks in one all-reduce on the device, so every rank calls it at the
+    same step (the recovery gate does, at every step), with no tensor at all if it holds
+    none (then on ``device``).
     """
-    if not (tensors and is_sharded(tensors[0])):
+    sharded = across_ranks or (tensors and is_sharded(tensors[0]))
+    if not sharded:
         return torch.linalg.vector_norm(_stack_norms(tensors))
-    local = torch.linalg.vector_norm(_stack_norms([local_part(t) for t in tensors]))
+    if not tensors:
+        local = torch.zeros((), device=device)
+    else:
+        local = torch.linalg.vector_norm(_stack_norms([local_part(t) for t in tensors]))
     squares = local.double().square()  # float64: a large norm's square would overflow
     torch.distributed.all_reduce(squares)
     return squares.sqrt().float()
@@ -240,7 +290,7 @@ def unit_layers(
     for name, mod in module.named_modules():
         w = getattr(mod, "weight", None)
         if isinstance(mod, UNIT_LAYERS) and isinstance(w, torch.Tensor) and id(w) in probe.index:
-            out.append((name or type(mod).__name__, probe.index[id(w)], mod))
+            out.append((_unwrapped(name) or type(mod).__name__, probe.index[id(w)], mod))
     return out
 
 

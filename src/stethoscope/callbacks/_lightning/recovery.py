@@ -34,6 +34,7 @@ from stethoscope.callbacks._lightning.batch import fingerprint
 from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
+from stethoscope.callbacks._lightning.shards import flat_slices
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
 from stethoscope.engine import Decision
@@ -124,6 +125,10 @@ class StepGate:
         self._sent_step = -1
         self.step = 0  # the global step being taken
         self.scaler_skips_nonfinite = False  # a GradScaler owns non-finite losses and gradients
+        #: The ranks hold slices of the parameters (FSDP1, FSDP2): the gradients' norm is
+        #: the ranks' combined, on ``device`` where this rank holds no gradient.
+        self.across_ranks = False
+        self.device: torch.device | None = None
         self._installed: list[tuple[torch.optim.Optimizer, Any]] = []
         self._losses: list[torch.Tensor] = []  # this step's losses (micro-batches), unscaled
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
@@ -191,6 +196,7 @@ class StepGate:
                 self.explode.threshold() if self.explode is not None else None,
                 scaler_skips_nonfinite=self.scaler_skips_nonfinite,
                 grad_scale=grad_scale,
+                across_ranks=self.across_ranks,
             )
             if _world_size() > 1:  # a collective on the device's stream: no host wait
                 torch.distributed.all_reduce(code, op=torch.distributed.ReduceOp.MAX)
@@ -220,8 +226,11 @@ class StepGate:
         losses = [float(v) for v in self._losses]  # on the CPU: no wait
         bad = [v for v in losses if not math.isfinite(v)]
         norm = 0.0
-        # taken even after a bad loss: under sharding it is a collective every rank makes
-        total = total_norm(grads) if grads else None
+        # taken even after a bad loss, or with no gradient here: under sharding it is a
+        # collective every rank makes
+        total = None
+        if grads or self.across_ranks:
+            total = total_norm(grads, across_ranks=self.across_ranks, device=self.device)
         if total is not None and not bad:
             norm = float(total if grad_scale is None else total / grad_scale)  # CPU: no wait
         if self.scaler_skips_nonfinite and (bad or not math.isfinite(norm)):
@@ -390,8 +399,9 @@ class LightningRecovery:
         self._ranks = 1
         self._before: SkippedBatch | None = None  # the step's batch, skipped before
 
-    def start(self, trainer: Any, module: torch.nn.Module) -> None:
-        """Wrap the optimizers and take the first snapshot (before the first step)."""
+    def start(self, trainer: Any, module: torch.nn.Module, *, sharded: bool = False) -> None:
+        """Wrap the optimizers and take the first snapshot (before the first step);
+        ``sharded``: each rank holds slices of the parameters (see ``StepGate``)."""
         refuse_unrecoverable(trainer.optimizers)
         root = trainer.strategy.root_device
         self.scaler = scaler_of(trainer)
@@ -406,6 +416,9 @@ class LightningRecovery:
                 stacklevel=2,
             )
         self.gate.scaler_skips_nonfinite = self.scaler is not None
+        self.gate.across_ranks, self.gate.device = sharded, root
+        # FSDP1's state_dict gathers each parameter whole: its slices are snapshot in place
+        self.snapshots.in_place = bool(flat_slices(module))
         self._ranks = trainer.world_size
         if trainer.world_size > 1:  # each rank's files of its own, in a directory they share
             self.snapshots.rank = trainer.global_rank

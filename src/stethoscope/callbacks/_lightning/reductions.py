@@ -37,7 +37,6 @@ from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
     checksums,
     magnitude_histograms,
-    row_norms,
     unit_layers,
 )
 from stethoscope.callbacks._lightning.precision import (
@@ -47,7 +46,12 @@ from stethoscope.callbacks._lightning.precision import (
     ScaleSkips,
 )
 from stethoscope.callbacks._lightning.reduction import Reduction
-from stethoscope.callbacks._lightning.shards import replicated, whole_checksums
+from stethoscope.callbacks._lightning.shards import (
+    flat_slices,
+    is_sharded,
+    replicated,
+    whole_checksums,
+)
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
@@ -80,7 +84,8 @@ class GradNorms(Reduction):
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
-        self._check = probe.sharded  # until the first sampled step under sharding
+        # until the first sampled step under FSDP2, whose DTensors torch can reduce whole
+        self._check = any(is_sharded(p) for p in probe.params)
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         parts = [("norms", self.probe.grad_norms(indices), "norm")]
@@ -238,10 +243,10 @@ class UnitRows(Reduction):
         chosen = set(indices)
         layers = [(name, i) for name, i, _ in self.layers if i in chosen]
         if layers:
-            grads = [self.probe.params[i].grad for _, i in layers]
-            units = tuple((name, g.shape[0]) for (name, _), g in zip(layers, grads, strict=True))
+            units = tuple((name, self.probe.shapes[i][0]) for name, i in layers)
+            rows = self.probe.unit_rows([i for _, i in layers])
             # every micro-batch of the step has started by now: the samples are complete
-            measures.add("units", row_norms(grads), (units, measures.samples), combine="norm")
+            measures.add("units", rows, (units, measures.samples), combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         layers = [layer for units, _ in contexts for layer in units]
@@ -496,10 +501,11 @@ def watch_parameters(
         batch: The parts of a batch (inputs, labels, samples).
         scaler: The precision plugin's GradScaler, or None.
     """
-    probe = ParameterProbe(list(model.named_parameters()))
+    probe = ParameterProbe(list(model.named_parameters()), flat=flat_slices(model))
     layers = unit_layers(model, probe)
-    for _, i, mod in layers:
-        probe.fan_in[i] = mod.weight.numel() / max(mod.weight.shape[0], 1)
+    for _, i, _ in layers:
+        shape = probe.shapes[i]
+        probe.fan_in[i] = shape.numel() / max(shape[0], 1)
     forward = ForwardProbe(model, layers)
     skips = ScaleSkips.of(scaler)
     return probe, forward, skips, make_reductions(model, probe, layers, forward, batch, skips)

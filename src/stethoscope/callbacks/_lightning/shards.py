@@ -17,6 +17,7 @@ Nothing here runs for a model whose parameters are plain tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +35,10 @@ except ImportError:  # pragma: no cover - depends on the torch version
 __all__ = [
     "COMBINES",
     "DTensor",
+    "FlatSlice",
     "ShardCombiner",
+    "flat_row_norms",
+    "flat_slices",
     "is_sharded",
     "local_part",
     "replicated",
@@ -46,6 +50,53 @@ __all__ = [
 #: How the ranks combine a part of a step's reading: ``"norm"`` (an L2 norm: the root of
 #: the sum of the squares), ``"sum"`` (counts) or ``"max"`` (a peak).
 COMBINES = ("norm", "sum", "max")
+
+
+@dataclass(frozen=True)
+class FlatSlice:
+    """How this rank holds a parameter under FSDP1 (``FullyShardedDataParallel`` with
+    ``use_orig_params=True``): the parameter it sees is a 1-D view of its elements
+    ``start`` to ``start + count`` of the whole parameter flattened (none: ``count`` 0,
+    and no gradient), whose shape is ``shape``."""
+
+    shape: torch.Size
+    start: int
+    count: int
+
+
+def flat_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:
+    """The :class:`FlatSlice` of each parameter of ``module`` that FSDP1 shards, by the
+    parameter's ``id``: those of every ``FullyShardedDataParallel`` inside it with
+    ``use_orig_params=True`` and a sharding strategy that holds each element on one rank
+    (``FULL_SHARD``, ``SHARD_GRAD_OP``). Empty for any other model. Read from FSDP's flat
+    parameter (private in torch 2.13: ``_params``, ``_shapes``, ``_shard_param_infos``)."""
+    out: dict[int, FlatSlice] = {}
+    for m in module.modules():
+        handle = getattr(m, "_handle", None)
+        flat = getattr(handle, "flat_param", None)
+        params = getattr(flat, "_params", None)
+        strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", None)
+        if not params or strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            continue
+        for p, shape, info in zip(params, flat._shapes, flat._shard_param_infos, strict=True):
+            held = info.numel_in_shard if info.in_shard else 0
+            start = info.intra_param_start_idx if info.in_shard else 0
+            out[id(p)] = FlatSlice(torch.Size(shape), int(start), int(held))
+    return out
+
+
+def flat_row_norms(local: torch.Tensor | None, flat: FlatSlice) -> torch.Tensor:
+    """The L2 norm of each row (dim 0) of the whole parameter, of the elements of it that
+    ``local`` (this rank's 1-D slice, or None) holds; zeros elsewhere: the ranks' norms
+    combine as norms do."""
+    rows = flat.shape[0]
+    device = local.device if local is not None else None
+    out = torch.zeros(rows, device=device)
+    if local is None or flat.count == 0:
+        return out
+    row_len = max(flat.shape.numel() // max(rows, 1), 1)
+    index = torch.arange(flat.start, flat.start + flat.count, device=local.device) // row_len
+    return out.index_add_(0, index, local.detach().float().square()).sqrt_()
 
 
 def is_sharded(tensor: Any) -> bool:

@@ -90,12 +90,18 @@ class DeviceVerdicts:
         *,
         scaler_skips_nonfinite: bool,
         grad_scale: torch.Tensor | None = None,
+        across_ranks: bool = False,
     ) -> torch.Tensor:
         """The step's code (see :data:`REASONS`) as a 0-d int64 tensor on the gradients'
         device, computed there; a GradScaler's non-finite gradients are left to it, and
-        the scale it left on them (``grad_scale``) divided out of their norm."""
+        the scale it left on them (``grad_scale``) divided out of their norm;
+        ``across_ranks``: the gradients are the ranks' slices of them (FSDP1), whose norm
+        the ranks combine (see ``total_norm``)."""
         device = grads[0].device if grads else losses[0].device
-        norm = total_norm(grads) if grads else torch.zeros((), device=device)
+        if grads or across_ranks:
+            norm = total_norm(grads, across_ranks=across_ranks, device=device)
+        else:
+            norm = torch.zeros((), device=device)
         if grad_scale is not None:
             norm = norm / grad_scale.reshape(())
         loss = torch.stack([v.float() for v in losses]).to(device) if losses else norm * 0

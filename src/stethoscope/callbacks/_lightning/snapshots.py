@@ -120,6 +120,10 @@ class Snapshots(SnapshotStore):
             load=lambda path: torch.load(path, weights_only=False),
             suffix=".pt",
         )
+        #: Whether the module's state is its parameters and buffers as this rank holds
+        #: them, copied back in place (FSDP1's slices: its ``state_dict`` would gather
+        #: every parameter whole on every rank), rather than its ``state_dict``.
+        self.in_place = False
         self._flying: _InFlight | None = None
         self._pool: list[list[torch.Tensor]] = []  # buffer sets no snapshot holds
         self._buffers: dict[int, list[torch.Tensor]] = {}  # id(snapshot) -> its buffers
@@ -136,7 +140,8 @@ class Snapshots(SnapshotStore):
         began = time.perf_counter()
         tensors: list[torch.Tensor] = []
         state = {
-            "module": module.state_dict(),
+            "module": _held_here(module) if self.in_place else module.state_dict(),
+            "in_place": self.in_place,
             "optimizers": [o.state_dict() for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         }
@@ -178,7 +183,10 @@ class Snapshots(SnapshotStore):
     ) -> None:
         """Restore a snapshot's ``state`` (copies of its tensors: the snapshot stays as it
         was, for another roll back)."""
-        module.load_state_dict(state["module"])  # copies into the parameters
+        if state.get("in_place"):
+            _copy_into(module, state["module"])
+        else:
+            module.load_state_dict(state["module"])  # copies into the parameters
         for opt, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(_copied(saved))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
@@ -215,6 +223,20 @@ class Snapshots(SnapshotStore):
                 return self._pool.pop(i)
         self._pool.clear()  # of another shape (a state before the optimizer had any): freed
         return [_buffer_for(t) for t in tensors]
+
+
+def _held_here(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers as this rank holds them (a slice, under
+    FSDP1), by name: no collective, no copy (a snapshot copies them)."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _copy_into(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put ``saved`` (see :func:`_held_here`) back into ``module``'s own tensors, in place:
+    FSDP1's parameter slices are views of its flat parameter, which this writes."""
+    with torch.no_grad():
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            tensor.copy_(saved[name])
 
 
 def _copied(obj: Any) -> Any:
