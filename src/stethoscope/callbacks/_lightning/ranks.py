@@ -57,7 +57,8 @@ class LightningRanks:
         zero judges them, and the replicas' exact checksums are compared. ``sharded``
         (FSDP2's DTensors): every rank measures its shards, the ranks combine them, rank
         zero judges the whole model's, and what several ranks hold alike (HSDP's
-        replicas) is compared. Under another strategy, every rank judges what it holds."""
+        replicas) is compared; likewise FSDP1's slices. Under another strategy, every rank
+        judges what it holds."""
         self.replicas = ReplicaChecksums.of(trainer.strategy.model, pl_module)
         rank, world_size = trainer.global_rank, trainer.world_size
         if sharded:
@@ -74,7 +75,8 @@ class LightningRanks:
         if trainer.is_global_zero:
             warnings.warn(
                 f"stethoscope: with {type(trainer.strategy).__name__}, whose parameters "
-                "are neither DDP's replicas nor DTensor shards, every rank judges the "
+                "are neither DDP's replicas nor shards it can combine (FSDP2's DTensors, "
+                "FSDP1's FULL_SHARD or SHARD_GRAD_OP slices), every rank judges the "
                 "gradients and weights it holds, and replica_divergence is off",
                 RuntimeWarning,
                 stacklevel=2,

@@ -11,6 +11,10 @@ norms, sums for the counts, maxima for the peaks. A part held alike by several r
 ``Replicate`` placement) is counted once: by the rank at coordinate 0 along each of those
 mesh dimensions; the others reduce an empty view of it.
 
+FSDP1 (``FullyShardedDataParallel`` with ``use_orig_params=True``) shows each parameter
+as a 1-D view of the elements this rank holds of it (:class:`FlatSlice`), reduced and
+combined the same way.
+
 Nothing here runs for a model whose parameters are plain tensors.
 """
 
