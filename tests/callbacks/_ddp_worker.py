@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,17 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
 }
 
 
+#: The Trainer's arguments of every scenario: no logger, checkpoint, progress bar or
+#: summary, no sanity validation, no epoch limit.
+QUIET: dict[str, Any] = dict(
+    max_epochs=-1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
+
 #: Scenarios whose run also keeps a record, in ``OUTDIR/SCENARIO-record`` (rank zero's).
 RECORDED = ("healthy", "nan")
 
@@ -154,14 +166,9 @@ def run(out: Path, name: str) -> None:
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60), **ddp_kw),
         max_steps=steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=2 if validate else 0,
-        num_sanity_val_steps=0,
         callbacks=[callback],
+        **QUIET,
     )
     # 32 steps per epoch on each rank; one teacher: the last 128 samples are held out
     full = dataset(2048 + 128)
@@ -191,7 +198,9 @@ def run(out: Path, name: str) -> None:
     (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def main() -> None:
+def run_all(run: Callable[[Path, str], None]) -> None:
+    """Run every scenario the command line names (``OUTDIR SCENARIO ...``) with ``run``,
+    then take the process group down."""
     out = Path(sys.argv[1])
     for name in sys.argv[2:]:
         run(out, name)
@@ -203,4 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_all(run)

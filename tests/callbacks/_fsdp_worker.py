@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +28,7 @@ from unittest import mock
 import lightning as L
 import numpy as np
 import torch
-from _ddp_worker import RankFault, _damage_detectors
+from _ddp_worker import QUIET, RankFault, _damage_detectors, run_all
 from _models import dataset
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
@@ -228,15 +227,10 @@ def run(out: Path, name: str) -> None:
         strategy=strategy,
         precision=precision,
         max_steps=steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
         use_distributed_sampler=False,  # each rank's batches are given: see TWIN_SKIPS
         callbacks=[callback],
+        **QUIET,
     )
     full = dataset(2048)
     mine = list(range(trainer.global_rank, len(full), 2))
@@ -283,13 +277,5 @@ def _digest(parameter: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
-        run(out, name)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_all(run)

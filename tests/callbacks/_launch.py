@@ -9,6 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+#: The mark of a test that starts ranks: they need torch.distributed with gloo.
+needs_gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
 
 
 def _free_port() -> int:

@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from _launch import run_ranks
+from _launch import needs_gloo, run_ranks
 from _models import TinyMLP, fit
 
 from stethoscope import LightningStethoscope
@@ -37,10 +36,7 @@ SCENARIOS = (
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
 TIMEOUT = 180
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from _launch import run_ranks
+from _launch import needs_gloo, run_ranks
 
 from stethoscope.record import RunRecord
 
@@ -48,10 +47,7 @@ ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
 TIMEOUT = 180
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")
