@@ -15,6 +15,7 @@ Keras 3.15's own ``fit`` fails under this strategy before any callback runs, twi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
 from stethoscope.callbacks._keras.workers import KerasWorkers  # noqa: E402
+from stethoscope.detectors import Detector, default_detectors  # noqa: E402
 from stethoscope.record import RunRecord  # noqa: E402
 from stethoscope.testing import CapturingSink, RecordingDetector  # noqa: E402
 
@@ -51,6 +53,10 @@ N, FEATURES, CLASSES, BATCH, LR = 256, 12, 3, 32, 0.05  # BATCH: the global batc
 #: The global batch whose every row is NaN in worker 1's copy of the data (worker 0's
 #: copy is clean): whichever half of it the strategy hands worker 1, its loss is NaN.
 NAN_STEP = 5
+#: The step that only worker 1's bars judge bad.
+BAR_STEP = 3
+#: The step whose error only worker 1's detector raises (epoch 2's second step).
+DAMAGE_STEP = 9
 
 
 def fix_keras_fit() -> None:
@@ -246,7 +252,7 @@ def measured(out: Path) -> dict:
 
 def nan_on_worker1(out: Path) -> dict:
     """Every row of global batch ``NAN_STEP`` is NaN in worker 1's copy of the data; then
-    the same with ``raise_on``; then ``recover=``, refused."""
+    the same with ``raise_on``; then ``recover=`` with two steps per execution, refused."""
     x, y = data(nan_here=INDEX == 1)
     model = mlp(STRATEGY)
     sink = CapturingSink()
@@ -268,12 +274,145 @@ def nan_on_worker1(out: Path) -> dict:
     result["raised_steps"] = steps_taken(model)
     result["raise_clean"] = clean(model)
     model = mlp(STRATEGY)
+    model.compile(model.optimizer, model.loss, steps_per_execution=2)
     try:
         fit(model, [KerasStethoscope(sinks=[], recover=True)], x, y)
-        result["recover"] = None
+        result["recover_several_steps"] = None
     except ValueError as exc:
-        result["recover"] = str(exc)
+        result["recover_several_steps"] = str(exc)
     return result
+
+
+def state(model) -> list[np.ndarray]:
+    """The weights and the optimizer's variables (its slots and step count)."""
+    return [np.asarray(v.numpy()) for v in (*model.variables, *model.optimizer.variables)]
+
+
+def digest(arrays: list[np.ndarray]) -> str:
+    """A hash of ``arrays``' bytes: equal on two workers when every bit is."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def recover_nan(out: Path) -> dict:
+    """``recover=True`` with global batch ``NAN_STEP`` NaN in worker 1's copy of the data:
+    skipped by both workers; then a fit with no callback on the same global batches but
+    that one (``twin``)."""
+    from stethoscope.findings import RECOVERY
+
+    x, y = data(nan_here=INDEX == 1)
+    sink = CapturingSink()
+    model = mlp(STRATEGY)
+    cb = KerasStethoscope(sinks=[sink], recover=True)
+    fit(model, [cb], x, y)
+    keep = np.ones(N, dtype=bool)
+    keep[NAN_STEP * BATCH : (NAN_STEP + 1) * BATCH] = False
+    clean_x, clean_y = data()
+    twin = mlp(STRATEGY)
+    fit(twin, [], clean_x[keep], clean_y[keep])
+    mine, theirs = state(model), state(twin)
+    return {
+        "acts": [[f.step, f.where, f.rank] for f in sink.findings if f.detector == RECOVERY],
+        "skipped": [
+            [b.step, b.batch.epoch, b.batch.index] for b in cb.recoverer.skipped_data.batches
+        ],
+        "applied": steps_taken(model),
+        "stopped_by": finding(cb.stopped_by) if cb.stopped_by else None,
+        "digest": digest(mine),
+        "twin_digest": digest(theirs),
+        "same_as_twin": all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        "finite": all(np.isfinite(a).all() for a in mine),
+        "clean": clean(model),
+    }
+
+
+class LowBar(keras.callbacks.Callback):
+    """Before step ``step``, writes a loss bar of 0 into this worker's probe, as though
+    its own losses had set it there: only this worker judges the step bad."""
+
+    def __init__(self, cb: KerasStethoscope, step: int) -> None:
+        super().__init__()
+        self.cb, self.step, self.seen = cb, step, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.seen == self.step:
+            link = self.cb._recovery.link
+            link.set_bars(0.0, *link.bars[1:])
+        self.seen += 1
+
+
+def recover_bars(out: Path) -> dict:
+    """``recover=True`` where worker 1's bars alone say that step ``BAR_STEP`` is bad:
+    both workers skip it (the worst verdict of the two)."""
+    from stethoscope.findings import RECOVERY
+
+    x, y = data()
+    sink = CapturingSink()
+    model = mlp(STRATEGY)
+    cb = KerasStethoscope(sinks=[sink], recover=True)
+    fit(model, [cb, *([LowBar(cb, BAR_STEP)] if INDEX == 1 else [])], x, y)
+    return {
+        "acts": [[f.step, f.where, f.message] for f in sink.findings if f.detector == RECOVERY],
+        "skipped": [
+            [b.step, b.batch.epoch, b.batch.index] for b in cb.recoverer.skipped_data.batches
+        ],
+        "applied": steps_taken(model),
+        "digest": digest(state(model)),
+    }
+
+
+class WorkerOneDamage(Detector):
+    """Stands in for ``large_updates`` (a detector the recovery ladder answers with a roll
+    back): an error at step ``at`` from worker 1's observation only, which only worker 1's
+    monitor sees until the workers meet."""
+
+    name = "large_updates"
+    needs = frozenset({"loss"})
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def _update(self, obs):
+        if obs.step != self.at or obs.rank != 1:
+            return []
+        return [self.finding(obs, "error", "worker 1's updates went wrong", value=1.0)]
+
+
+def recover_rollback(out: Path) -> dict:
+    """``recover=`` with snapshots every 4 steps, and worker 1's error at step
+    ``DAMAGE_STEP``: both workers roll back to the same snapshot at the next meeting."""
+    from stethoscope import Recovery
+    from stethoscope.findings import RECOVERY
+
+    x, y = data()
+    sink = CapturingSink()
+    model = mlp(STRATEGY)
+    detectors = [d for d in default_detectors() if d.name != "large_updates"]
+    cb = KerasStethoscope(
+        detectors=[*detectors, WorkerOneDamage(DAMAGE_STEP)],
+        sinks=[sink],
+        recover=Recovery(snapshot_every=4),
+    )
+    rolled: list[dict] = []
+    rolled_back = cb.recoverer.rolled_back
+
+    def spy(step, epoch, to_step, *args, **kwargs):  # after the snapshot's restore
+        rolled.append({"step": step, "to_step": to_step, "digest": digest(state(model))})
+        return rolled_back(step, epoch, to_step, *args, **kwargs)
+
+    cb.recoverer.rolled_back = spy
+    fit(model, [cb], x, y, epochs=3)
+    return {
+        "rolled": rolled,
+        "acts": [[f.step, f.where, f.rank] for f in sink.findings if f.detector == RECOVERY],
+        "applied": steps_taken(model),
+        "stopped_by": finding(cb.stopped_by) if cb.stopped_by else None,
+        "digest": digest(state(model)),
+        "clean": clean(model),
+    }
 
 
 class Nudge(keras.callbacks.Callback):
@@ -312,6 +451,9 @@ SCENARIOS = {
     "measured": measured,
     "nan_on_worker1": nan_on_worker1,
     "diverged": diverged,
+    "recover_nan": recover_nan,
+    "recover_bars": recover_bars,
+    "recover_rollback": recover_rollback,
 }
 
 

@@ -34,6 +34,8 @@ NAMES = ["mlp/hidden/kernel", "mlp/hidden/bias", "mlp/head/kernel", "mlp/head/bi
 #: Steps per epoch: 256 samples in global batches of 32.
 EPOCH = 8
 NAN_STEP = 5  # the worker's: the global batch that is NaN in worker 1's data
+BAR_STEP = 3  # the worker's: the step that worker 1's bars alone judge bad
+DAMAGE_STEP = 9  # the worker's: the step whose error worker 1's detector alone raises
 
 
 def _free_ports(n: int) -> list[int]:
@@ -149,10 +151,49 @@ def test_raise_on_raises_on_both_workers_at_the_same_step(workers):
     assert zero["raise_clean"] and one["raise_clean"]
 
 
-def test_recover_is_refused_by_name_on_every_worker(workers):
+def test_recover_skips_worker_1s_nan_batch_on_both_workers_as_if_never_seen(workers):
+    zero, one = workers[0]["recover_nan"], workers[1]["recover_nan"]
+    for run in (zero, one):
+        assert run["stopped_by"] is None and run["finite"] and run["clean"]
+        # both skipped the same step, the same batch: the optimizer applied the other 7
+        assert run["skipped"] == [[NAN_STEP, 0, NAN_STEP]]
+        assert run["applied"] == EPOCH - 1
+        # bit for bit a fit on the same global batches but that one
+        assert run["same_as_twin"] and run["digest"] == run["twin_digest"]
+    assert zero["digest"] == one["digest"]
+    # rank zero reports the skip once
+    assert [[s, w] for s, w, _ in zero["acts"]] == [[NAN_STEP, "skip"]]
+
+
+def test_an_error_on_worker_1_alone_rolls_both_workers_back_to_the_same_snapshot(workers):
+    zero, one = workers[0]["recover_rollback"], workers[1]["recover_rollback"]
+    assert len(zero["rolled"]) == 1 and zero["rolled"] == one["rolled"]
+    rolled = zero["rolled"][0]
+    # agreed at the first meeting after the error (the default schedule meets at its
+    # step), paid there on both workers, to the same snapshot from before the error, and
+    # the weights restored are the same, bit for bit (the digest after the restore)
+    assert rolled["step"] == DAMAGE_STEP and rolled["to_step"] < DAMAGE_STEP
+    for run in (zero, one):
+        assert run["stopped_by"] is None and run["clean"]
+    assert zero["applied"] == one["applied"] and zero["digest"] == one["digest"]
+    # rank zero says so, once (then the ladder cools the learning rate, as it does)
+    assert [a for a in zero["acts"] if a[1] == "rollback"] == [[DAMAGE_STEP, "rollback", 0]]
+
+
+def test_a_step_one_workers_bars_alone_judge_bad_is_skipped_by_both(workers):
+    zero, one = workers[0]["recover_bars"], workers[1]["recover_bars"]
+    for run in (zero, one):
+        assert run["skipped"] == [[BAR_STEP, 0, BAR_STEP]] and run["applied"] == EPOCH - 1
+    assert zero["digest"] == one["digest"]
+    # rank zero's own bars would have applied the step: its skip says whose verdict it took
+    [(step, where, message)] = zero["acts"]
+    assert (step, where) == (BAR_STEP, "skip") and "on another worker" in message
+
+
+def test_recover_with_several_steps_per_execution_is_refused_by_name_on_every_worker(workers):
     for worker in workers:
-        refused = worker["nan_on_worker1"]["recover"]
-        assert refused is not None and "MultiWorkerMirroredStrategy" in refused
+        refused = worker["nan_on_worker1"]["recover_several_steps"]
+        assert refused is not None and "steps_per_execution=2" in refused
         assert "recover=False" in refused
 
 

@@ -227,7 +227,8 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
                 step0 = recorded
         # A fit that continues a trained model keeps the baselines of the previous fit.
         self.monitor.begin(fresh=step0 == 0 or self._probe is None)
-        self._workers = KerasWorkers.join(strategy, model, self.monitor, self._act)
+        self._recovery = KerasRecovery(self.recoverer, self._act) if recover else None
+        self._workers = KerasWorkers.join(strategy, model, self.monitor, self._act, self._recovery)
         self._next = step0
         self._pending = None
         probe.start(step0)
@@ -235,7 +236,6 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         probe.install()
         self._probe = probe
         if recover:
-            self._recovery = KerasRecovery(self.recoverer, self._act)
             self._recovery.start(model, probe, step0)
         verbose = self.params.get("verbose", 1) if isinstance(self.params, dict) else 1
         printer = _after_progress_line if verbose in (1, "auto") else None

@@ -37,7 +37,12 @@ from stethoscope.recovery.settings import (
     NONFINITE_LOSS,
 )
 
-__all__ = ["UpdateGate", "verdict_rows"]
+__all__ = ["ELSEWHERE", "UpdateGate", "verdict_rows"]
+
+#: What a step's verdict says in place of its replay's finding (there is none under a
+#: strategy) where another worker judged the step bad and this one did not: the workers
+#: of a ``MultiWorkerMirroredStrategy`` run take the worst of their verdicts.
+ELSEWHERE = 3
 
 
 class UpdateGate:
@@ -194,7 +199,8 @@ class UpdateGate:
 
     def _keep(self, slot: Any, code: Any, norm: Any, found: Any = 0) -> None:
         """Every step keeps its own verdict: its code, the gradient norm it was judged on,
-        and what its replay found (0: none)."""
+        and what its replay found (0: none; :data:`ELSEWHERE`: judged bad on another
+        worker)."""
         row = ops.stack([ops.cast(code, "float32"), norm, ops.cast(found, "float32")])
         kops.put(self.variables["verdicts"], slot, row)
 
@@ -208,7 +214,9 @@ class UpdateGate:
         does: the strategy refuses a replica's ``cond`` whose branch calls ``merge_call``,
         as the update does. A skip here leaves the state the forward pass assigned (a
         ``BatchNormalization``'s moving statistics) as the step left it: each replica
-        assigned its own copy, in its replica context, before the replicas decided."""
+        assigned its own copy, in its replica context, before the replicas decided.
+        Under ``MultiWorkerMirroredStrategy`` the replicas span every worker, and take
+        the worst of their verdicts (see :meth:`_worst`)."""
         import tensorflow as tf  # the only backend with a strategy
 
         pairs = self.optimizer._all_reduce_sum_gradients(list(zip(grads, tvars, strict=True)))
@@ -218,7 +226,11 @@ class UpdateGate:
         squares = kops.squares_by_position(summed, tvars, self.position)
         slot = self._slot()
         code, norm = self._verdict(total, squares, slot)
-        self._keep(slot, code, norm)
+        if self.regime.workers > 1:
+            mine, code = code, self._worst(context, code)
+            self._keep(slot, code, norm, ops.where(ops.equal(code, mine), 0, ELSEWHERE))
+        else:
+            self._keep(slot, code, norm)
 
         def across(distribution: Any, code: Any) -> None:
             decided = distribution.experimental_local_results(code)[0]  # the same on each
@@ -236,6 +248,23 @@ class UpdateGate:
             ops.cond(ops.equal(decided, 0), applied, skipped)
 
         context.merge_call(across, args=(code,))
+
+    @staticmethod
+    def _worst(context: Any, code: Any) -> Any:
+        """The worst of every replica's verdict ``code``, on every worker: under
+        ``MultiWorkerMirroredStrategy`` each worker judges the same summed gradients and
+        loss, but against the bars its own host wrote (from its own losses), so two
+        workers could differ on a step, and one skip a step another applies. The
+        strategy's all-reduce has no maximum: each replica sends its code as a one-hot
+        row, the rows are summed, and the worst code any replica sent wins, as the
+        Lightning ranks' all-reduce ``MAX`` does."""
+        import tensorflow as tf
+
+        seen = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.one_hot(code, FORCED_SKIP + 1, dtype=tf.float32)
+        )
+        codes = tf.range(FORCED_SKIP + 1, dtype=tf.int32)
+        return tf.reduce_max(tf.where(seen > 0, codes, tf.zeros_like(codes)))
 
     def _verdict(self, loss: list, squares: dict[int, Any], slot: Any) -> tuple[Any, Any]:
         """Why this step must not be applied, as a code of

@@ -20,6 +20,14 @@ Each skip names its batch (its epoch and its index in the epoch). With
 skips it (see :mod:`~stethoscope.callbacks._keras.replay`), and the verdict says what
 the replay found; under a strategy it warns and skips without a replay.
 
+Under ``MultiWorkerMirroredStrategy`` each worker's host writes bars from its own
+losses, so the workers take the worst of their verdicts inside the step (see
+``UpdateGate._worst``): every worker skips the same steps. The ladder's other acts follow
+from the verdicts, alike on every worker, but for an error that one worker's detectors
+find on a step that was applied, held until the workers meet (see ``KerasWorkers``):
+there every worker agrees to roll back, and does so at once (:meth:`KerasRecovery.agreed`),
+each to its own copy of the same snapshot.
+
 On the torch backend the train step runs eagerly: the same code decides in Python, which
 on a GPU waits for the device every step (it warns). Settings it cannot recover in (a
 strategy with several steps per execution, a train step of the user's own) are refused
@@ -39,6 +47,7 @@ import keras
 import numpy as np
 
 from stethoscope.callbacks._keras.describe import has_own_train_step
+from stethoscope.callbacks._keras.gate import ELSEWHERE
 from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.loss_scale import loss_scaler
 from stethoscope.callbacks._keras.probe import GraphProbe
@@ -46,7 +55,7 @@ from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
-from stethoscope.recovery.settings import FORCED_SKIP, skip_reason
+from stethoscope.recovery.settings import FORCED_SKIP, REASONS, skip_reason
 from stethoscope.recovery.skipped import BatchName, SkippedBatch
 from stethoscope.recovery.snapshots import SnapshotStore
 
@@ -86,22 +95,15 @@ def refuse_unrecoverable(model: Any, regime: Regime) -> None:
             own (whose update the ladder cannot see), or a ``LossScaleOptimizer`` (which
             skips steps itself), named with what to do instead.
     """
-    reason = None
-    if regime.workers > 1:
-        # the bars the host writes come from each worker's own losses, and the skips and
-        # roll backs are each worker's own: nothing would keep the workers' steps alike
-        reason = (
-            "under MultiWorkerMirroredStrategy (each worker would judge a step against bars "
-            "from its own losses, so one worker could skip a step that another applies)"
-        )
-    elif regime.replicas > 1 and regime.steps > 1:
-        # the decision is taken across replicas (a merge_call), which TensorFlow cannot
-        # trace inside the loop that runs an execution's steps
-        reason = f"under a distribution strategy with steps_per_execution={regime.steps}"
-    if reason is not None:
+    if (regime.replicas > 1 or regime.workers > 1) and regime.steps > 1:
+        # the decision is taken across replicas (a merge_call; the workers', across every
+        # worker's replicas), which TensorFlow cannot trace inside the loop that runs an
+        # execution's steps
         raise ValueError(
-            f"KerasStethoscope(recover=...) cannot skip steps {reason} yet; train with "
-            "recover=False there (the detectors and stop_on work as usual)"
+            "KerasStethoscope(recover=...) cannot skip steps under a distribution strategy "
+            f"with steps_per_execution={regime.steps} yet; compile with "
+            "steps_per_execution=1, or train with recover=False there (the detectors and "
+            "stop_on work as usual)"
         )
     if loss_scaler(model.optimizer) is not None:
         # the ladder would skip the overflowing steps before the optimizer saw them, so
@@ -189,7 +191,8 @@ class KerasRecovery:
         that was fine and applied, then the step settled."""
         code, norm, found = int(verdict[0]), float(verdict[1]), int(verdict[2])
         if code == FORCED_SKIP:
-            why = self._forced[step]
+            # or another worker's mark: their ladders mark the same steps, so never yet
+            why = self._forced.get(step, f"on another worker, {REASONS[code]}")
             if isinstance(why, SkippedBatch):
                 self.recoverer.skipped_again(step, batch.epoch, why)
             else:
@@ -198,6 +201,8 @@ class KerasRecovery:
             loss_bar, grad_bar, *_ = self.link.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
+            if found == ELSEWHERE:  # against that worker's bars: this one's would mislead
+                why = f"on another worker, {REASONS[code]}"
             if found == TRANSIENT:
                 self.recoverer.transient(step, batch.epoch, why, batch)
             else:
@@ -218,28 +223,41 @@ class KerasRecovery:
         if first is None:
             return
         if self.recoverer.rollback_due is not None:
-
-            def put_back(state: dict[str, Any]) -> list[list[float]]:
-                self._put_back(state)
-                self.link.continue_from(step + 1)  # the optimizer's count went back
-                return [[_learning_rate(self.model.optimizer)]]
-
-            def learning_rates() -> list[list[float]]:  # before the restore: had it risen?
-                return [[_learning_rate(self.model.optimizer)]]
-
-            decision = self.recoverer.roll_back(
-                step, epoch, self.snapshots, put_back, _RESTORED, learning_rates
-            )
-            self.act(decision)
-            self._bars_due = True
+            self._roll_back(step, epoch)
         elif any(ladder.snapshot_due(s) for s in range(first, step + 1)) and not self._fresh(step):
             self._take(step)
         cadence = any(s % BARS_EVERY == 0 for s in range(first + 1, step + 2))
         if self._bars_due or cadence or self._lr_bars(step + 1) != self.link.bars[2:]:
             self._write_bars(step + 1)
 
+    def agreed(self, step: int, epoch: int) -> None:
+        """The workers met after step ``step`` (see ``KerasWorkers``): pay at once a roll
+        back they agreed on there (an error one worker's detectors found on a step that
+        was applied), so that every worker restores the same snapshot, before the same
+        step, whatever comes next (an epoch end, the end of the fit)."""
+        if self.recoverer.rollback_due is not None:
+            self._roll_back(step, epoch)
+            self._write_bars(step + 1)
+
     def close(self) -> None:
         self.snapshots.close()
+
+    def _roll_back(self, step: int, epoch: int) -> None:
+        """Pay the roll back the ladder owes after step ``step``."""
+
+        def put_back(state: dict[str, Any]) -> list[list[float]]:
+            self._put_back(state)
+            self.link.continue_from(step + 1)  # the optimizer's count went back
+            return [[_learning_rate(self.model.optimizer)]]
+
+        def learning_rates() -> list[list[float]]:  # before the restore: had it risen?
+            return [[_learning_rate(self.model.optimizer)]]
+
+        decision = self.recoverer.roll_back(
+            step, epoch, self.snapshots, put_back, _RESTORED, learning_rates
+        )
+        self.act(decision)
+        self._bars_due = True
 
     # -- state ----------------------------------------------------------------------------
     def _take(self, step: int) -> None:

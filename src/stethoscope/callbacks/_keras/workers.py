@@ -9,17 +9,24 @@ validation and at each epoch end. A meeting is one all-gather that the strategy'
 collectives carry, entered from the host between two train steps, where every worker
 is (``on_train_batch_begin`` and ``on_epoch_end`` run on the main thread of every
 worker, in the same order). A single worker has none of this.
+
+With ``recover=``, the workers skip the same steps (their verdicts are agreed inside the
+train step), and a roll back that one worker's detectors ask for is agreed at the next
+meeting, where every worker pays it (as Lightning's ranks do).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stethoscope.distributed import RankMeeting
 from stethoscope.engine import Decision, Monitor
+
+if TYPE_CHECKING:
+    from stethoscope.callbacks._keras.recovery import KerasRecovery
 
 __all__ = ["KerasWorkers", "place_in_cluster"]
 
@@ -58,10 +65,17 @@ class KerasWorkers:
         model: The model (its weights are checksummed for ``replica_divergence``).
         monitor: This worker's monitor; told its place here.
         act: The callback's way of acting on a decision.
+        recovery: With ``recover=``, the ladder of this worker's fit: a roll back any
+            worker asks for is agreed at a meeting, and paid there on every worker.
     """
 
     def __init__(
-        self, strategy: Any, model: Any, monitor: Monitor, act: Callable[[Decision], None]
+        self,
+        strategy: Any,
+        model: Any,
+        monitor: Monitor,
+        act: Callable[[Decision], None],
+        recovery: KerasRecovery | None = None,
     ) -> None:
         rank, world_size = place_in_cluster(strategy)
         monitor.distribute(rank=rank, world_size=world_size)
@@ -70,12 +84,19 @@ class KerasWorkers:
         self._gather = _gather_function(strategy)
         self._checksums = _checksum_function(model.trainable_variables)
         self._names = tuple(v.path for v in model.trainable_variables)
-        self.monitor, self.meeting, self._act = monitor, RankMeeting(monitor, self.gather), act
+        recoverer = recovery.recoverer if recovery is not None else None
+        self.meeting = RankMeeting(monitor, self.gather, recoverer=recoverer)
+        self.monitor, self._act, self._recovery = monitor, act, recovery
         monitor.cannot_measure(*_UNMEASURABLE)
 
     @classmethod
     def join(
-        cls, strategy: Any, model: Any, monitor: Monitor, act: Callable[[Decision], None]
+        cls,
+        strategy: Any,
+        model: Any,
+        monitor: Monitor,
+        act: Callable[[Decision], None],
+        recovery: KerasRecovery | None = None,
     ) -> KerasWorkers | None:
         """The workers of ``strategy`` when it spans several, else None (a monitor that
         took part in such a run before is told it is a single process now)."""
@@ -83,7 +104,7 @@ class KerasWorkers:
             if monitor.world_size != 1:
                 monitor.distribute(rank=0, world_size=1)
             return None
-        return cls(strategy, model, monitor, act)
+        return cls(strategy, model, monitor, act, recovery)
 
     def executed(self, first: int, last: int, epoch: int) -> None:
         """The steps ``first`` to ``last`` of an execution were judged: meet if the ranks
@@ -116,6 +137,8 @@ class KerasWorkers:
 
     def _meet(self, step: int, epoch: int, shared: dict[str, Any] | None = None) -> None:
         self._act(self.meeting.meet(step, epoch, shared))
+        if self._recovery is not None:  # every worker agreed the same: pay it now, alike
+            self._recovery.agreed(step, epoch)
 
     def gather(self, packet: np.ndarray) -> np.ndarray:
         """Every worker's packet (uint8), stacked in rank order: one all-gather of the
