@@ -42,6 +42,7 @@ STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _keras_facts import clean, finding  # noqa: E402
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
 from stethoscope.callbacks._keras.workers import KerasWorkers  # noqa: E402
@@ -144,26 +145,6 @@ def fit(model, callbacks: list, x, y, epochs: int = 1, **kwargs: Any):
         callbacks=callbacks,
         **kwargs,
     )
-
-
-def clean(model) -> bool:
-    """No wrapper of stethoscope left on the model, its optimizer or its layers."""
-    return (
-        "compute_loss" not in vars(model)
-        and not {"apply", "_all_reduce_sum_gradients"} & set(vars(model.optimizer))
-        and all("call" not in vars(layer) for layer in model.layers)
-        and model.train_function is None
-    )
-
-
-def finding(f) -> dict:
-    return {
-        "step": f.step,
-        "detector": f.detector,
-        "severity": str(f.severity),
-        "where": f.where,
-        "rank": f.rank,
-    }
 
 
 def steps_taken(model) -> int:

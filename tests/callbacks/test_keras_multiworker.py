@@ -14,12 +14,12 @@ import importlib.util
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _launch import run_processes, source_path
 
 # the fits run in the workers: this process need not import TensorFlow (~8 s)
 pytestmark = pytest.mark.skipif(
@@ -54,34 +54,12 @@ def workers(tmp_path_factory) -> list[dict]:
     """Both workers' facts, in worker order, from one run of the two."""
     out = tmp_path_factory.mktemp("multiworker")
     ports = ",".join(str(p) for p in _free_ports(2))
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "KERAS_BACKEND": "tensorflow"}
+    env = {**os.environ, "PYTHONPATH": source_path(), "KERAS_BACKEND": "tensorflow"}
     env.pop("TF_CONFIG", None)  # each worker writes its own
-    procs = []
-    for index in (0, 1):
-        log = open(out / f"log{index}.txt", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(WORKER), str(index), ports, str(out)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()  # only the two processes started here
-                proc.wait()
-            log.close()
-    failed = [(i, p.returncode) for i, (p, _) in enumerate(procs) if p.returncode != 0]
-    if failed:
-        logs = "\n".join(
-            f"--- worker {i}:\n" + (out / f"log{i}.txt").read_text()[-3000:] for i in (0, 1)
-        )
-        pytest.fail(
-            f"workers failed or timed out after {TIMEOUT} s (worker, code): {failed}\n{logs}"
-        )
+    commands = [
+        ([sys.executable, str(WORKER), str(index), ports, str(out)], env) for index in (0, 1)
+    ]
+    run_processes(commands, out, TIMEOUT, who="workers")
     results = [json.loads((out / f"worker{i}.json").read_text()) for i in (0, 1)]
     assert [r["replicas"] for r in results] == [2, 2]
     return results
