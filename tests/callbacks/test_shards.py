@@ -15,8 +15,14 @@ import torch
 from stethoscope.callbacks._lightning import shards
 from stethoscope.callbacks._lightning.measures import StepMeasures
 from stethoscope.callbacks._lightning.parameters import ParameterProbe, row_norms
-from stethoscope.callbacks._lightning.reductions import check_combined
-from stethoscope.callbacks._lightning.shards import ShardCombiner, local_part, scatter_rows
+from stethoscope.callbacks._lightning.reductions import StaleGrads, check_combined
+from stethoscope.callbacks._lightning.shards import (
+    FlatSlice,
+    ShardCombiner,
+    flat_row_norms,
+    local_part,
+    scatter_rows,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -129,3 +135,30 @@ def test_the_self_check_warns_once_when_the_combined_norms_disagree():
         assert not check_combined(np.array([1.0, 1.5, np.nan]), reference)
     with pytest.warns(RuntimeWarning, match="disagree"):  # non-finite in other places
         assert not check_combined(np.array([1.0, 2.0, 3.0]), reference)
+
+
+def test_an_fsdp1_slice_folds_into_the_rows_of_the_whole_parameter():
+    # a (3, 4) weight of which this rank holds elements 2 to 7: half of row 0, all of row 1
+    local = torch.arange(1.0, 7.0)  # 1..6 at flattened positions 2..7
+    rows = flat_row_norms(local, FlatSlice(torch.Size((3, 4)), start=2, count=6))
+    want = [torch.tensor([1.0, 2.0]).norm(), torch.tensor([3.0, 4.0, 5.0, 6.0]).norm(), 0.0]
+    assert torch.allclose(rows, torch.tensor(want))
+
+
+def test_a_parameter_fsdp1_left_this_rank_nothing_of_counts_alike_on_every_rank():
+    held = torch.nn.Parameter(torch.ones(6))  # a slice of a (2, 3) weight, with a gradient
+    held.grad = torch.full((6,), 2.0)
+    empty = torch.nn.Parameter(torch.ones(0))  # no element here: FSDP1 gives no gradient
+    flat = {
+        id(held): FlatSlice(torch.Size((2, 3)), start=0, count=6),
+        id(empty): FlatSlice(torch.Size((4, 5)), start=0, count=0),
+    }
+    probe = ParameterProbe([("a.weight", held), ("b.weight", empty)], flat=flat)
+    assert probe.sharded and probe.numel.tolist() == [6.0, 20.0]
+    assert probe.with_grad([0, 1]) == [0, 1]  # as on the rank that holds b
+    assert probe.grad(1).numel() == 0
+    assert probe.unit_rows([0, 1]).tolist() == pytest.approx([12**0.5, 12**0.5, 0, 0, 0, 0])
+    # the stale gradients are read per parameter, one part per parameter on every rank
+    measures = StepMeasures(step=0, epoch=0, plan=frozenset({"stale_grads"}))
+    StaleGrads(probe).before_backward(measures, torch.zeros(()))
+    assert measures.take(lr=None).values.numel() == 2

@@ -225,7 +225,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._recovery = LightningRecovery(self.recoverer, self._act)
             self._recovery.start(trainer, pl_module, sharded=self._probe.sharded)
         if self._probe.sharded and self._ranks is not None:
-            self._combiner = self._ranks.combine_shards()
+            self._combiner = ShardCombiner.of_process_group()
 
     # -- per step -----------------------------------------------------------------
     def on_train_batch_start(

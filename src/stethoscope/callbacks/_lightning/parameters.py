@@ -127,8 +127,11 @@ class ParameterProbe:
         (see :func:`row_norms`; FSDP1's slices: :func:`flat_row_norms`)."""
         parts = []
         for i in indices:
-            flat, g = self._flat[i], self.params[i].grad
-            parts.append(row_norms([g]) if flat is None else flat_row_norms(g, flat))
+            flat = self._flat[i]
+            if flat is None:
+                parts.append(row_norms([self.params[i].grad]))
+            else:  # an empty slice where FSDP1 left this rank no gradient (see grad)
+                parts.append(flat_row_norms(self.grad(i), flat))
         return torch.cat(parts)
 
     def data(self, i: int) -> torch.Tensor:
@@ -233,19 +236,19 @@ def total_norm(
     accumulated as :func:`_stack_norms` does (an fp16 gradient whose norm passes 65504 is
     large, not infinite).
 
-    Sharded tensors (DTensors, or ``across_ranks``: FSDP1's slices, plain tensors) give
-    the norm of the whole tensors: each rank's sum of the squares of what it holds,
-    summed over the ranks in one all-reduce on the device, so every rank calls it at the
-    same step (the recovery gate does, at every step), with no tensor at all if it holds
-    none (then on ``device``).
+    No tensor at all gives 0, on ``device``. ``across_ranks``: the tensors are this rank's
+    shards of them (DTensors, or FSDP1's slices): the norm is of the whole tensors, each
+    rank's sum of the squares of what it holds summed over the ranks in one all-reduce on
+    the device, so every rank calls it at the same step (the recovery gate does, at every
+    step), also one that holds no tensor.
     """
-    sharded = across_ranks or (tensors and is_sharded(tensors[0]))
-    if not sharded:
-        return torch.linalg.vector_norm(_stack_norms(tensors))
     if not tensors:
         local = torch.zeros((), device=device)
-    else:
-        local = torch.linalg.vector_norm(_stack_norms([local_part(t) for t in tensors]))
+    else:  # the recovery gate's plain tensors, at every step: no list made for them
+        parts = [local_part(t) for t in tensors] if across_ranks else tensors
+        local = torch.linalg.vector_norm(_stack_norms(parts))
+    if not across_ranks:
+        return local
     squares = local.double().square()  # float64: a large norm's square would overflow
     torch.distributed.all_reduce(squares)
     return squares.sqrt().float()

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from stethoscope.callbacks._lightning.reductions import RankTiming, ReplicaChecksums
-from stethoscope.callbacks._lightning.shards import ShardCombiner
 from stethoscope.distributed import RankMeeting
 from stethoscope.engine import Decision, Monitor
 from stethoscope.recovery import Recoverer
@@ -81,12 +80,6 @@ class LightningRanks:
                 RuntimeWarning,
                 stacklevel=2,
             )
-
-    @staticmethod
-    def combine_shards() -> ShardCombiner:
-        """The parameters are sharded (FSDP2): the combiner of the ranks' measures of
-        their shards, over the run's process group."""
-        return ShardCombiner.of_process_group()
 
     def batch_done(self, trainer: pl.Trainer, step: int) -> None:
         """A batch of ``step`` ended: meet if the optimizer stepped on a step the ranks

@@ -117,7 +117,11 @@ def check_combined(combined: np.ndarray, reference: np.ndarray, rtol: float = 1e
         combined[finite], reference[finite], rtol=rtol, atol=0.0
     )
     if not same:
-        worst = int(np.nanargmax(np.abs(combined - reference) / np.maximum(reference, 1e-30)))
+        # the first parameter non-finite in one only, else the one furthest apart
+        combined_finite = np.isfinite(combined)
+        gap = np.abs(combined - reference) / np.maximum(np.abs(reference), 1e-30)
+        gap = np.where(finite & combined_finite, gap, 0.0)
+        worst = int(np.argmax(np.where(finite != combined_finite, np.inf, gap)))
         warnings.warn(
             f"stethoscope: the gradient norms combined from the ranks' shards disagree with "
             f"torch's norms of the whole gradients (parameter {worst}: {combined[worst]:.6g} "
@@ -143,7 +147,8 @@ class StaleGrads(Reduction):
 
     def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
         probe = self.probe
-        held = [i for i, p in enumerate(probe.params) if p.grad is not None]
+        # as the optimizer steps count them: alike on every rank (see with_grad)
+        held = probe.with_grad(range(len(probe.params)))
         if not held:
             measures.add("stale_grads", torch.zeros(1, device=probe.params[0].device))
             return

@@ -89,14 +89,13 @@ def flat_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:
     return out
 
 
-def flat_row_norms(local: torch.Tensor | None, flat: FlatSlice) -> torch.Tensor:
+def flat_row_norms(local: torch.Tensor, flat: FlatSlice) -> torch.Tensor:
     """The L2 norm of each row (dim 0) of the whole parameter, of the elements of it that
-    ``local`` (this rank's 1-D slice, or None) holds; zeros elsewhere: the ranks' norms
-    combine as norms do."""
+    ``local`` (this rank's 1-D slice, maybe empty) holds; zeros elsewhere: the ranks'
+    norms combine as norms do."""
     rows = flat.shape[0]
-    device = local.device if local is not None else None
-    out = torch.zeros(rows, device=device)
-    if local is None or flat.count == 0:
+    out = torch.zeros(rows, device=local.device)
+    if local.numel() == 0:
         return out
     row_len = max(flat.shape.numel() // max(rows, 1), 1)
     index = torch.arange(flat.start, flat.start + flat.count, device=local.device) // row_len

@@ -98,10 +98,7 @@ class DeviceVerdicts:
         ``across_ranks``: the gradients are the ranks' slices of them (FSDP1), whose norm
         the ranks combine (see ``total_norm``)."""
         device = grads[0].device if grads else losses[0].device
-        if grads or across_ranks:
-            norm = total_norm(grads, across_ranks=across_ranks, device=device)
-        else:
-            norm = torch.zeros((), device=device)
+        norm = total_norm(grads, across_ranks=across_ranks, device=device)
         if grad_scale is not None:
             norm = norm / grad_scale.reshape(())
         loss = torch.stack([v.float() for v in losses]).to(device) if losses else norm * 0
