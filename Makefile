@@ -14,6 +14,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[lightning,keras,dev,mlflow,tensorboard,report]" tensorflow-cpu
+	# DeepSpeed, for the tests of Lightning's DeepSpeedStrategy: built against the torch
+	# above (no build isolation, which would pull another torch) and with no compiled op
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet --no-build-isolation -c constraints.txt deepspeed
 	touch $(STAMP)
 
 demo: $(STAMP)

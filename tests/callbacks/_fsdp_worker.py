@@ -99,6 +99,45 @@ class CPUFSDPStrategy(FSDPStrategy):
     type: a subclass runs on the CPU, with the model wrapped by hand (above)."""
 
 
+def cpu_deepspeed_strategy(stage: int, timeout: timedelta) -> Any:
+    """Lightning's ``DeepSpeedStrategy`` at ZeRO ``stage``, on the CPU (gloo). Lightning
+    refuses any accelerator but CUDA (``setup_environment``), checks CUDA device indices
+    (``setup_distributed``) and hands DeepSpeed the device's index (None on the CPU):
+    this subclass skips the first two and hands DeepSpeed no index, so DeepSpeed takes
+    the local rank. Everything else is Lightning's and DeepSpeed's own. DeepSpeed's
+    shared-memory all-reduce for CPUs, a C++ extension it would compile at start, is
+    left out: gloo carries every collective."""
+    import deepspeed
+    import deepspeed.comm.torch
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    deepspeed.comm.torch.build_shm_op = lambda: None
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)  # the CUDA check skipped
+
+        def setup_distributed(self) -> None:
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            engine, optimizer, _, _ = deepspeed.initialize(
+                args=None,
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            return engine, optimizer
+
+    return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo", timeout=timeout)
+
+
 class Observed(Sink):
     """Keeps what the detectors were handed of each parameter, by step (rank zero)."""
 
@@ -173,6 +212,19 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "fsdp1_rollback_disk": ({}, {"recover": "disk", "detectors": "damage"}, 48),
     "ddp_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
     "fsdp_same_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    # DeepSpeed's ZeRO: stage 2 (whole weights, gradients in each rank's partition) and
+    # stage 3 (the weights partitioned too)
+    "zero2_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "zero3_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "zero2_nan": ({"rank_fault": "nan", "onset": 37}, {"escalate": False}, 80),
+    "zero3_nan": ({"rank_fault": "nan", "onset": 37}, {"escalate": False}, 80),
+    # rank 1's copy of net.2.weight moves after step 20: ZeRO-2's replicas differ
+    "zero2_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
+    # recover= is refused under DeepSpeed, before any step
+    "zero2_recover": ({}, {"recover": True}, 4),
+    # the ranks' slices left uncombined: checked against DeepSpeed's own gathered gradients
+    "zero2_uncombined": ({}, {}, 4),
+    "zero3_uncombined": ({}, {}, 4),
 }
 
 #: How each layout shards the model, and the strategy's arguments.
@@ -182,6 +234,8 @@ LAYOUTS: dict[str, tuple[type, dict]] = {
     "hsdp": (HybridShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
     "tp": (TensorParallelRankFault, {"data_parallel_size": 1, "tensor_parallel_size": 2}),
     "fsdp1": (FlatShardedRankFault, {"flat": True}),
+    "zero2": (RankFault, {"zero": 2}),  # DeepSpeed
+    "zero3": (RankFault, {"zero": 3}),
 }
 
 #: Each rank trains on its own half of the samples (every other one), in order: the
@@ -216,6 +270,8 @@ def run(out: Path, name: str) -> None:
     timeout = timedelta(seconds=60)
     if parallel.get("flat"):
         strategy = CPUFSDPStrategy(timeout=timeout)
+    elif parallel.get("zero"):
+        strategy = cpu_deepspeed_strategy(parallel["zero"], timeout)
     elif parallel:
         strategy = ModelParallelStrategy(**parallel, timeout=timeout)
     else:
@@ -239,17 +295,24 @@ def run(out: Path, name: str) -> None:
     if name.endswith("_twin"):
         mine = [i for k, i in enumerate(mine) if k not in TWIN_SKIPS]
     data = DataLoader(Subset(full, mine), batch_size=32, shuffle=False)
+    refused = None  # what a setting the callback refuses at the start says
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if name == "fsdp_uncombined":
+        if name.endswith("_uncombined"):
             with mock.patch.object(ShardCombiner, "of_process_group", _uncombined):
                 trainer.fit(model, data)
+        elif name.endswith("_recover"):
+            try:
+                trainer.fit(model, data)
+            except ValueError as e:
+                refused = str(e)
         else:
             trainer.fit(model, data)
     stopped = callback.stopped_by
     recoverer = callback.recoverer
     result = {
         "rank": trainer.global_rank,
+        "refused": refused,
         "global_step": trainer.global_step,
         "should_stop": trainer.should_stop,
         "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,

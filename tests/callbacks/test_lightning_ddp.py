@@ -9,12 +9,12 @@ it has not finished within :data:`TIMEOUT`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from _launch import needs_gloo, run_ranks
 from _models import TinyMLP, fit
+from _rank_files import findings, ranks
 
 from stethoscope import LightningStethoscope
 from stethoscope.distributed import RankMeeting
@@ -43,15 +43,6 @@ pytestmark = needs_gloo
 def runs(tmp_path_factory) -> Path:
     """Run both ranks through every scenario; the directory of what they wrote."""
     return run_ranks(WORKER, tmp_path_factory.mktemp("ddp"), SCENARIOS, TIMEOUT)
-
-
-def findings(out: Path, scenario: str) -> list[dict]:
-    path = out / f"{scenario}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def ranks(out: Path, scenario: str) -> list[dict]:
-    return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_healthy_run_fires_nothing_and_runs_to_the_end(runs):

@@ -10,12 +10,12 @@ the same batches, so the same statistics.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _launch import needs_gloo, run_ranks
+from _rank_files import findings, observed, ranks
 
 from stethoscope.record import RunRecord
 
@@ -62,20 +62,6 @@ def nodes(tmp_path_factory) -> Path:
     writing its findings and record under ``node{NODE_RANK}``, as on its own disk."""
     out = tmp_path_factory.mktemp("nodes")
     return run_ranks(WORKER, out, ON_TWO_NODES, TIMEOUT, nodes=True)
-
-
-def findings(out: Path, scenario: str) -> list[dict]:
-    path = out / f"{scenario}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def ranks(out: Path, scenario: str) -> list[dict]:
-    return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def observed(out: Path, scenario: str) -> dict[int, dict]:
-    steps = json.loads((out / f"{scenario}-observed.json").read_text())
-    return {int(step): row for step, row in steps.items()}
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from stethoscope.callbacks._lightning.shards import (
     row_span,
     scatter_rows,
 )
+from stethoscope.callbacks._lightning.zero import trained_by
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
@@ -76,6 +77,11 @@ class ParameterProbe:
         #: Whether the parameters are sharded over the ranks: their reductions are then
         #: partial, to be combined (see ``StepMeasures.add``'s ``combine``).
         self.sharded = any(is_sharded(p) for p in self.params) or any(self._flat)
+        #: Whether the strategy can give the whole gradients to check the combined norms
+        #: against (:meth:`whole_grad_norms`): FSDP2's DTensors and ZeRO, not FSDP1.
+        self.checkable = any(is_sharded(p) for p in self.params) or any(
+            f is not None and f.gathers_whole for f in self._flat
+        )
         self.numel = np.array([s.numel() for s in self.shapes], dtype=np.float64)
         self.is_matrix = np.array([len(s) >= 2 for s in self.shapes], dtype=bool)
         #: The dtype each parameter is held in, by name (``"bfloat16"``); see ``describe``.
@@ -99,12 +105,14 @@ class ParameterProbe:
 
     def indices_of(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Indices of the watched parameters this optimizer updates."""
+        params = trained_by(optimizer)  # DeepSpeed's: its groups hold its own partitions
+        if params is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
         seen = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                i = self.index.get(id(p))
-                if i is not None:
-                    seen.append(i)
+        for p in params:
+            i = self.index.get(id(p))
+            if i is not None:
+                seen.append(i)
         return seen
 
     def with_grad(self, indices: Sequence[int]) -> list[int]:
@@ -117,10 +125,10 @@ class ParameterProbe:
     def grad(self, i: int) -> torch.Tensor:
         """The gradient of parameter ``i`` that this rank reduces (detached; its shard,
         under sharding; empty where FSDP1 left this rank none)."""
-        g = self.params[i].grad
-        if g is None:  # FSDP1, no element of it here (see with_grad)
-            return self.params[i].detach().reshape(-1)[:0]
-        return local_part(g).detach()
+        flat = self._flat[i]
+        if flat is not None:  # FSDP1's or ZeRO's slice, maybe empty (see with_grad)
+            return flat.grad(self.params[i])
+        return local_part(self.params[i].grad).detach()
 
     def unit_rows(self, indices: Sequence[int]) -> torch.Tensor:
         """The L2 norm of each output unit's row of each of these gradients, in one tensor
@@ -136,6 +144,9 @@ class ParameterProbe:
 
     def data(self, i: int) -> torch.Tensor:
         """Parameter ``i`` as this rank reduces it (detached; its shard, under sharding)."""
+        flat = self._flat[i]
+        if flat is not None:
+            return flat.data(self.params[i])
         return local_part(self.params[i]).detach()
 
     def grad_norms(self, indices: Sequence[int]) -> torch.Tensor:
@@ -143,12 +154,15 @@ class ParameterProbe:
         return _stack_norms([self.grad(i) for i in indices])
 
     def whole_grad_norms(self, indices: Sequence[int]) -> torch.Tensor:
-        """torch's own L2 norm of each whole gradient, as one float32 tensor: for a
-        sharded one, a DTensor reduction (a collective per tensor, which every rank must
-        make: the reference of a check, not a statistic)."""
+        """The L2 norm of each whole gradient as the strategy itself gathers or reduces
+        it, as one float32 tensor: a DTensor reduction, or ZeRO's gather (a collective per
+        tensor, which every rank must make: the reference of a check, not a statistic;
+        only where :attr:`checkable`)."""
         out = []
         for i in indices:
-            norm = torch.linalg.vector_norm(self.params[i].grad.detach(), dtype=torch.float32)
+            flat, param = self._flat[i], self.params[i]
+            whole = flat.whole_grad(param) if flat is not None else param.grad.detach()
+            norm = torch.linalg.vector_norm(whole, dtype=torch.float32)
             out.append(norm.full_tensor() if is_sharded(norm) else norm)
         return torch.stack(out)
 

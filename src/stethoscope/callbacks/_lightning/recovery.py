@@ -37,6 +37,7 @@ from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.shards import flat_slices
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
+from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
 from stethoscope.recovery.settings import (
@@ -63,9 +64,19 @@ def refuse_unrecoverable(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Raise when a step of these optimizers cannot be skipped by the gate.
 
     Raises:
-        ValueError: An optimizer that evaluates its closure several times per step.
+        ValueError: An optimizer that evaluates its closure several times per step, or
+            one of DeepSpeed's.
     """
     for opt in optimizers:
+        if is_deepspeed_optimizer(opt):
+            # its steps are applied inside the engine, to fp32 weights and optimizer
+            # states it partitions itself: neither the gate nor a snapshot reaches them
+            raise ValueError(
+                f"recover= cannot yet skip or undo the steps of DeepSpeed's "
+                f"{type(opt).__name__}, which keeps the weights it updates in partitions of "
+                "its own; use recover=False with DeepSpeedStrategy (every detector "
+                "works), or recover= with DDP, FSDPStrategy or ModelParallelStrategy"
+            )
         if type(opt).__name__ in _MANY_CLOSURE_CALLS:
             raise ValueError(
                 f"recover= cannot skip the steps of {type(opt).__name__}, which evaluates "

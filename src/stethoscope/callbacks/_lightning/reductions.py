@@ -46,12 +46,8 @@ from stethoscope.callbacks._lightning.precision import (
     ScaleSkips,
 )
 from stethoscope.callbacks._lightning.reduction import Reduction
-from stethoscope.callbacks._lightning.shards import (
-    flat_slices,
-    is_sharded,
-    replicated,
-    whole_checksums,
-)
+from stethoscope.callbacks._lightning.shards import flat_slices, replicated, whole_checksums
+from stethoscope.callbacks._lightning.zero import zero_slices, zero_stage
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
@@ -73,8 +69,8 @@ __all__ = [
 class GradNorms(Reduction):
     """Each gradient's L2 norm, in one fused kernel per optimizer.
 
-    Under sharded parameters, the first sampled step also takes torch's own norm of each
-    whole gradient (a collective per tensor, once) as a reference for the norms combined
+    Under sharded parameters, the first sampled step also takes the strategy's own norm of
+    each whole gradient (a collective per tensor, once) as a reference for the norms combined
     from the ranks' shards: a disagreement is said once (:func:`check_combined`).
     """
 
@@ -84,8 +80,9 @@ class GradNorms(Reduction):
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
-        # until the first sampled step under FSDP2, whose DTensors torch can reduce whole
-        self._check = any(is_sharded(p) for p in probe.params)
+        # until the first sampled step under FSDP2 or ZeRO, whose whole gradients the
+        # strategy can give
+        self._check = probe.checkable
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         parts = [("norms", self.probe.grad_norms(indices), "norm")]
@@ -109,8 +106,9 @@ class GradNorms(Reduction):
 
 
 def check_combined(combined: np.ndarray, reference: np.ndarray, rtol: float = 1e-3) -> bool:
-    """Whether the gradient norms combined from the ranks' shards agree with torch's own
-    norms of the whole gradients; if not, a warning says so (once: it is checked once).
+    """Whether the gradient norms combined from the ranks' shards agree with the norms of
+    the whole gradients as the strategy gives them (see ``ParameterProbe.whole_grad_norms``);
+    if not, a warning says so (once: it is checked once).
     Both non-finite in the same places counts as agreeing."""
     finite = np.isfinite(reference)
     same = np.array_equal(finite, np.isfinite(combined)) and np.allclose(
@@ -124,7 +122,8 @@ def check_combined(combined: np.ndarray, reference: np.ndarray, rtol: float = 1e
         worst = int(np.argmax(np.where(finite != combined_finite, np.inf, gap)))
         warnings.warn(
             f"stethoscope: the gradient norms combined from the ranks' shards disagree with "
-            f"torch's norms of the whole gradients (parameter {worst}: {combined[worst]:.6g} "
+            "the norms of the whole gradients the strategy gives (torch's DTensor norms, "
+            f"DeepSpeed's gathered gradients; parameter {worst}: {combined[worst]:.6g} "
             f"against {reference[worst]:.6g}), so the gradient, update and weight "
             "statistics of this sharded run may be wrong; please report it with the strategy "
             "and the model's sharding",
@@ -317,11 +316,14 @@ class ReplicaChecksums:
         """What ``module``'s replicas compare under ``model`` (the strategy's wrapped model):
         under DDP, every parameter, and the buffers DDP does not overwrite from rank zero at
         each forward pass; with DTensor parameters, those held alike by several ranks.
+        Under DeepSpeed's ZeRO below stage 3, every parameter: each rank holds it whole.
         None where the ranks hold nothing alike to compare (FSDP2 sharding every
-        parameter, FSDP, DeepSpeed)."""
+        parameter, FSDP, ZeRO stage 3)."""
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             buffers = [] if model.broadcast_buffers else list(module.named_buffers())
             return cls(list(module.named_parameters()) + buffers, len(buffers))
+        if zero_stage(model) in (0, 1, 2):  # the updated slices are gathered to every rank
+            return cls(list(module.named_parameters()), 0)
         alike = [(n, p) for n, p in module.named_parameters() if replicated(p)]
         return cls(alike, 0, sharded=True) if alike else None
 
@@ -506,7 +508,8 @@ def watch_parameters(
         batch: The parts of a batch (inputs, labels, samples).
         scaler: The precision plugin's GradScaler, or None.
     """
-    probe = ParameterProbe(list(model.named_parameters()), flat=flat_slices(model))
+    flat = flat_slices(model) | zero_slices(model)  # FSDP1's and DeepSpeed's slices
+    probe = ParameterProbe(list(model.named_parameters()), flat=flat)
     layers = unit_layers(model, probe)
     for _, i, _ in layers:
         shape = probe.shapes[i]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,11 +61,32 @@ class FlatSlice:
     """How this rank holds a parameter under FSDP1 (``FullyShardedDataParallel`` with
     ``use_orig_params=True``): the parameter it sees is a 1-D view of its elements
     ``start`` to ``start + count`` of the whole parameter flattened (none: ``count`` 0,
-    and no gradient), whose shape is ``shape``."""
+    and no gradient), whose shape is ``shape``.
+
+    DeepSpeed's ZeRO holds its slices elsewhere: see ``zero``'s subclasses, which read
+    them where it keeps them."""
 
     shape: torch.Size
     start: int
     count: int
+
+    #: Whether :meth:`whole_grad` can gather the whole gradient (FSDP1 cannot).
+    gathers_whole: ClassVar[bool] = False
+
+    def data(self, param: torch.Tensor) -> torch.Tensor:
+        """The elements of ``param`` this rank holds, as a 1-D tensor (detached)."""
+        return param.detach()
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient of the elements this rank holds (detached; empty where it holds
+        none, and FSDP1 left no gradient)."""
+        g = param.grad
+        return param.detach().reshape(-1)[:0] if g is None else g.detach()
+
+    def whole_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole gradient, gathered from every rank: a collective every rank must
+        make, a check's reference (only where :attr:`gathers_whole`)."""
+        raise NotImplementedError("FSDP1 has no gather of one parameter's gradient")
 
 
 def flat_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:

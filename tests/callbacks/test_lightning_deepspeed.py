@@ -1,0 +1,119 @@
+"""DeepSpeed's ZeRO under Lightning's ``DeepSpeedStrategy``: two real CPU ranks (gloo),
+through a seam (``_fsdp_worker.cpu_deepspeed_strategy``: Lightning runs DeepSpeed only on
+CUDA). Stage 2 holds whole weights and each rank's slice of the gradients; stage 3 each
+rank's slice of the weights too.
+
+Both ranks run the scenarios of ``_fsdp_worker.py`` once; ``ddp_norms`` is the DDP twin
+of the ``zero*_norms`` runs: the same weights, the same batches, so the same statistics.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _launch import needs_gloo, run_ranks
+from _rank_files import findings, observed, ranks
+
+WORKER = Path(__file__).with_name("_fsdp_worker.py")
+SCENARIOS = (
+    "ddp_norms",
+    "zero2_norms",
+    "zero3_norms",
+    "zero2_nan",
+    "zero3_nan",
+    "zero2_perturb",
+    "zero2_recover",
+    "zero2_uncombined",
+    "zero3_uncombined",
+)
+#: Seconds for both ranks to import torch, Lightning and DeepSpeed and run every scenario
+#: (~20 s).
+TIMEOUT = 240
+
+pytestmark = [
+    needs_gloo,
+    # the Makefile installs it (make test): a missing DeepSpeed is a set-up to mend
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (make test)"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Run both ranks through every scenario; the directory of what they wrote."""
+    return run_ranks(WORKER, tmp_path_factory.mktemp("zero"), SCENARIOS, TIMEOUT)
+
+
+@pytest.mark.parametrize("layout", ["zero2_norms", "zero3_norms"])
+def test_zero_statistics_equal_those_of_the_unsharded_model(runs, layout):
+    sharded, replicated = observed(runs, layout), observed(runs, "ddp_norms")
+    assert sorted(sharded) == sorted(replicated) == list(range(0, 24, 2))
+    compared = set()
+    for step, want in replicated.items():
+        got = sharded[step]
+        assert got["names"] == want["names"] and len(want["names"]) == 8  # 4 layers
+        for field in ("grad_norm", "weight_norm", "update_norm", "prev_weight_norm"):
+            if field in want:
+                a = np.array(got[field], dtype=float)
+                b = np.array(want[field], dtype=float)
+                np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=f"{field} at step {step}")
+                compared.add(field)
+        # dead units, histograms and stale gradients: counts, exactly (ZeRO-3's gradient
+        # buffers outlive the step: held no more before the next backward pass)
+        for field in ("unit_zero", "grad_hist", "stale_grads"):
+            if field in want:
+                assert got[field] == want[field], (field, step)
+                compared.add(field)
+    assert compared == {
+        "grad_norm",
+        "weight_norm",
+        "update_norm",
+        "prev_weight_norm",
+        "unit_zero",
+        "grad_hist",
+        "stale_grads",
+    }
+    assert findings(runs, layout) == []  # a healthy run: quiet
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_combined_norms_are_checked_against_deepspeeds_own(runs, stage):
+    for r in ranks(runs, f"zero{stage}_norms"):  # combined right: nothing to say
+        assert not any("disagree" in w for w in r["warnings"])
+    first, second = ranks(runs, f"zero{stage}_uncombined")  # each rank's own slices
+    (warning,) = [w for w in first["warnings"] if "disagree" in w]
+    assert "DeepSpeed's gathered gradients" in warning
+    assert not any("disagree" in w for w in second["warnings"])  # rank zero says it
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(runs, stage):
+    found = findings(runs, f"zero{stage}_nan")
+    first = min((f for f in found if f["detector"] == "nonfinite_loss"), key=lambda f: f["step"])
+    assert (first["step"], first["rank"], first["where"]) == (37, 1, "loss")
+    for r in ranks(runs, f"zero{stage}_nan"):  # agreed at the next meeting, step 48
+        assert r["global_step"] == 49 and r["should_stop"]
+        assert (r["stopped_by"]["step"], r["stopped_by"]["rank"]) == (37, 1)
+
+
+def test_zero2s_replicas_are_compared_and_zero3_says_it_has_none(runs):
+    # below stage 3 every rank holds every weight whole: compared as DDP's replicas
+    errors = [f for f in findings(runs, "zero2_perturb") if f["severity"] == "error"]
+    assert [(f["detector"], f["where"], f["rank"], f["step"]) for f in errors] == [
+        ("replica_divergence", "net.2.weight", 1, 20)
+    ]
+    for r in ranks(runs, "zero2_perturb"):
+        assert r["global_step"] == 21 and r["stopped_by"]["detector"] == "replica_divergence"
+    assert not any("replica" in w for w in ranks(runs, "zero2_norms")[0]["warnings"])
+    (off,) = [w for w in ranks(runs, "zero3_norms")[0]["warnings"] if "replica" in w]
+    assert "no replica to compare" in off
+
+
+def test_recover_is_refused_under_deepspeed_before_any_step(runs):
+    for r in ranks(runs, "zero2_recover"):
+        assert r["global_step"] == 0
+        assert "DeepSpeedZeroOptimizer" in r["refused"] and "recover=False" in r["refused"]
