@@ -21,9 +21,14 @@ without the callback come before and after, in the same processes.
 linear layer and on the model, Lightning's ``ModelParallelStrategy``): each rank reduces
 its shards on a sampled step and the ranks combine them in one all-reduce more.
 
+``--strategy zero2`` and ``zero3`` train it under DeepSpeed's ZeRO (Lightning's
+``DeepSpeedStrategy``, on the CPU through ``benchmarks.cpu_deepspeed``): each rank reduces
+the slices its partition holds, combined as FSDP2's shards are.
+
 Run (it starts its two ranks itself; ~1 min on 2 cores):
     python -m benchmarks.ddp_overhead
     python -m benchmarks.ddp_overhead --strategy fsdp2
+    python -m benchmarks.ddp_overhead --strategy zero3
     python -m benchmarks.ddp_overhead --steps 1600 --json out.json
 """
 
@@ -192,6 +197,13 @@ def _rank(args: argparse.Namespace) -> None:
             return ModelParallelStrategy(
                 data_parallel_size=2, tensor_parallel_size=1, timeout=timeout
             )
+        if args.strategy.startswith("zero"):
+            from benchmarks.cpu_deepspeed import cpu_deepspeed_strategy
+
+            # the batches come whole (batch_size=None): their size for DeepSpeed's logs
+            return cpu_deepspeed_strategy(
+                int(args.strategy[-1]), timeout, logging_batch_size_per_gpu=128
+            )
         return DDPStrategy(process_group_backend="gloo", timeout=timeout)
 
     def run(callbacks: list) -> None:
@@ -250,7 +262,7 @@ def _rank(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1024)
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "zero2", "zero3"), default="ddp")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ:

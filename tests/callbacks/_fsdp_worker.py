@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from _ddp_worker import QUIET, RankFault, _damage_detectors, run_all
 from _models import dataset
+from benchmarks.cpu_deepspeed import cpu_deepspeed_strategy
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -97,45 +98,6 @@ class FlatShardedRankFault(RankFault):
 class CPUFSDPStrategy(FSDPStrategy):
     """Lightning's ``FSDPStrategy``, which refuses any accelerator but CUDA by its exact
     type: a subclass runs on the CPU, with the model wrapped by hand (above)."""
-
-
-def cpu_deepspeed_strategy(stage: int, timeout: timedelta) -> Any:
-    """Lightning's ``DeepSpeedStrategy`` at ZeRO ``stage``, on the CPU (gloo). Lightning
-    refuses any accelerator but CUDA (``setup_environment``), checks CUDA device indices
-    (``setup_distributed``) and hands DeepSpeed the device's index (None on the CPU):
-    this subclass skips the first two and hands DeepSpeed no index, so DeepSpeed takes
-    the local rank. Everything else is Lightning's and DeepSpeed's own. DeepSpeed's
-    shared-memory all-reduce for CPUs, a C++ extension it would compile at start, is
-    left out: gloo carries every collective."""
-    import deepspeed
-    import deepspeed.comm.torch
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    deepspeed.comm.torch.build_shm_op = lambda: None
-
-    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self) -> None:
-            DDPStrategy.setup_environment(self)  # the CUDA check skipped
-
-        def setup_distributed(self) -> None:
-            reset_seed()
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
-
-        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-            engine, optimizer, _, _ = deepspeed.initialize(
-                args=None,
-                config=self.config,
-                model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                dist_init_required=False,
-            )
-            return engine, optimizer
-
-    return CPUDeepSpeedStrategy(stage=stage, process_group_backend="gloo", timeout=timeout)
 
 
 class Observed(Sink):

@@ -1,7 +1,7 @@
 """DeepSpeed's ZeRO under Lightning's ``DeepSpeedStrategy``: two real CPU ranks (gloo),
-through a seam (``_fsdp_worker.cpu_deepspeed_strategy``: Lightning runs DeepSpeed only on
-CUDA). Stage 2 holds whole weights and each rank's slice of the gradients; stage 3 each
-rank's slice of the weights too.
+through a seam (``benchmarks.cpu_deepspeed``: Lightning runs DeepSpeed only on CUDA).
+Stage 2 holds whole weights and each rank's slice of the gradients; stage 3 each rank's
+slice of the weights too.
 
 Both ranks run the scenarios of ``_fsdp_worker.py`` once; ``ddp_norms`` is the DDP twin
 of the ``zero*_norms`` runs: the same weights, the same batches, so the same statistics.
