@@ -45,6 +45,9 @@ class TrainingSetup:
         low_precision: Whether the run holds weights, gradients or activations in a 16-bit
             format (a half-precision setting, or a model cast by hand): the precision
             detectors judge only such a run, and cost nothing in any other.
+        master_weights: Whether the optimizer updates float32 master copies of the
+            16-bit weights (DeepSpeed's optimizers): an update too small for a weight is
+            kept in its copy, not lost.
     """
 
     framework: str = ""
@@ -55,6 +58,7 @@ class TrainingSetup:
     adaptive: bool = False
     loss_scaled: bool = False
     low_precision: bool = False
+    master_weights: bool = False
 
     @property
     def float16(self) -> bool:

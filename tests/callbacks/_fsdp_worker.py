@@ -184,6 +184,10 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "zero2_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
     # recover= is refused under DeepSpeed, before any step
     "zero2_recover": ({}, {"recover": True}, 4),
+    # bf16 weights under DeepSpeed, which keeps their fp32 master copies
+    "zero2_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "precision": "bf16-mixed"}, 40),
+    "zero1_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "precision": "bf16-mixed"}, 40),
+    "zero1_uncombined": ({}, {"precision": "bf16-mixed"}, 4),
     # the ranks' slices left uncombined: checked against DeepSpeed's own gathered gradients
     "zero2_uncombined": ({}, {}, 4),
     "zero3_uncombined": ({}, {}, 4),
@@ -197,6 +201,9 @@ LAYOUTS: dict[str, tuple[type, dict]] = {
     "tp": (TensorParallelRankFault, {"data_parallel_size": 1, "tensor_parallel_size": 2}),
     "fsdp1": (FlatShardedRankFault, {"flat": True}),
     "zero2": (RankFault, {"zero": 2}),  # DeepSpeed
+    # stage 1 with bf16 weights and fp32 gradients: DeepSpeed's BF16_Optimizer, which
+    # keeps each parameter's whole gradient on every rank
+    "zero1": (RankFault, {"zero": 1, "config": {"data_types": {"grad_accum_dtype": "fp32"}}}),
     "zero3": (RankFault, {"zero": 3}),
 }
 
@@ -233,7 +240,11 @@ def run(out: Path, name: str) -> None:
     if parallel.get("flat"):
         strategy = CPUFSDPStrategy(timeout=timeout)
     elif parallel.get("zero"):
-        strategy = cpu_deepspeed_strategy(parallel["zero"], timeout)
+        config = parallel.get("config")
+        if config is not None:  # a whole configuration: Lightning reads no argument then
+            stage = {"stage": parallel["zero"]}
+            config = {**config, "zero_optimization": stage, "zero_allow_untested_optimizer": True}
+        strategy = cpu_deepspeed_strategy(parallel["zero"], timeout, config=config)
     elif parallel:
         strategy = ModelParallelStrategy(**parallel, timeout=timeout)
     else:

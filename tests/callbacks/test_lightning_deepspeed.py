@@ -28,6 +28,9 @@ SCENARIOS = (
     "zero2_recover",
     "zero2_uncombined",
     "zero3_uncombined",
+    "zero2_bf16",
+    "zero1_bf16",
+    "zero1_uncombined",
 )
 #: Seconds for both ranks to import torch, Lightning and DeepSpeed and run every scenario
 #: (~20 s).
@@ -80,9 +83,12 @@ def test_zero_statistics_equal_those_of_the_unsharded_model(runs, layout):
     assert findings(runs, layout) == []  # a healthy run: quiet
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_combined_norms_are_checked_against_deepspeeds_own(runs, stage):
-    for r in ranks(runs, f"zero{stage}_norms"):  # combined right: nothing to say
+@pytest.mark.parametrize(
+    ("stage", "combined_right"),
+    [(2, "zero2_norms"), (3, "zero3_norms"), (1, "zero1_bf16")],  # 1: BF16_Optimizer
+)
+def test_the_combined_norms_are_checked_against_deepspeeds_own(runs, stage, combined_right):
+    for r in ranks(runs, combined_right):  # nothing to say
         assert not any("disagree" in w for w in r["warnings"])
     first, second = ranks(runs, f"zero{stage}_uncombined")  # each rank's own slices
     (warning,) = [w for w in first["warnings"] if "disagree" in w]
@@ -117,3 +123,26 @@ def test_recover_is_refused_under_deepspeed_before_any_step(runs):
     for r in ranks(runs, "zero2_recover"):
         assert r["global_step"] == 0
         assert "DeepSpeedZeroOptimizer" in r["refused"] and "recover=False" in r["refused"]
+
+
+@pytest.mark.parametrize("scenario", ["zero2_bf16", "zero1_bf16"])
+def test_bf16_weights_with_master_copies_round_nothing_away(runs, scenario):
+    # DeepSpeed updates float32 master copies of the bf16 weights: with a learning rate
+    # that rounds most updates of bf16-true weights away (see the FSDP2 test), no update
+    # is lost, and rounded_updates does not apply
+    steps = observed(runs, scenario)
+    assert len(steps) >= 3
+    for row in steps.values():
+        assert all(v is None for v in row["update_lost"])
+        assert all(np.isfinite(row["grad_norm"]))
+    assert findings(runs, scenario) == []
+
+
+def test_bf16_gradients_are_judged_where_deepspeed_keeps_them_in_bf16(runs):
+    # ZeRO-2 keeps bf16 gradients: their precision is measured; BF16_Optimizer (stage 1,
+    # fp32 accumulation) keeps float32 ones, which the precision rules do not judge
+    zero2, zero1 = observed(runs, "zero2_bf16"), observed(runs, "zero1_bf16")
+    for row in zero2.values():
+        assert all(v is not None for v in row["grad_zero"] + row["grad_peak"])
+    for row in zero1.values():
+        assert all(v is None for v in row["grad_zero"])

@@ -60,6 +60,8 @@ def test_rounded_updates_apply_only_to_a_run_in_16_bits():
     d = RoundedUpdates()
     assert not d.applies() and d.finished(0)
     assert low(d).applies() and not d.finished(0)
+    # float32 master copies (DeepSpeed's optimizers) keep what the 16-bit weights round
+    assert not low(RoundedUpdates(), master_weights=True).applies()
 
 
 # -- gradient_underflow ----------------------------------------------------------------------------

@@ -153,6 +153,10 @@ class RoundedUpdates(_ShareStreak):
     def __init__(self, *, fraction: float = 0.5, patience: int = 3) -> None:
         super().__init__(fraction=fraction, patience=patience)
 
+    def applies(self) -> bool:
+        # master copies keep what the 16-bit weights round away
+        return super().applies() and not self.setup.master_weights
+
     def current_advice(self) -> str:
         return "bf16-mixed; raise the LR" if self.setup.framework == "lightning" else self.advice
 

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
 from stethoscope.callbacks._lightning.loss_scale import scaler_of
+from stethoscope.callbacks._lightning.zero import client_optimizer, is_deepspeed_optimizer
 from stethoscope.number_formats import HALF
 from stethoscope.sinks.base import RunContext
 
@@ -69,9 +70,10 @@ def training_setup(trainer: Any) -> TrainingSetup:
         precision=None if precision in _FULL_PRECISION else precision,
         scheduler=bool(trainer.lr_scheduler_configs),
         adversarial=manual and len(trainer.optimizers) > 1,
-        adaptive=adaptive_optimizers(list(trainer.optimizers)),
+        adaptive=adaptive_optimizers([client_optimizer(o) for o in trainer.optimizers]),
         loss_scaled=scaler_of(trainer) is not None,
         low_precision=precision not in _FULL_PRECISION or _holds_half(module),
+        master_weights=any(is_deepspeed_optimizer(o) for o in trainer.optimizers),
     )
 
 

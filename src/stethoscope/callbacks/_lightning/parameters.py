@@ -17,7 +17,7 @@ from stethoscope.callbacks._lightning.shards import (
     row_span,
     scatter_rows,
 )
-from stethoscope.callbacks._lightning.zero import trained_by
+from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer, trained_by
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES
 
@@ -91,6 +91,9 @@ class ParameterProbe:
         self.fan_in = np.full(len(self.params), np.nan)
         #: Watched parameters that no optimizer updates (known at train start).
         self.unoptimized: tuple[str, ...] = ()
+        #: Whether the optimizer updates float32 master copies of the parameters
+        #: (DeepSpeed's, known at train start): what rounds away is kept there.
+        self.master_weights = False
 
     def optimized_by(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Learn which watched parameters ``optimizers`` update (the others are
@@ -98,6 +101,7 @@ class ParameterProbe:
         held in now: a precision plugin (``"bf16-true"``) casts them after the probe is
         made."""
         self.dtypes = tuple(_dtype_name(p) for p in self.params)
+        self.master_weights = any(is_deepspeed_optimizer(o) for o in optimizers)
         held = {i for opt in optimizers for i in self.indices_of(opt)}
         self.unoptimized = tuple(
             n for i, n in enumerate(self.names) if i not in held and optimizers

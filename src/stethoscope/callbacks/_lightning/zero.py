@@ -29,6 +29,7 @@ from stethoscope.callbacks._lightning.shards import FlatSlice
 __all__ = [
     "ZeroSlice",
     "ZeroThreeSlice",
+    "client_optimizer",
     "is_deepspeed_optimizer",
     "trained_by",
     "zero_slices",
@@ -47,6 +48,14 @@ def is_deepspeed_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is one of DeepSpeed's (the ZeRO, bf16 or fp16 optimizers its
     engine steps inside ``engine.step()``)."""
     return type(optimizer).__module__.startswith("deepspeed.")
+
+
+def client_optimizer(optimizer: Any) -> Any:
+    """The optimizer that ``optimizer`` steps: for one of DeepSpeed's, the user's (Adam,
+    SGD...) it wraps; any other is itself."""
+    if is_deepspeed_optimizer(optimizer):
+        return getattr(optimizer, "optimizer", optimizer)
+    return optimizer
 
 
 #: Where each of DeepSpeed's optimizers keeps the model's parameters it updates: its
