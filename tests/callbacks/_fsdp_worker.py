@@ -184,6 +184,10 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "zero2_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
     # recover= is refused under DeepSpeed, before any step
     "zero2_recover": ({}, {"recover": True}, 4),
+    # fp8_readiness (opt-in): counts against each whole tensor's peak, agreed first
+    "ddp_fp8": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "detectors": "fp8"}, 8),
+    "zero2_fp8": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "detectors": "fp8"}, 8),
+    "zero3_fp8": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "detectors": "fp8"}, 8),
     # bf16 weights under DeepSpeed, which keeps their fp32 master copies
     "zero2_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "precision": "bf16-mixed"}, 40),
     "zero1_bf16": ({"depth": 3, "lr": 1e-5}, {**BF16, "precision": "bf16-mixed"}, 40),

@@ -31,6 +31,9 @@ SCENARIOS = (
     "zero2_bf16",
     "zero1_bf16",
     "zero1_uncombined",
+    "ddp_fp8",
+    "zero2_fp8",
+    "zero3_fp8",
 )
 #: Seconds for both ranks to import torch, Lightning and DeepSpeed and run every scenario
 #: (~20 s).
@@ -81,6 +84,18 @@ def test_zero_statistics_equal_those_of_the_unsharded_model(runs, layout):
         "stale_grads",
     }
     assert findings(runs, layout) == []  # a healthy run: quiet
+
+
+@pytest.mark.parametrize("layout", ["zero2_fp8", "zero3_fp8"])
+def test_fp8_readiness_counts_against_each_whole_tensors_peak_as_ddp(runs, layout):
+    sharded, replicated = observed(runs, layout), observed(runs, "ddp_fp8")
+    measured = [step for step, want in replicated.items() if "fp8_underflow" in want]
+    assert measured and sorted(sharded) == sorted(replicated)
+    for step in measured:  # the peaks agreed over the ranks first, then counts summed
+        for field in ("fp8_underflow", "fp8_amax"):
+            np.testing.assert_allclose(
+                sharded[step][field], replicated[step][field], rtol=1e-5, err_msg=field
+            )
 
 
 @pytest.mark.parametrize(
