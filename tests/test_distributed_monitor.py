@@ -317,6 +317,43 @@ def test_off_rank_zero_the_precision_rules_stay_idle_in_a_low_precision_run(shar
         assert zero.plan(0) & REPLICATED == one.plan(0) & REPLICATED
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_off_rank_zero_a_rule_of_its_own_outputs_leaves_the_gradients_to_rank_zero(sharded):
+    """overflow_risk judges each rank's own layer outputs, and wants the gradients' peaks
+    too: those are the whole model's, judged by rank zero. (Before, rank 1 measured them
+    under DDP and judged them under both: its finding repeated rank zero's.)"""
+    world = sharded_ranks(2) if sharded else ranks(2)
+    zero, one = world.monitors
+    fp16 = RunContext(setup=TrainingSetup(precision="16-true", low_precision=True))
+    for m in (zero, one):
+        m.start(fp16)
+    assert not one.schedule.idle("overflow_risk")  # its outputs are its own
+    if not sharded:  # nothing of the whole model measured for nobody
+        assert not (one.plan(0) & REPLICATED)
+    found = []
+    for rank, m in enumerate((zero, one)):
+        obs = Observation(
+            step=0,
+            rank=rank,
+            loss=1.0,
+            names=("w",),
+            dtypes=("float16",),
+            grad_peak=np.array([30000.0]),  # past 1/16 of float16's largest
+            act_names=("layer",),
+            act_kinds=("layer",),
+            act_dtypes=("float16",),
+            act_max=np.array([1.0]),
+            act_rms=np.array([0.5]),
+            act_saturated=np.array([0.0]),
+        )
+        m.observe(obs, forced=True)
+        found.append(
+            {f.detector for f in world.sinks[rank].findings}
+            | {f.detector for f in m.judge.held.findings}
+        )
+    assert "overflow_risk" in found[0] and "overflow_risk" not in found[1]
+
+
 def test_a_detector_that_cannot_read_sits_out_on_every_rank_and_rank_zero_says_so():
     zero, one = sharded_ranks(2, escalate=False).monitors
     with pytest.warns(RuntimeWarning, match="replica_divergence cannot judge .* so it is off"):

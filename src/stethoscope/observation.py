@@ -8,6 +8,7 @@ statistic's fields appear here without an edit to this module.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,13 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
     def has(self, statistic: str) -> bool:
         """Whether the data of ``statistic`` (a name in ``STATISTICS``) is present."""
         return getattr(self, _MARKERS[statistic]) is not None
+
+    def drop(self, statistics: Iterable[str]) -> None:
+        """Forget what ``statistics`` (names in ``STATISTICS``) carry: their fields go
+        back to their defaults, as if never measured."""
+        for name in statistics:
+            for field in STATISTICS[name].fields:
+                setattr(self, field.name, field.default)
 
     def drop_update(self) -> None:
         """This step's update was not applied (the recovery ladder or a loss scaler skipped

@@ -21,7 +21,7 @@ from stethoscope.engine.settings import Settings
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import EVERY_STEP
+from stethoscope.statistics import EVERY_STEP, REPLICATED
 from stethoscope.summary import EpochSummary
 
 __all__ = ["Monitor"]
@@ -141,6 +141,11 @@ class Monitor:
         """
         if not forced and self.judge.keep(obs.step, obs.epoch, obs.loss, obs.lr):
             return NOTHING  # a quiet step: judged with the next one that cannot wait
+        if not self.judges_replicated:
+            # measured here for rank zero (combined from the shards) or for nobody: its
+            # detectors idle here, and one judging this rank's own data must not say
+            # again what rank zero says of them
+            obs.drop(REPLICATED)
         return self.judge.now(obs, forced=forced)
 
     def observe_loss(

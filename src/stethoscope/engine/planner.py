@@ -53,6 +53,9 @@ class Planner:
         #: Under sharded parameters, the detectors idle here whose statistics this rank
         #: measures all the same (see :meth:`measure_shards`); None: not sharded.
         self._shard_readers: frozenset[str] | None = None
+        #: Statistics another rank judges (rank zero, off it under DDP): a detector taking
+        #: part here does not plan them for what it merely wants.
+        self.judged_elsewhere: frozenset[str] = frozenset()
         self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
 
@@ -179,7 +182,7 @@ class Planner:
             wanted: set[str] = set()
             for d in run:
                 if not d.finished(step):
-                    wanted |= d.needs | d.wanting(step)
+                    wanted |= d.needs | (d.wanting(step) - self.judged_elsewhere)
             planned = self._plans[key] = with_requirements(wanted) - EVENT - GATHERED
         if self.requested:
             planned = planned | (with_requirements(self.requested) - EVENT - GATHERED)

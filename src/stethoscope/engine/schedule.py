@@ -71,6 +71,10 @@ class Schedule:
         else:
             idle = set()
         self._rank_idle, self._sat_out = frozenset(idle), frozenset()
+        # what every rank holds alike is rank zero's to judge, even where a detector
+        # judging this rank's own data here wants it too (overflow_risk: the gradients)
+        leaves = world_size > 1 and rank != 0 and replicated
+        self.planner.judged_elsewhere = REPLICATED if leaves else frozenset()
         self._measures_for_rank_zero = sharded and world_size > 1
         self.planner.set_idle(self._rank_idle | self._not_applying)
         self._measure_for_rank_zero()
