@@ -21,6 +21,7 @@ from stethoscope.engine.validation_window import LossesSinceValidation
 from stethoscope.engine.waiting import WaitingLosses
 from stethoscope.findings import SAMPLER, Finding, Severity
 from stethoscope.observation import Observation
+from stethoscope.statistics import REPLICATED
 
 __all__ = ["Batch", "Judge"]
 
@@ -62,6 +63,10 @@ class Judge:
         #: policy (see ``Decision.spared``).
         self.spared: frozenset[str] = frozenset()
         self.rank, self.world_size = 0, 1
+        #: Statistics another rank judges: measured here for it (combined from the
+        #: shards) or for nobody. Their detectors are idle here, and one that judges this
+        #: rank's own data must not say again what that rank says of them.
+        self.judged_elsewhere: frozenset[str] = frozenset()
         #: Whether quiet steps may wait to be judged. A distributed run meets on every
         #: rank's verdicts and a recovery ladder acts on each step's: there every step
         #: is judged at once. (Kept, not worked out: it is asked on every step.)
@@ -88,9 +93,13 @@ class Judge:
         return {n: by_name[n].blind_to for n, k in self.unread.items() if k >= BLIND_AFTER}
 
     # -- when a step is judged ------------------------------------------------------------
-    def take_part(self, *, rank: int, world_size: int) -> None:
-        """Judge as ``rank`` of ``world_size`` processes."""
+    def take_part(self, *, rank: int, world_size: int, replicated: bool = True) -> None:
+        """Judge as ``rank`` of ``world_size`` processes; ``replicated``: every rank holds
+        the same gradients and weights (see ``Monitor.distribute``), which rank zero
+        judges."""
         self.rank, self.world_size = rank, world_size
+        leaves = world_size > 1 and rank != 0 and replicated
+        self.judged_elsewhere = REPLICATED if leaves else frozenset()
         self.waits = world_size == 1 and not self.spared
 
     def spare(self, detectors: frozenset[str]) -> None:
@@ -108,6 +117,7 @@ class Judge:
         distributed run; ``forced``, or a non-finite loss: by every detector whose
         statistics it carries); work out the bar for the next steps."""
         earlier = self.catch_up()
+        obs.drop(self.judged_elsewhere)
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
         decision = self.judge(Batch.of(obs), hold=self.world_size > 1, forced=forced)

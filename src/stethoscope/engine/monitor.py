@@ -21,7 +21,7 @@ from stethoscope.engine.settings import Settings
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import EVERY_STEP, REPLICATED
+from stethoscope.statistics import EVERY_STEP
 from stethoscope.summary import EpochSummary
 
 __all__ = ["Monitor"]
@@ -141,11 +141,6 @@ class Monitor:
         """
         if not forced and self.judge.keep(obs.step, obs.epoch, obs.loss, obs.lr):
             return NOTHING  # a quiet step: judged with the next one that cannot wait
-        if not self.judges_replicated:
-            # measured here for rank zero (combined from the shards) or for nobody: its
-            # detectors idle here, and one judging this rank's own data must not say
-            # again what rank zero says of them
-            obs.drop(REPLICATED)
         return self.judge.now(obs, forced=forced)
 
     def observe_loss(
@@ -304,11 +299,11 @@ class Monitor:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be an integer in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
-        self.judge.take_part(rank=rank, world_size=world_size)
+        self.judge.take_part(rank=rank, world_size=world_size, replicated=replicated)
         self.ledger.writes = rank == 0
         #: Whether this process judges the gradients and weights (not so off rank zero
         #: when every rank holds the same ones).
-        self.judges_replicated = world_size == 1 or rank == 0 or not replicated
+        self.judges_replicated = not self.judge.judged_elsewhere
         self.sharded = sharded and world_size > 1  # the ranks combine their shards' statistics
         self.schedule.take_part(
             rank=rank, world_size=world_size, replicated=replicated, sharded=sharded
