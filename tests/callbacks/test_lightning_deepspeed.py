@@ -17,6 +17,8 @@ import pytest
 from _launch import needs_gloo, run_ranks
 from _rank_files import findings, observed, ranks
 
+from stethoscope.record import RunRecord
+
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 SCENARIOS = (
     "ddp_norms",
@@ -84,6 +86,10 @@ def test_zero_statistics_equal_those_of_the_unsharded_model(runs, layout):
         "stale_grads",
     }
     assert findings(runs, layout) == []  # a healthy run: quiet
+    # the record describes the whole model, as DDP's does (ZeRO-3's parameters are empty)
+    with RunRecord(runs / f"{layout}-record") as zero, RunRecord(runs / "ddp_norms-record") as ddp:
+        assert zero.config["model"] == ddp.config["model"]
+        assert zero.config["model"]["total"] == 2916
 
 
 @pytest.mark.parametrize("layout", ["zero2_fp8", "zero3_fp8"])

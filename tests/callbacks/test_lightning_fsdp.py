@@ -159,6 +159,16 @@ def test_a_sharded_run_is_quiet_and_records_the_whole_model(runs):
         ]
 
 
+@pytest.mark.parametrize("layout", ["fsdp_norms", "fsdp1_norms", "tp_norms"])
+def test_the_record_describes_the_whole_model(runs, layout):
+    # FSDP1's parameters are 1-D slices under wrapped names; a DTensor's shape is whole
+    with (
+        RunRecord(runs / f"{layout}-record") as sharded,
+        RunRecord(runs / "ddp_norms-record") as ddp,
+    ):
+        assert sharded.config["model"]["parameters"] == ddp.config["model"]["parameters"]
+
+
 def test_nan_loss_on_one_rank_is_named_and_every_rank_stops_on_the_same_step(runs):
     found = findings(runs, "fsdp_nan")
     first = min((f for f in found if f["detector"] == "nonfinite_loss"), key=lambda f: f["step"])

@@ -216,7 +216,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             trainer,
             record=self.record,
             report=self._report_writer,
-            describe=lambda: self._describe(describe_run(trainer, pl_module)),
+            describe=lambda: self._describe(describe_run(trainer, pl_module, self._probe)),
         )
         self._printer = context.printer
         self.monitor.start(context)

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
 from stethoscope.callbacks._lightning.loss_scale import scaler_of
+from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.zero import client_optimizer, is_deepspeed_optimizer
 from stethoscope.number_formats import HALF
 from stethoscope.sinks.base import RunContext
@@ -89,11 +90,12 @@ def _holds_half(module: Any) -> bool:
     return any(str(p.dtype).rsplit(".", 1)[-1] in HALF for p in module.parameters())
 
 
-def describe_run(trainer: Any, module: Any) -> dict[str, Any]:
-    """The model, its optimizers and the Trainer's settings, as plain data."""
+def describe_run(trainer: Any, module: Any, probe: ParameterProbe) -> dict[str, Any]:
+    """The model, its optimizers and the Trainer's settings, as plain data: each
+    parameter whole, as ``probe`` knows it (a sharded one's whole shape)."""
     parameters = [
-        {"name": n, "shape": list(p.shape), "numel": p.numel(), "trainable": p.requires_grad}
-        for n, p in module.named_parameters()
+        {"name": n, "shape": list(shape), "numel": shape.numel(), "trainable": p.requires_grad}
+        for n, shape, p in probe.as_whole(list(module.named_parameters()))
     ]
     return {
         "framework": "lightning",

@@ -68,7 +68,8 @@ class ParameterProbe:
         self.names: tuple[str, ...] = tuple(_unwrapped(n) for n, _ in pairs)
         self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self._flat = [(flat or {}).get(id(p)) for p in self.params]
+        self._slices = dict(flat or {})  # of every parameter, watched or frozen
+        self._flat = [self._slices.get(id(p)) for p in self.params]
         #: The shape of each whole parameter.
         self.shapes: tuple[torch.Size, ...] = tuple(
             f.shape if f is not None else p.shape
@@ -106,6 +107,18 @@ class ParameterProbe:
         self.unoptimized = tuple(
             n for i, n in enumerate(self.names) if i not in held and optimizers
         )
+
+    def as_whole(
+        self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]
+    ) -> list[tuple[str, torch.Size, torch.nn.Parameter]]:
+        """``(name, shape, parameter)`` of each of ``named_parameters`` as the model has it
+        whole: without FSDP1's wrappers in the name, with the whole shape of a slice
+        (FSDP1's, ZeRO's: under ZeRO-3 the parameter itself is empty)."""
+        out = []
+        for name, p in named_parameters:
+            held = self._slices.get(id(p))
+            out.append((_unwrapped(name), p.shape if held is None else held.shape, p))
+        return out
 
     def indices_of(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Indices of the watched parameters this optimizer updates."""
