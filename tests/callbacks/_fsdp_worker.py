@@ -184,6 +184,18 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "zero2_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
     # recover= is refused under DeepSpeed, before any step
     "zero2_recover": ({}, {"recover": True}, 4),
+    # two batches a step: DeepSpeed holds the step's gradients on the second alone
+    "ddp_accumulate": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "accumulate": 2}, 12),
+    "zero2_accumulate": (
+        {"depth": 3},
+        {"intervals": OFTEN, "escalate": False, "accumulate": 2},
+        12,
+    ),
+    "zero3_accumulate": (
+        {"depth": 3},
+        {"intervals": OFTEN, "escalate": False, "accumulate": 2},
+        12,
+    ),
     # fp8_readiness (opt-in): counts against each whole tensor's peak, agreed first
     "ddp_fp8": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "detectors": "fp8"}, 8),
     "zero2_fp8": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "detectors": "fp8"}, 8),
@@ -238,6 +250,7 @@ def run(out: Path, name: str) -> None:
     torch.manual_seed(0)  # the same initial weights on both ranks and under both strategies
     model = model_class(**{"lr": 1e-2, **model_kw})
     precision = cb_kw.pop("precision", "32-true")
+    accumulate = cb_kw.pop("accumulate", 1)  # batches per optimizer step
     observed = Observed()
     callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
@@ -259,6 +272,7 @@ def run(out: Path, name: str) -> None:
         num_nodes=nodes,
         strategy=strategy,
         precision=precision,
+        accumulate_grad_batches=accumulate,
         max_steps=steps,
         limit_val_batches=0,
         use_distributed_sampler=False,  # each rank's batches are given: see TWIN_SKIPS

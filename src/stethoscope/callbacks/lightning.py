@@ -40,6 +40,7 @@ from stethoscope.callbacks._lightning.reductions import (
     watch_parameters,
 )
 from stethoscope.callbacks._lightning.shards import ShardCombiner
+from stethoscope.callbacks._lightning.zero import accumulating
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
@@ -261,6 +262,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        if accumulating(trainer.strategy.model):  # DeepSpeed's micro-batch: no gradient yet
+            return
         if self._recovery is not None:
             self._recovery.judge(optimizer)
             if self._recovery.replaying:  # the step again: its statistics were taken

@@ -29,6 +29,7 @@ from stethoscope.callbacks._lightning.shards import FlatSlice
 __all__ = [
     "ZeroSlice",
     "ZeroThreeSlice",
+    "accumulating",
     "client_optimizer",
     "is_deepspeed_optimizer",
     "trained_by",
@@ -42,6 +43,16 @@ def zero_stage(model: Any) -> int | None:
     None for any other model."""
     stage = getattr(model, "zero_optimization_stage", None)
     return int(stage()) if callable(stage) and hasattr(model, "zero_optimization") else None
+
+
+def accumulating(model: Any) -> bool:
+    """Whether ``model``, a DeepSpeed engine, is inside a gradient accumulation window,
+    before its last micro-batch. Lightning calls the engine's step, and so the
+    ``on_before_optimizer_step`` hooks, on every micro-batch; the engine applies it only
+    on the window's last, and holds no gradient of the step before. False for any other
+    model."""
+    boundary = getattr(model, "is_gradient_accumulation_boundary", None)
+    return zero_stage(model) is not None and callable(boundary) and not boundary()
 
 
 def is_deepspeed_optimizer(optimizer: Any) -> bool:
