@@ -427,6 +427,34 @@ def test_raise_wins_over_stop_on_every_rank():
     assert all(d.raise_ and d.reason.step == 3 for d in decisions)
 
 
+class ScriptedGradients(Scripted):
+    """A Scripted rule of what every rank holds alike (rank zero judges it for all)."""
+
+    name = "scripted_gradients"
+    needs: ClassVar[frozenset[str]] = frozenset({"grads"})
+
+
+def test_at_the_same_step_the_rank_whose_own_data_went_bad_is_the_reason():
+    """Rank 1's loss goes NaN at step 5, and the all-reduce of that very step carries it
+    into the gradients rank zero judges for every rank: rank 1 is where it began. (Before,
+    the tie went to the lower rank: rank zero's gradient finding.)"""
+    monitors, sinks = [], []
+    for r in range(2):
+        sinks.append(CapturingSink())
+        mine = Scripted({5: ("error", "loss")} if r == 1 else None)
+        shared = ScriptedGradients({5: ("error", "net.0.weight")} if r == 0 else None)
+        monitors.append(Monitor(sinks=[sinks[-1]], detectors=[mine, shared], escalate=False))
+    for r, m in enumerate(monitors):
+        m.distribute(rank=r, world_size=2)
+    world = World(monitors, sinks)
+    for r, m in enumerate(monitors):
+        obs = Observation(step=5, rank=r, loss=2.3, grad_norm=np.ones(1), names=("w",))
+        m.observe(obs, forced=True)
+    decisions = world.meet(16)
+    assert all(d.stop for d in decisions)
+    assert {(d.reason.detector, d.reason.rank) for d in decisions} == {("scripted", 1)}
+
+
 def test_suspicion_on_one_rank_escalates_every_rank_at_the_meeting():
     world = ranks(2, {1: {70: ("suspect", "odd loss")}}, hot_steps=8)
     monitors, sinks = world.monitors, world.sinks

@@ -116,6 +116,8 @@ def test_a_nan_on_worker_1_is_named_with_its_rank_and_both_workers_stop_on_the_s
     assert one["findings"] == []  # worker 1 sends its findings to rank zero
     # both stop for the same finding, of that step, and take the same steps
     assert zero["stopped_by"] == one["stopped_by"] and zero["stopped_by"]["step"] == NAN_STEP
+    # where it began: worker 1's loss, not the gradients rank zero judges for both
+    assert (zero["stopped_by"]["detector"], zero["stopped_by"]["rank"]) == ("nonfinite_loss", 1)
     assert zero["steps"] == one["steps"] < 3 * EPOCH
     assert zero["epochs"] == one["epochs"] == 1
     assert zero["clean"] and one["clean"]

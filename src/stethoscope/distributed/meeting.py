@@ -12,8 +12,17 @@ import numpy as np
 from stethoscope.distributed.letter import Letter
 from stethoscope.distributed.packet import MAIL_BYTES, Entry, Gathered, Packet
 from stethoscope.engine import Decision
+from stethoscope.findings import Finding
 from stethoscope.observation import Observation
-from stethoscope.statistics import EVENT, EVERY_STEP, GATHERED, STATISTICS, AcrossRanks, Statistic
+from stethoscope.statistics import (
+    EVENT,
+    EVERY_STEP,
+    GATHERED,
+    REPLICATED,
+    STATISTICS,
+    AcrossRanks,
+    Statistic,
+)
 
 if TYPE_CHECKING:
     from stethoscope.engine import Monitor
@@ -87,6 +96,9 @@ class RankMeeting:
         self._sampled: frozenset[str] | None = None
         self._packets: dict[tuple, Packet] = {}
         self._pending = False
+        #: The detectors that judge only what every rank holds alike (rank zero judges
+        #: them for all): a finding of theirs is where a fault arrived, not where it began.
+        self._of_all = frozenset(d.name for d in monitor.detectors if d.needs <= REPLICATED)
 
     @property
     def pending(self) -> bool:
@@ -199,16 +211,21 @@ class RankMeeting:
                 if gathered.letters[r].reason is not None
             ]
             if reasons:
-                # the earliest: a NaN on one rank spreads to every replica at the next
-                # all-reduce, and the rank it began on is the one to look at
-                reason = min(reasons, key=lambda f: (f.step, f.rank))
+                reason = min(reasons, key=self._origin_first)
                 monitor.note_stop(reason)
                 return Decision(stop=True, raise_=flag == "raise", reason=reason)
         asked = [gathered.letters[r].rollback for r in gathered.ranks("rollback")]
         asked = [f for f in asked if f is not None]
         if asked and self.recoverer is not None:  # the same ladder step on every rank
-            return self.recoverer.rollback_agreed(min(asked, key=lambda f: (f.step, f.rank)))
+            return self.recoverer.rollback_agreed(min(asked, key=self._origin_first))
         return Decision()
+
+    def _origin_first(self, finding: Finding) -> tuple[int, bool, int]:
+        """The order in which the ranks' reasons point at a fault's origin: the earliest
+        step first; at the same step, a rank's own data (its loss, its batch) before what
+        every rank holds alike (a NaN loss on rank 1 reaches every rank's gradients at that
+        very step's all-reduce, where rank zero finds it); then the lowest rank."""
+        return finding.step, finding.detector in self._of_all, finding.rank
 
     def _judge_shared(
         self, step: int, epoch: int, shared: dict[str, Any], gathered: Gathered
