@@ -262,14 +262,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if accumulating(trainer.strategy.model):  # DeepSpeed's micro-batch: no gradient yet
-            return
         if self._recovery is not None:
             self._recovery.judge(optimizer)
             if self._recovery.replaying:  # the step again: its statistics were taken
                 return
         measures = self._measures
-        if measures.sampled:  # else nothing to do here
+        if measures.sampled and not accumulating(trainer.strategy.model):  # else nothing to read
             scale = pending_scale(scaler_of(trainer), optimizer)
             self._reductions.before_step(measures, optimizer, scale)
 
