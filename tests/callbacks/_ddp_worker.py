@@ -70,8 +70,8 @@ class RankFault(TinyMLP):
         if self.rank_fault == "perturb" and self._mine() and self.global_step == self.onset:
             weight = self.net[2].weight  # a DTensor's own part, on this rank alone
             local = weight.to_local() if hasattr(weight, "to_local") else weight
-            with torch.no_grad():
-                local[0, 0] += 1e-3
+            with torch.no_grad():  # its first element (FSDP1: of this rank's 1-D slice)
+                local.view(-1)[0] += 1e-3
 
 
 class RankOneDamage(Detector):

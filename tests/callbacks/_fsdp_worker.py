@@ -34,7 +34,7 @@ from benchmarks.cpu_deepspeed import cpu_deepspeed_strategy
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Subset
 
@@ -93,6 +93,24 @@ class FlatShardedRankFault(RankFault):
         for i, module in enumerate(self.net):
             if isinstance(module, torch.nn.Linear):
                 self.net[i] = FSDP(module, use_orig_params=True, device_id=torch.device("cpu"))
+
+
+class HybridFlatShardedRankFault(RankFault):
+    """RankFault under FSDP1's ``HYBRID_SHARD`` on 4 ranks: each linear layer sharded over
+    2 ranks and replicated over 2 such groups (a 2x2 mesh: ranks 0 and 1 one replica,
+    2 and 3 the other), so each parameter is a 1-D slice on each rank, held twice."""
+
+    def configure_model(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for i, module in enumerate(self.net):
+            if isinstance(module, torch.nn.Linear):
+                self.net[i] = FSDP(
+                    module,
+                    use_orig_params=True,
+                    device_id=torch.device("cpu"),
+                    sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                    device_mesh=mesh,
+                )
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -168,6 +186,11 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     "tp_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
     # FSDP1's flat parameters, each rank a slice of each
     "fsdp1_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    # FSDP1's HYBRID_SHARD on 4 ranks (against ddp_norms on 4): replicas of the slices,
+    # each counted once, and compared
+    "hsdp1_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
+    "hsdp1_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
+    "hsdp1_recover": ({}, {"recover": True}, 4),  # refused, before any step
     "fsdp1_skip": ({"rank_fault": "nan", "onset": 5}, {"recover": True}, 20),
     "fsdp1_twin": ({}, {"recover": True}, 19),
     "fsdp1_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
@@ -216,6 +239,7 @@ LAYOUTS: dict[str, tuple[type, dict]] = {
     "hsdp": (HybridShardedRankFault, {"data_parallel_size": 2, "tensor_parallel_size": 1}),
     "tp": (TensorParallelRankFault, {"data_parallel_size": 1, "tensor_parallel_size": 2}),
     "fsdp1": (FlatShardedRankFault, {"flat": True}),
+    "hsdp1": (HybridFlatShardedRankFault, {"flat": True}),  # on 4 ranks
     "zero2": (RankFault, {"zero": 2}),  # DeepSpeed
     # stage 1 with bf16 weights and fp32 gradients: DeepSpeed's BF16_Optimizer, which
     # keeps each parameter's whole gradient on every rank
@@ -243,6 +267,7 @@ def run(out: Path, name: str) -> None:
     model_class, parallel = LAYOUTS[layout]
     # in a two-node run each node writes where its own disk would be
     nodes = int(os.environ.get("STETHOSCOPE_TEST_NODES", "1"))  # see _launch.run_ranks
+    world = int(os.environ.get("STETHOSCOPE_TEST_WORLD", "2"))
     here = out / f"node{os.environ['NODE_RANK']}" if nodes > 1 else out
     here.mkdir(exist_ok=True)
     if cb_kw.pop("record", False):
@@ -268,7 +293,7 @@ def run(out: Path, name: str) -> None:
         strategy = DDPStrategy(process_group_backend="gloo", timeout=timeout)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2 // nodes,
+        devices=world // nodes,
         num_nodes=nodes,
         strategy=strategy,
         precision=precision,
@@ -280,7 +305,7 @@ def run(out: Path, name: str) -> None:
         **QUIET,
     )
     full = dataset(2048)
-    mine = list(range(trainer.global_rank, len(full), 2))
+    mine = list(range(trainer.global_rank, len(full), world))
     if layout == "tp" or name.startswith("fsdp_same"):  # the same batches on both ranks
         mine = list(range(0, len(full), 2))
     if name.endswith("_twin"):

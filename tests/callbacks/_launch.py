@@ -61,25 +61,32 @@ def source_path() -> str:
 
 
 def run_ranks(
-    worker: Path, out: Path, scenarios: tuple[str, ...], timeout: float, *, nodes: bool = False
+    worker: Path,
+    out: Path,
+    scenarios: tuple[str, ...],
+    timeout: float,
+    *,
+    nodes: bool = False,
+    world: int = 2,
 ) -> Path:
-    """Run ``worker`` as ranks 0 and 1 of one process group on this machine (the
-    environment names each rank: ``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``), each through every scenario (see :func:`run_processes`). Returns
-    ``out``, where they wrote.
+    """Run ``worker`` as ranks 0 to ``world - 1`` of one process group on this machine
+    (the environment names each rank: ``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, and ``STETHOSCOPE_TEST_WORLD`` the number of ranks), each through
+    every scenario (see :func:`run_processes`). Returns ``out``, where they wrote.
 
     ``nodes``: each rank is the only process of a node of its own (``NODE_RANK`` 0 and 1,
     both ``LOCAL_RANK`` 0, ``STETHOSCOPE_TEST_NODES=2`` for the worker's Trainer), as a
     two-node run's ranks are."""
     port = _free_port()
     commands = []
-    for rank in (0, 1):
+    for rank in range(world):
         env = {
             **os.environ,
             "PYTHONPATH": source_path(),
             "LOCAL_RANK": "0" if nodes else str(rank),
             "NODE_RANK": str(rank) if nodes else "0",
             "STETHOSCOPE_TEST_NODES": "2" if nodes else "1",
+            "STETHOSCOPE_TEST_WORLD": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",

@@ -42,6 +42,8 @@ SCENARIOS = (
     "fsdp1_rollback_disk",
     "ddp_rollback",
 )
+#: What four ranks run: FSDP1's HYBRID_SHARD (2 replicas of 2 shards) and its DDP twin.
+ON_FOUR_RANKS = ("ddp_norms", "hsdp1_norms", "hsdp1_perturb", "hsdp1_recover")
 #: What the two ranks run as two nodes of one process each.
 ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
@@ -54,6 +56,13 @@ pytestmark = needs_gloo
 def runs(tmp_path_factory) -> Path:
     """Run both ranks through every scenario; the directory of what they wrote."""
     return run_ranks(WORKER, tmp_path_factory.mktemp("fsdp"), SCENARIOS, TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Path:
+    """Four ranks through :data:`ON_FOUR_RANKS`: FSDP1's hybrid strategy needs two ranks
+    in each of two replicas (with one rank per shard group torch makes it NO_SHARD)."""
+    return run_ranks(WORKER, tmp_path_factory.mktemp("four"), ON_FOUR_RANKS, TIMEOUT, world=4)
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +231,25 @@ def test_two_nodes_agree_and_only_the_first_node_writes(nodes, runs):
     pairs = zip(ranks(runs, "fsdp_rollback"), ranks(nodes, "fsdp_rollback_disk"), strict=True)
     for memory, disk in pairs:
         assert disk["shards"] == memory["shards"]
+
+
+def test_fsdp1_hybrid_shard_counts_each_replica_once_and_compares_them(four):
+    # each rank holds a 1-D slice of every parameter, twice over the run (once per
+    # replica): the first replica counts them, and the statistics are DDP's on 4 ranks
+    sharded, replicated = observed(four, "hsdp1_norms"), observed(four, "ddp_norms")
+    assert sorted(sharded) == sorted(replicated) == list(range(0, 24, 2))
+    assert "unit_zero" in compare_statistics(sharded, replicated, rtol=1e-5)
+    assert findings(four, "hsdp1_norms") == []
+    assert not any("neither" in w for w in ranks(four, "hsdp1_norms")[0]["warnings"])
+    # rank 1 moves its slice of net.2.weight after step 20: its replica's whole weight
+    # (summed over ranks 0 and 1) differs from the other replica's (ranks 2 and 3)
+    errors = [f for f in findings(four, "hsdp1_perturb") if f["severity"] == "error"]
+    assert [(f["detector"], f["where"], f["step"]) for f in errors] == [
+        ("replica_divergence", "net.2.weight", 20)
+    ]
+    assert "rank 2, 3 from rank 0" in errors[0]["message"]
+    for r in ranks(four, "hsdp1_perturb"):
+        assert r["global_step"] == 21 and r["stopped_by"]["detector"] == "replica_divergence"
+    # recover= would count each replica's slices in the gate's norm: refused, with why
+    for r in ranks(four, "hsdp1_recover"):
+        assert r["global_step"] == 0 and "hybrid sharding" in r["refused"]

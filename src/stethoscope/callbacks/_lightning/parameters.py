@@ -16,6 +16,7 @@ from stethoscope.callbacks._lightning.shards import (
     local_part,
     row_span,
     scatter_rows,
+    unwrapped_name,
 )
 from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer, trained_by
 from stethoscope.observation import Observation
@@ -29,15 +30,6 @@ __all__ = [
     "row_norms",
     "unit_layers",
 ]
-
-
-#: The name FSDP1 gives the module it wraps, in its parameters' and modules' names.
-_FSDP1_WRAPPED = "_fsdp_wrapped_module"
-
-
-def _unwrapped(name: str) -> str:
-    """``name`` as the model names it, without FSDP1's wrappers in it."""
-    return ".".join(part for part in name.split(".") if part != _FSDP1_WRAPPED)
 
 
 class ParameterProbe:
@@ -65,7 +57,7 @@ class ParameterProbe:
         self.snapshot_budget = snapshot_budget
         self._rotation = 0
         # FSDP1 names a wrapped module's parameters through its wrapper
-        self.names: tuple[str, ...] = tuple(_unwrapped(n) for n, _ in pairs)
+        self.names: tuple[str, ...] = tuple(unwrapped_name(n) for n, _ in pairs)
         self.params: list[torch.nn.Parameter] = [p for _, p in pairs]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._slices = dict(flat or {})  # of every parameter, watched or frozen
@@ -117,7 +109,7 @@ class ParameterProbe:
         out = []
         for name, p in named_parameters:
             held = self._slices.get(id(p))
-            out.append((_unwrapped(name), p.shape if held is None else held.shape, p))
+            out.append((unwrapped_name(name), p.shape if held is None else held.shape, p))
         return out
 
     def indices_of(self, optimizer: torch.optim.Optimizer) -> list[int]:
@@ -324,7 +316,7 @@ def unit_layers(
     for name, mod in module.named_modules():
         w = getattr(mod, "weight", None)
         if isinstance(mod, UNIT_LAYERS) and isinstance(w, torch.Tensor) and id(w) in probe.index:
-            out.append((_unwrapped(name) or type(mod).__name__, probe.index[id(w)], mod))
+            out.append((unwrapped_name(name) or type(mod).__name__, probe.index[id(w)], mod))
     return out
 
 

@@ -75,7 +75,8 @@ class LightningRanks:
             warnings.warn(
                 f"stethoscope: with {type(trainer.strategy).__name__}, whose parameters "
                 "are neither DDP's replicas nor shards it can combine (FSDP2's DTensors, "
-                "FSDP1's FULL_SHARD or SHARD_GRAD_OP slices), every rank judges the "
+                "FSDP1's FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD slices, DeepSpeed's ZeRO "
+                "partitions), every rank judges the "
                 "gradients and weights it holds, and replica_divergence is off",
                 RuntimeWarning,
                 stacklevel=2,

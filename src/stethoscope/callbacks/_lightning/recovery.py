@@ -34,7 +34,7 @@ from stethoscope.callbacks._lightning.batch import fingerprint
 from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
-from stethoscope.callbacks._lightning.shards import flat_slices
+from stethoscope.callbacks._lightning.shards import flat_replicas, flat_slices
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
 from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer
@@ -414,6 +414,12 @@ class LightningRecovery:
         """Wrap the optimizers and take the first snapshot (before the first step);
         ``sharded``: each rank holds slices of the parameters (see ``StepGate``)."""
         refuse_unrecoverable(trainer.optimizers)
+        if flat_replicas(module):  # the gate's norm would count each replica's slices
+            raise ValueError(
+                "recover= cannot yet judge the steps of FSDP1's hybrid sharding "
+                "(HYBRID_SHARD, _HYBRID_SHARD_ZERO2), whose replicas hold the same slices; "
+                "use recover=False with it (every detector works), or FULL_SHARD"
+            )
         root = trainer.strategy.root_device
         self.scaler = scaler_of(trainer)
         unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]

@@ -46,7 +46,14 @@ from stethoscope.callbacks._lightning.precision import (
     ScaleSkips,
 )
 from stethoscope.callbacks._lightning.reduction import Reduction
-from stethoscope.callbacks._lightning.shards import flat_slices, replicated, whole_checksums
+from stethoscope.callbacks._lightning.shards import (
+    flat_replicas,
+    flat_slices,
+    replicated,
+    summed_over_groups,
+    unwrapped_name,
+    whole_checksums,
+)
 from stethoscope.callbacks._lightning.zero import zero_slices, zero_stage
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
@@ -304,12 +311,18 @@ class ReplicaChecksums:
     statistics = frozenset({"replicas"})
 
     def __init__(
-        self, named: Sequence[tuple[str, torch.Tensor]], buffers: int, *, sharded: bool = False
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        buffers: int,
+        *,
+        sharded: bool = False,
+        groups: Sequence[Any] | None = None,
     ) -> None:
         self.tensors = [t for _, t in named]
         self.names = tuple(n for n, _ in named)
         self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
         self.sharded = sharded
+        self.groups = groups  # FSDP1's hybrid strategies: each tensor's shard group
 
     @classmethod
     def of(cls, model: Any, module: torch.nn.Module) -> ReplicaChecksums | None:
@@ -317,19 +330,26 @@ class ReplicaChecksums:
         under DDP, every parameter, and the buffers DDP does not overwrite from rank zero at
         each forward pass; with DTensor parameters, those held alike by several ranks.
         Under DeepSpeed's ZeRO below stage 3, every parameter: each rank holds it whole.
-        None where the ranks hold nothing alike to compare (FSDP2 sharding every
-        parameter, FSDP, ZeRO stage 3)."""
+        Under FSDP1's hybrid strategies, every parameter, each rank's slices summed over
+        its replica first. None where the ranks hold nothing alike to compare (FSDP2
+        sharding every parameter, FSDP1's FULL_SHARD, ZeRO stage 3)."""
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             buffers = [] if model.broadcast_buffers else list(module.named_buffers())
             return cls(list(module.named_parameters()) + buffers, len(buffers))
         if zero_stage(model) in (0, 1, 2):  # the updated slices are gathered to every rank
             return cls(list(module.named_parameters()), 0)
+        hybrid = flat_replicas(model)  # FSDP1's replicas, each sharded over a group
+        if hybrid:
+            held = [(unwrapped_name(n), p) for n, p in module.named_parameters() if id(p) in hybrid]
+            return cls(held, 0, groups=[hybrid[id(p)] for _, p in held])
         alike = [(n, p) for n, p in module.named_parameters() if replicated(p)]
         return cls(alike, 0, sharded=True) if alike else None
 
     def shared(self) -> dict[str, Any]:
         if self.sharded:
             sums = whole_checksums(self.tensors, checksums([t.to_local() for t in self.tensors]))
+        elif self.groups is not None:
+            sums = summed_over_groups(self.groups, checksums(self.tensors))
         else:
             sums = checksums(self.tensors)
         return {

@@ -41,6 +41,7 @@ __all__ = [
     "DTensor",
     "FlatSlice",
     "ShardCombiner",
+    "flat_replicas",
     "flat_row_norms",
     "flat_slices",
     "is_sharded",
@@ -48,6 +49,8 @@ __all__ = [
     "replicated",
     "row_span",
     "scatter_rows",
+    "summed_over_groups",
+    "unwrapped_name",
     "whole_checksums",
 ]
 
@@ -60,8 +63,9 @@ COMBINES = ("norm", "sum", "max")
 class FlatSlice:
     """How this rank holds a parameter under FSDP1 (``FullyShardedDataParallel`` with
     ``use_orig_params=True``): the parameter it sees is a 1-D view of its elements
-    ``start`` to ``start + count`` of the whole parameter flattened (none: ``count`` 0,
-    and no gradient), whose shape is ``shape``.
+    ``start`` to ``start + count`` of the whole parameter flattened, whose shape is
+    ``shape``. ``count`` 0: this rank counts none of it (it holds none, and no gradient;
+    or, under a hybrid strategy, another replica counts what it holds).
 
     DeepSpeed's ZeRO holds its slices elsewhere: see ``zero``'s subclasses, which read
     them where it keeps them."""
@@ -74,14 +78,14 @@ class FlatSlice:
     gathers_whole: ClassVar[bool] = False
 
     def data(self, param: torch.Tensor) -> torch.Tensor:
-        """The elements of ``param`` this rank holds, as a 1-D tensor (detached)."""
-        return param.detach()
+        """The elements of ``param`` this rank counts, as a 1-D tensor (detached)."""
+        return param.detach() if self.count else param.detach().reshape(-1)[:0]
 
     def grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The gradient of the elements this rank holds (detached; empty where it holds
-        none, and FSDP1 left no gradient)."""
+        """The gradient of the elements this rank counts (detached; empty where it counts
+        none: FSDP1 then leaves no gradient, or another replica counts it)."""
         g = param.grad
-        return param.detach().reshape(-1)[:0] if g is None else g.detach()
+        return g.detach() if g is not None and self.count else param.detach().reshape(-1)[:0]
 
     def whole_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The whole gradient, gathered from every rank: a collective every rank must
@@ -93,21 +97,65 @@ def flat_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:
     """The :class:`FlatSlice` of each parameter of ``module`` that FSDP1 shards, by the
     parameter's ``id``: those of every ``FullyShardedDataParallel`` inside it with
     ``use_orig_params=True`` and a sharding strategy that holds each element on one rank
-    (``FULL_SHARD``, ``SHARD_GRAD_OP``). Empty for any other model. Read from FSDP's flat
-    parameter (private in torch 2.13: ``_params``, ``_shapes``, ``_shard_param_infos``)."""
+    (``FULL_SHARD``, ``SHARD_GRAD_OP``) or on one rank of each replica (``HYBRID_SHARD``,
+    ``_HYBRID_SHARD_ZERO2``: the first replica's ranks count it, the others none). Empty
+    for any other model. Read from FSDP's flat parameter (private in torch 2.13:
+    ``_params``, ``_shapes``, ``_shard_param_infos``; the module's ``_inter_node_pg``)."""
     out: dict[int, FlatSlice] = {}
+    for m, flat in _flat_parameters(module):
+        # under a hybrid strategy the replicas hold the same: the first counts it
+        elsewhere = _is_hybrid(m) and torch.distributed.get_rank(m._inter_node_pg) != 0
+        for p, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos, strict=True):
+            held = info.numel_in_shard if info.in_shard and not elsewhere else 0
+            start = info.intra_param_start_idx if held else 0
+            out[id(p)] = FlatSlice(torch.Size(shape), int(start), int(held))
+    return out
+
+
+#: The name FSDP1 gives the module it wraps, in its parameters' and modules' names.
+_FSDP1_WRAPPED = "_fsdp_wrapped_module"
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` as the model names it, without FSDP1's wrappers in it."""
+    return ".".join(part for part in name.split(".") if part != _FSDP1_WRAPPED)
+
+
+#: FSDP1's sharding strategies whose slices are mapped: each element held by one rank
+#: (of each replica, under the hybrid ones).
+_MAPPED = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def _flat_parameters(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """``(FullyShardedDataParallel, its flat parameter)`` of each FSDP1 module inside
+    ``module`` with ``use_orig_params=True`` and a mapped strategy (private in torch
+    2.13: ``_handle``, ``_sharding_strategy``, ``flat_param._params``)."""
+    out = []
     for m in module.modules():
         handle = getattr(m, "_handle", None)
         flat = getattr(handle, "flat_param", None)
-        params = getattr(flat, "_params", None)
         strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", None)
-        if not params or strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            continue
-        for p, shape, info in zip(params, flat._shapes, flat._shard_param_infos, strict=True):
-            held = info.numel_in_shard if info.in_shard else 0
-            start = info.intra_param_start_idx if info.in_shard else 0
-            out[id(p)] = FlatSlice(torch.Size(shape), int(start), int(held))
+        if getattr(flat, "_params", None) and strategy in _MAPPED:
+            out.append((m, flat))
     return out
+
+
+def _is_hybrid(fsdp: torch.nn.Module) -> bool:
+    """Whether this FSDP1 module shards within a group of ranks and replicates across
+    such groups (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``)."""
+    return "HYBRID" in fsdp._handle._sharding_strategy.name
+
+
+def flat_replicas(module: torch.nn.Module) -> dict[int, Any]:
+    """Under FSDP1's hybrid strategies, the process group each parameter is sharded over
+    (the ranks of one replica), by the parameter's ``id``: what the replicas compare,
+    summed over that group. Empty for any other model."""
+    return {
+        id(p): m.process_group
+        for m, flat in _flat_parameters(module)
+        if _is_hybrid(m)
+        for p in flat._params
+    }
 
 
 def flat_row_norms(local: torch.Tensor, flat: FlatSlice) -> torch.Tensor:
@@ -181,6 +229,21 @@ def replicated(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor held alike by several ranks along some mesh
     dimension (a ``Replicate`` placement: HSDP's replicas, a tensor-parallel norm)."""
     return is_sharded(tensor) and any(p.is_replicate() for p in tensor.placements)
+
+
+def summed_over_groups(groups: Sequence[Any], sums: torch.Tensor) -> torch.Tensor:
+    """``sums``, each summed over its process group in ``groups`` (FSDP1's shard group of
+    each parameter, see :func:`flat_replicas`): every rank of a replica then holds its
+    whole parameters' checksums. One all-reduce per group."""
+    out = sums.clone()
+    by_group: dict[int, tuple[Any, list[int]]] = {}
+    for i, group in enumerate(groups):
+        by_group.setdefault(id(group), (group, []))[1].append(i)
+    for group, indices in by_group.values():
+        part = out[indices]
+        torch.distributed.all_reduce(part, group=group)
+        out[indices] = part
+    return out
 
 
 def whole_checksums(tensors: Sequence[Any], sums: torch.Tensor) -> torch.Tensor:
