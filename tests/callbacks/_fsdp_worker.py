@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, Subset
 
 from stethoscope import LightningStethoscope, Recovery
+from stethoscope.callbacks._lightning import recovery as gate_module
 from stethoscope.callbacks._lightning.shards import ShardCombiner
 from stethoscope.detectors import default_detectors
 from stethoscope.observation import Observation
@@ -190,7 +191,12 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # each counted once, and compared
     "hsdp1_norms": ({"depth": 3}, {"intervals": OFTEN, "escalate": False, "record": True}, 24),
     "hsdp1_perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64),
-    "hsdp1_recover": ({}, {"recover": True}, 4),  # refused, before any step
+    # the recovery gate's norm of the whole model, each step: the replicas counted once
+    "hsdp1_gate": ({"depth": 3}, {"recover": True}, 12),
+    "ddp_gate": ({"depth": 3}, {"recover": True}, 12),
+    # a NaN batch on rank 1 at step 5, skipped by every rank, against a twin without it
+    "hsdp1_skip": ({"rank_fault": "nan", "onset": 5}, {"recover": True}, 20),
+    "hsdp1_twin": ({}, {"recover": True}, 19),
     "fsdp1_skip": ({"rank_fault": "nan", "onset": 5}, {"recover": True}, 20),
     "fsdp1_twin": ({}, {"recover": True}, 19),
     "fsdp1_rollback": ({}, {"recover": Recovery(snapshot_every=8), "detectors": "damage"}, 48),
@@ -312,10 +318,14 @@ def run(out: Path, name: str) -> None:
         mine = [i for k, i in enumerate(mine) if k not in TWIN_SKIPS]
     data = DataLoader(Subset(full, mine), batch_size=32, shuffle=False)
     refused = None  # what a setting the callback refuses at the start says
+    gate_norms: list[float] = []  # the recovery gate's gradient norm, each step (*_gate)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if name.endswith("_uncombined"):
             with mock.patch.object(ShardCombiner, "of_process_group", _uncombined):
+                trainer.fit(model, data)
+        elif name.endswith("_gate"):
+            with mock.patch.object(gate_module, "total_norm", _recorded(gate_norms)):
                 trainer.fit(model, data)
         elif name.endswith("_recover"):
             try:
@@ -329,6 +339,7 @@ def run(out: Path, name: str) -> None:
     result = {
         "rank": trainer.global_rank,
         "refused": refused,
+        "gate_norms": gate_norms,
         "global_step": trainer.global_step,
         "should_stop": trainer.should_stop,
         "stopped_by": stopped.to_dict(json_safe=True) if stopped else None,
@@ -342,6 +353,18 @@ def run(out: Path, name: str) -> None:
     (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
     if trainer.global_rank == 0:
         (out / f"{name}-observed.json").write_text(json.dumps(observed.steps))
+
+
+def _recorded(norms: list[float]) -> Any:
+    """``total_norm``, each of whose results is appended to ``norms``."""
+    real = gate_module.total_norm
+
+    def total_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        norms.append(float(out))
+        return out
+
+    return total_norm
 
 
 def _uncombined() -> ShardCombiner:

@@ -43,7 +43,15 @@ SCENARIOS = (
     "ddp_rollback",
 )
 #: What four ranks run: FSDP1's HYBRID_SHARD (2 replicas of 2 shards) and its DDP twin.
-ON_FOUR_RANKS = ("ddp_norms", "hsdp1_norms", "hsdp1_perturb", "hsdp1_recover")
+ON_FOUR_RANKS = (
+    "ddp_norms",
+    "hsdp1_norms",
+    "hsdp1_perturb",
+    "hsdp1_gate",
+    "ddp_gate",
+    "hsdp1_skip",
+    "hsdp1_twin",
+)
 #: What the two ranks run as two nodes of one process each.
 ON_TWO_NODES = ("fsdp_norms", "fsdp_nan", "fsdp_rollback_disk")
 #: Seconds for both ranks to import torch and Lightning and run every scenario (~15 s).
@@ -250,6 +258,18 @@ def test_fsdp1_hybrid_shard_counts_each_replica_once_and_compares_them(four):
     assert "rank 2, 3 from rank 0" in errors[0]["message"]
     for r in ranks(four, "hsdp1_perturb"):
         assert r["global_step"] == 21 and r["stopped_by"]["detector"] == "replica_divergence"
-    # recover= would count each replica's slices in the gate's norm: refused, with why
-    for r in ranks(four, "hsdp1_recover"):
-        assert r["global_step"] == 0 and "hybrid sharding" in r["refused"]
+
+
+def test_fsdp1_hybrid_shard_recovers_as_ddp(four):
+    # the gate's norm of the whole model counts each replica's slices once (before, it
+    # counted both replicas: sqrt(2) too large), on every rank
+    reference = ranks(four, "ddp_gate")[0]["gate_norms"]
+    assert len(reference) == 12
+    for r in ranks(four, "hsdp1_gate"):
+        np.testing.assert_allclose(r["gate_norms"], reference, rtol=1e-5)
+    # a NaN batch on rank 1 at step 5: skipped by every rank, each slice bit for bit as
+    # a twin's whose data never held it
+    pairs = zip(ranks(four, "hsdp1_skip"), ranks(four, "hsdp1_twin"), strict=True)
+    for skipped, twin in pairs:
+        assert [(step, act) for step, act, _ in skipped["ladder"]] == [(5, "skip")]
+        assert skipped["shards"] == twin["shards"]

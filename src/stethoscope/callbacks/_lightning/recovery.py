@@ -34,7 +34,7 @@ from stethoscope.callbacks._lightning.batch import fingerprint
 from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
-from stethoscope.callbacks._lightning.shards import flat_replicas, flat_slices
+from stethoscope.callbacks._lightning.shards import flat_slices
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
 from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer
@@ -409,17 +409,15 @@ class LightningRecovery:
         self._fingerprints = True  # one batch per step: a skipped batch is printed
         self._ranks = 1
         self._before: SkippedBatch | None = None  # the step's batch, skipped before
+        self._elsewhere: frozenset[int] = frozenset()  # see start
 
     def start(self, trainer: Any, module: torch.nn.Module, *, sharded: bool = False) -> None:
         """Wrap the optimizers and take the first snapshot (before the first step);
         ``sharded``: each rank holds slices of the parameters (see ``StepGate``)."""
         refuse_unrecoverable(trainer.optimizers)
-        if flat_replicas(module):  # the gate's norm would count each replica's slices
-            raise ValueError(
-                "recover= cannot yet judge the steps of FSDP1's hybrid sharding "
-                "(HYBRID_SHARD, _HYBRID_SHARD_ZERO2), whose replicas hold the same slices; "
-                "use recover=False with it (every detector works), or FULL_SHARD"
-            )
+        # FSDP1's slices another rank counts (a hybrid strategy's other replicas): left
+        # out of the gate's norm, which adds up every rank's
+        self._elsewhere = frozenset(p for p, held in flat_slices(module).items() if not held.count)
         root = trainer.strategy.root_device
         self.scaler = scaler_of(trainer)
         unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]
@@ -473,11 +471,12 @@ class LightningRecovery:
         self.gate.saw_loss(loss, trainer.accumulate_grad_batches if automatic else 1)
 
     def judge(self, optimizer: torch.optim.Optimizer) -> None:
+        elsewhere = self._elsewhere
         grads = [
             p.grad
             for group in optimizer.param_groups
             for p in group["params"]
-            if p.grad is not None
+            if p.grad is not None and id(p) not in elsewhere
         ]
         self.gate.judge(optimizer, grads, pending_scale(self.scaler, optimizer))
 
