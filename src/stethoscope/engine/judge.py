@@ -21,7 +21,7 @@ from stethoscope.engine.validation_window import LossesSinceValidation
 from stethoscope.engine.waiting import WaitingLosses
 from stethoscope.findings import SAMPLER, Finding, Severity
 from stethoscope.observation import Observation
-from stethoscope.statistics import REPLICATED
+from stethoscope.statistics import judged_elsewhere
 
 __all__ = ["Batch", "Judge"]
 
@@ -98,8 +98,9 @@ class Judge:
         the same gradients and weights (see ``Monitor.distribute``), which rank zero
         judges."""
         self.rank, self.world_size = rank, world_size
-        leaves = world_size > 1 and rank != 0 and replicated
-        self.judged_elsewhere = REPLICATED if leaves else frozenset()
+        self.judged_elsewhere = judged_elsewhere(
+            rank=rank, world_size=world_size, replicated=replicated
+        )
         self.waits = world_size == 1 and not self.spared
 
     def spare(self, detectors: frozenset[str]) -> None:

@@ -13,7 +13,7 @@ from stethoscope.engine.planner import Planner
 from stethoscope.engine.sampler import AdaptiveSampler
 from stethoscope.engine.settings import Settings
 from stethoscope.sinks.base import Sink
-from stethoscope.statistics import GATHERED, REPLICATED
+from stethoscope.statistics import GATHERED, judged_elsewhere
 
 __all__ = ["Schedule"]
 
@@ -64,17 +64,17 @@ class Schedule:
         ``sharded``: the ranks combine those statistics from their shards, so every rank
         measures them where rank zero does, for the sinks too (see
         ``Planner.measure_shards``)."""
+        # what every rank holds alike is rank zero's to judge, even where a detector
+        # judging this rank's own data here wants it too (overflow_risk: the gradients)
+        elsewhere = judged_elsewhere(rank=rank, world_size=world_size, replicated=replicated)
         if world_size == 1:
             idle = {d.name for d in self.detectors if d.needs & GATHERED}
-        elif rank != 0 and replicated:
-            idle = {d.name for d in self.detectors if d.needs <= REPLICATED}
+        elif elsewhere:
+            idle = {d.name for d in self.detectors if d.needs <= elsewhere}
         else:
             idle = set()
         self._rank_idle, self._sat_out = frozenset(idle), frozenset()
-        # what every rank holds alike is rank zero's to judge, even where a detector
-        # judging this rank's own data here wants it too (overflow_risk: the gradients)
-        leaves = world_size > 1 and rank != 0 and replicated
-        self.planner.judged_elsewhere = REPLICATED if leaves else frozenset()
+        self.planner.judged_elsewhere = elsewhere
         self._measures_for_rank_zero = sharded and world_size > 1
         self.planner.set_idle(self._rank_idle | self._not_applying)
         self._measure_for_rank_zero()

@@ -51,6 +51,7 @@ __all__ = [
     "Cadence",
     "Field",
     "Statistic",
+    "judged_elsewhere",
     "with_requirements",
 ]
 
@@ -504,6 +505,13 @@ GATHERED: frozenset[str] = _names(cadence=Cadence.MEETING)
 REPLICATED: frozenset[str] = _names(ranks=AcrossRanks.REPLICATED)
 #: Statistics an adapter measures on the steps it is asked to (every step or sampled).
 PLANNED: frozenset[str] = frozenset(STATISTICS) - EVENT - GATHERED
+
+
+def judged_elsewhere(*, rank: int, world_size: int, replicated: bool) -> frozenset[str]:
+    """The statistics ``rank`` of ``world_size`` leaves to rank zero to judge: what every
+    rank holds alike (:data:`REPLICATED`), off rank zero of a run whose ranks hold the
+    same gradients and weights (``replicated``); none elsewhere."""
+    return REPLICATED if world_size > 1 and rank != 0 and replicated else frozenset()
 
 
 def with_requirements(names: frozenset[str] | set[str]) -> frozenset[str]:

@@ -415,9 +415,10 @@ class LightningRecovery:
         """Wrap the optimizers and take the first snapshot (before the first step);
         ``sharded``: each rank holds slices of the parameters (see ``StepGate``)."""
         refuse_unrecoverable(trainer.optimizers)
+        slices = flat_slices(module)
         # FSDP1's slices another rank counts (a hybrid strategy's other replicas): left
         # out of the gate's norm, which adds up every rank's
-        self._elsewhere = frozenset(p for p, held in flat_slices(module).items() if not held.count)
+        self._elsewhere = frozenset(p for p, held in slices.items() if not held.count)
         root = trainer.strategy.root_device
         self.scaler = scaler_of(trainer)
         unfused = [type(o).__name__ for o in trainer.optimizers if not skips_on_device(o)]
@@ -433,7 +434,7 @@ class LightningRecovery:
         self.gate.scaler_skips_nonfinite = self.scaler is not None
         self.gate.across_ranks, self.gate.device = sharded, root
         # FSDP1's state_dict gathers each parameter whole: its slices are snapshot in place
-        self.snapshots.in_place = bool(flat_slices(module))
+        self.snapshots.in_place = bool(slices)
         self._ranks = trainer.world_size
         if trainer.world_size > 1:  # each rank's files of its own, in a directory they share
             self.snapshots.rank = trainer.global_rank

@@ -116,11 +116,10 @@ class ZeroSlice(FlatSlice):
 
 
 @dataclass(frozen=True)
-class ZeroThreeSlice(FlatSlice):
+class ZeroThreeSlice(ZeroSlice):
     """A parameter under ZeRO stage 3: this rank holds elements ``start`` to
-    ``start + count`` of it, in ``param.ds_tensor`` (padded past ``count``)."""
-
-    gathers_whole: ClassVar[bool] = True
+    ``start + count`` of it, in ``param.ds_tensor`` (padded past ``count``); the whole
+    gradient is gathered as under stages 1 and 2."""
 
     def data(self, param: torch.Tensor) -> torch.Tensor:
         return param.ds_tensor.detach().narrow(0, 0, self.count)
@@ -138,11 +137,6 @@ class ZeroThreeSlice(FlatSlice):
         if g is None:
             return self.data(param)[:0]
         return g.detach().reshape(-1).narrow(0, 0, self.count)
-
-    def whole_grad(self, param: torch.Tensor) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_grad  # only under DeepSpeed
-
-        return safe_get_full_grad(param)
 
 
 def zero_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:
