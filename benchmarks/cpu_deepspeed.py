@@ -8,6 +8,11 @@ index, so that DeepSpeed takes the local rank; everything else is Lightning's an
 DeepSpeed's own (its CPU accelerator, ZeRO, the engine's step). DeepSpeed's shared-memory
 all-reduce for CPUs, a C++ extension it would compile when it starts, is left out: gloo
 carries every collective.
+
+DeepSpeed's CPU accelerator allows fp16 only where oneDNN has float16 kernels (it asks
+``torch.ops.mkldnn._is_mkldnn_fp16_supported``, true on some Intel CPUs), while torch
+computes float16 on any CPU. The seam allows it everywhere, so that DeepSpeed's fp16
+path, its dynamic loss scaler with its overflow skips, runs here whatever the CPU.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ def cpu_deepspeed_strategy(stage: int, timeout: timedelta, **kwargs: Any) -> Any
     arguments), runnable on the CPU (see the module's docstring)."""
     import deepspeed
     import deepspeed.comm.torch
+    from deepspeed.accelerator import get_accelerator
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
     deepspeed.comm.torch.build_shm_op = lambda: None
+    get_accelerator().is_fp16_supported = lambda: True  # whatever this CPU's oneDNN has
 
     class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         def setup_environment(self) -> None:

@@ -178,7 +178,9 @@ def test_the_longest_stretch_counts_only_the_detectors_that_take_part():
 
     m = _monitor()
     assert (m.budget.shortest, m.budget.most) == (16, LONGEST // 16)
-    m.start(RunContext(framework="x", setup=TrainingSetup(low_precision=True, loss_scaled=True)))
+    m.start(
+        RunContext(framework="x", setup=TrainingSetup(low_precision=True, loss_scaler="GradScaler"))
+    )
     assert (m.budget.shortest, m.budget.most) == (4, LONGEST // 4)
     m.budget.stretch = 64
     m.start(RunContext(framework="x", setup=TrainingSetup()))  # a second fit, in float32

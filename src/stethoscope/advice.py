@@ -40,8 +40,10 @@ class TrainingSetup:
         adaptive: Whether every optimizer scales each parameter's step by that
             parameter's own gradient history (Adam, RMSprop, Adagrad…), so that one
             large gradient does not make one large update.
-        loss_scaled: Whether a loss scaler (PyTorch's GradScaler) skips every step whose
-            gradients overflow, and lowers its scale: an overflow is its business.
+        loss_scaler: The loss scaler that skips every step whose gradients overflow, and
+            lowers its scale, in the user's words (``"GradScaler"``,
+            ``"LossScaleOptimizer"``, ``"DeepSpeed's loss scaler"``), or None: under one,
+            an overflow is its business.
         low_precision: Whether the run holds weights, gradients or activations in a 16-bit
             format (a half-precision setting, or a model cast by hand): the precision
             detectors judge only such a run, and cost nothing in any other.
@@ -56,9 +58,14 @@ class TrainingSetup:
     scheduler: bool = False
     adversarial: bool = False
     adaptive: bool = False
-    loss_scaled: bool = False
+    loss_scaler: str | None = None
     low_precision: bool = False
     master_weights: bool = False
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether a loss scaler skips the steps whose gradients overflow."""
+        return self.loss_scaler is not None
 
     @property
     def float16(self) -> bool:

@@ -126,6 +126,9 @@ class Observed(Sink):
         self.steps: dict[int, dict[str, Any]] = {}
 
     def observe(self, obs: Observation, interval: Any = None) -> None:
+        if obs.loss_scale is not None:
+            row = self.steps.setdefault(obs.step, {"names": list(obs.names or ())})
+            row["loss_scale"] = [obs.loss_scale, obs.scale_skipped, obs.scale_steps]
         if obs.grad_norm is None and obs.weight_norm is None:
             return
         row = self.steps.setdefault(obs.step, {"names": list(obs.names or ())})
@@ -236,6 +239,18 @@ SCENARIOS: dict[str, tuple[dict, dict, int]] = {
     # the ranks' slices left uncombined: checked against DeepSpeed's own gathered gradients
     "zero2_uncombined": ({}, {}, 4),
     "zero3_uncombined": ({}, {}, 4),
+    # fp16 with DeepSpeed's dynamic loss scaler, from a scale (2**24) that overflows at
+    # first: the engine skips those steps and lowers its scale, as it is meant to
+    "zero2_fp16": (
+        {"depth": 3},
+        {
+            "intervals": OFTEN,
+            "escalate": False,
+            "precision": "16-mixed",
+            "deepspeed": {"initial_scale_power": 24},
+        },
+        40,
+    ),
 }
 
 #: How each layout shards the model, and the strategy's arguments.
@@ -282,6 +297,7 @@ def run(out: Path, name: str) -> None:
     model = model_class(**{"lr": 1e-2, **model_kw})
     precision = cb_kw.pop("precision", "32-true")
     accumulate = cb_kw.pop("accumulate", 1)  # batches per optimizer step
+    deepspeed_kw = cb_kw.pop("deepspeed", {})  # DeepSpeedStrategy's own arguments
     observed = Observed()
     callback = LightningStethoscope(sinks=[JSONLSink(here / f"{name}.jsonl"), observed], **cb_kw)
     timeout = timedelta(seconds=60)
@@ -292,7 +308,7 @@ def run(out: Path, name: str) -> None:
         if config is not None:  # a whole configuration: Lightning reads no argument then
             stage = {"stage": parallel["zero"]}
             config = {**config, "zero_optimization": stage, "zero_allow_untested_optimizer": True}
-        strategy = cpu_deepspeed_strategy(parallel["zero"], timeout, config=config)
+        strategy = cpu_deepspeed_strategy(parallel["zero"], timeout, config=config, **deepspeed_kw)
     elif parallel:
         strategy = ModelParallelStrategy(**parallel, timeout=timeout)
     else:
@@ -346,6 +362,9 @@ def run(out: Path, name: str) -> None:
         "ladder": [[r.step, r.act, r.why] for r in recoverer.ladder.history] if recoverer else None,
         "warnings": [str(w.message) for w in caught if "stethoscope" in str(w.message)],
         "local_rank": trainer.local_rank,
+        # DeepSpeed's own count of the steps its loss scaler skipped, and its scale
+        "skipped_steps": getattr(trainer.strategy.model, "skipped_steps", None),
+        "loss_scale": getattr(trainer.optimizers[0], "loss_scale", None),
         "node_rank": trainer.node_rank,
         # what this rank holds of each parameter, bit for bit
         "shards": {n: _digest(p) for n, p in model.named_parameters()},

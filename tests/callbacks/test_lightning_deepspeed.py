@@ -39,6 +39,7 @@ SCENARIOS = (
     "ddp_fp8",
     "zero2_fp8",
     "zero3_fp8",
+    "zero2_fp16",
 )
 #: Seconds for both ranks to import torch, Lightning and DeepSpeed and run every scenario
 #: (~20 s).
@@ -164,3 +165,23 @@ def test_bf16_gradients_are_judged_where_deepspeed_keeps_them_in_bf16(runs):
         assert all(v is not None for v in row["grad_zero"] + row["grad_peak"])
     for row in zero1.values():
         assert all(v is None for v in row["grad_zero"])
+
+
+def test_fp16_overflows_are_left_to_deepspeeds_loss_scaler_which_is_read(runs):
+    # from a scale of 2**24 the first steps overflow: DeepSpeed's engine skips each of
+    # them and lowers its scale. The run goes on (it stopped at step 1 on a
+    # nonfinite_gradients error before DeepSpeed's scaler was known), the overflow is an
+    # info naming the scaler, and loss_scale_collapse, after the search, is quiet
+    for r in ranks(runs, "zero2_fp16"):
+        assert r["global_step"] == 40 and r["stopped_by"] is None and not r["should_stop"]
+        assert r["skipped_steps"] > 0
+    found = findings(runs, "zero2_fp16")
+    assert {(f["detector"], f["severity"]) for f in found} == {("nonfinite_gradients", "info")}
+    assert "with a finite loss: DeepSpeed's loss scaler skips this step" in found[0]["message"]
+    # the scale and the skipped steps handed to the detectors are the engine's own
+    measured = {s: row["loss_scale"] for s, row in observed(runs, "zero2_fp16").items()}
+    assert sorted(measured) == list(range(0, 40, 2))  # every other step: each counted once
+    scales, skipped, counted = zip(*(measured[s] for s in sorted(measured)), strict=True)
+    assert scales[0] == 2.0**24 and scales[-1] == ranks(runs, "zero2_fp16")[0]["loss_scale"]
+    assert sum(skipped) == ranks(runs, "zero2_fp16")[0]["skipped_steps"]
+    assert sum(counted) == 39  # steps 0 to 38, the last one measured

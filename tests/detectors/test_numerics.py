@@ -113,7 +113,7 @@ def test_nonfinite_gradients_quiet_on_a_healthy_twin():
 
 
 def _scaled(detector: NonfiniteGradients) -> NonfiniteGradients:
-    detector.setup = TrainingSetup(precision="16-mixed", loss_scaled=True)
+    detector.setup = TrainingSetup(precision="16-mixed", loss_scaler="GradScaler")
     return detector
 
 

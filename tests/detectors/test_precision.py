@@ -100,7 +100,7 @@ def scale(step, value, skipped=0, steps=1):
 
 def test_a_scale_falling_below_the_floor_is_named_with_its_path():
     d = LossScaleCollapse()
-    d.setup = TrainingSetup(loss_scaled=True, low_precision=True)
+    d.setup = TrainingSetup(loss_scaler="GradScaler", low_precision=True)
     seq = [scale(s, 2.0 ** (16 - s), skipped=int(s > 0)) for s in range(20)]
     found, _ = feed(d, seq)
     [f] = found

@@ -78,7 +78,7 @@ def make_record(directory: Path, *, steps: int = 300, nan_at: int | None = 200, 
     Returns the monitor (closed unless ``close`` is False)."""
     recorder = RunRecorder(directory, flush_seconds=0.01)
     monitor = Monitor(sinks=[recorder], stop_on=None)
-    setup = TrainingSetup(low_precision=True, loss_scaled=True)
+    setup = TrainingSetup(low_precision=True, loss_scaler="GradScaler")
     context = RunContext(framework="synthetic", describe=lambda: {"model": "MLP"}, setup=setup)
     monitor.start(context)
     for step in range(steps):

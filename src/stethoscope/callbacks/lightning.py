@@ -26,12 +26,16 @@ from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.hooks import HookSwitch
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
-from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
+from stethoscope.callbacks._lightning.loss_scale import (
+    EngineScaleSkips,
+    ScaleSkips,
+    pending_scale,
+    scaler_of,
+)
 from stethoscope.callbacks._lightning.losses import TrainingLosses, ValidationLosses
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.nonfinite import look_if_nonfinite
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
-from stethoscope.callbacks._lightning.precision import ScaleSkips
 from stethoscope.callbacks._lightning.ranks import LightningRanks
 from stethoscope.callbacks._lightning.reader import HostReader
 from stethoscope.callbacks._lightning.recovery import LightningRecovery
@@ -174,7 +178,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._ranks: LightningRanks | None = None
         self._backward_always = self._backward_on = False
         self._recovery: LightningRecovery | None = None
-        self._scale_skips: ScaleSkips | None = None
+        self._scale_skips: ScaleSkips | EngineScaleSkips | None = None
         self._batch: BatchParts | None = None
         #: Under sharded parameters: combines the ranks' measures of their shards.
         self._combiner: ShardCombiner | None = None
@@ -203,9 +207,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._backward_on = self._backward_always  # as start_fit set it
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # at train start: a strategy that shards the model (FSDP2's configure_model)
-        # replaces its parameters after setup
-        watched = watch_parameters(pl_module, self._batch, scaler_of(trainer))
+        # at train start: a strategy that shards the model (FSDP2's configure_model,
+        # DeepSpeed's engine) replaces its parameters and optimizers after setup
+        watched = watch_parameters(pl_module, self._batch)
         self._probe, self._forward, self._scale_skips, self._reductions = watched
         optimizers = trainer.optimizers
         # the dict object stays the same while schedulers change its "lr": read it per step

@@ -142,8 +142,8 @@ class NonfiniteGradients(Detector):
     finding names the first such parameter in backward order, the one nearest
     the output, which is where the non-finite value entered the backward pass.
 
-    Under a loss scaler (``TrainingSetup.loss_scaled``: float16 with PyTorch's
-    GradScaler or Keras' LossScaleOptimizer), gradients that overflow while the loss is
+    Under a loss scaler (``TrainingSetup.loss_scaler``: float16 with PyTorch's
+    GradScaler, DeepSpeed's or Keras' LossScaleOptimizer), gradients that overflow while the loss is
     finite are the scaler's business: it skips that step and halves its scale, which is
     how it finds its scale (at the start of a run, and after each growth). That is an
     info finding; only ``patience`` measured steps in a row that all overflowed are an
@@ -194,7 +194,9 @@ class NonfiniteGradients(Detector):
 
     def _overflow(self, obs: Observation, first: int, n_bad: int, n: int, value: float) -> Finding:
         """Gradients that overflowed under a loss scaler, with a finite loss."""
-        scaler = "LossScaleOptimizer" if self.setup.framework == "keras" else "GradScaler"
+        scaler = self.setup.loss_scaler or "loss scaler"
+        if "'s " not in scaler:  # "DeepSpeed's loss scaler" takes no article
+            scaler = f"the {scaler}"
         state = self.state
         state["overflows"] += 1
         if state["since"] is None:
@@ -205,7 +207,7 @@ class NonfiniteGradients(Detector):
                 obs,
                 "info",
                 f"The gradients overflowed at step {obs.step} ({where} first, {n_bad} of {n} "
-                f"parameters) with a finite loss: the {scaler} skips this step and halves its "
+                f"parameters) with a finite loss: {scaler} skips this step and lowers its "
                 "loss scale, as it is meant to; nothing to do unless it repeats.",
                 value=value,
                 where=where,
@@ -215,7 +217,7 @@ class NonfiniteGradients(Detector):
             "error",
             f"The gradients have overflowed on {state['overflows']} measured steps in a row "
             f"(since step {state['since']}; {where} first at step {obs.step}) with a finite "
-            f"loss: the {scaler} skips every step and keeps halving its scale, so training "
+            f"loss: {scaler} skips every step and keeps lowering its scale, so training "
             f"has stalled. A non-finite value that no scale removes (log/sqrt/division at 0 "
             f"near {where}) is the likely cause; else lower the learning rate.",
             value=value,

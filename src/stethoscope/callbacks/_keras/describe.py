@@ -134,6 +134,7 @@ def training_setup(model: Any) -> TrainingSetup:
     schedule = getattr(optimizer, "_learning_rate", None)  # the schedule itself, if any
     # a variable in a 16-bit dtype under a float32 policy: a layer given a policy of its own
     half = any(keras.backend.standardize_dtype(v.dtype) in HALF for v in model.trainable_variables)
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     return TrainingSetup(
         framework="keras",
         clipping=clipping,
@@ -141,7 +142,7 @@ def training_setup(model: Any) -> TrainingSetup:
         scheduler=isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule),
         adversarial=has_own_train_step(model) and len(optimizers_of(model)) > 1,
         adaptive=adaptive_optimizers(optimizers_of(model)),
-        loss_scaled=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        loss_scaler="LossScaleOptimizer" if scaled else None,
         low_precision=policy not in _FULL_PRECISION or half,
     )
 

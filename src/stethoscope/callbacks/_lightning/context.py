@@ -19,7 +19,7 @@ from typing import Any
 from lightning.pytorch.callbacks import RichProgressBar
 
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
-from stethoscope.callbacks._lightning.loss_scale import scaler_of
+from stethoscope.callbacks._lightning.loss_scale import loss_scaler_name
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.zero import client_optimizer, is_deepspeed_optimizer
 from stethoscope.number_formats import HALF
@@ -72,7 +72,7 @@ def training_setup(trainer: Any) -> TrainingSetup:
         scheduler=bool(trainer.lr_scheduler_configs),
         adversarial=manual and len(trainer.optimizers) > 1,
         adaptive=adaptive_optimizers([client_optimizer(o) for o in trainer.optimizers]),
-        loss_scaled=scaler_of(trainer) is not None,
+        loss_scaler=loss_scaler_name(trainer),
         low_precision=precision not in _FULL_PRECISION or _holds_half(module),
         master_weights=any(is_deepspeed_optimizer(o) for o in trainer.optimizers),
     )

@@ -1,10 +1,7 @@
 """The Lightning adapter's precision statistics: how each gradient and update fares in
-the dtype it is held in (``precision``), and the loss scaler's scale and skipped steps
-(``loss_scale``).
-
-Both are measured on the device on sampled steps only, except the count of the steps a
-GradScaler skipped: that takes one comparison of two one-element tensors per step on
-the device (never read there), since a skip is known only at the step it happens.
+the dtype it is held in (``precision``), and how far each tensor's values sit from an fp8
+format's range (``fp8``), measured on the device on sampled steps only. The loss
+scaler's scale and skipped steps are :mod:`~stethoscope.callbacks._lightning.loss_scale`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ from stethoscope.observation import Observation
 __all__ = [
     "Fp8Fit",
     "GradientPrecision",
-    "LossScale",
-    "ScaleSkips",
     "fp8_counts",
     "gradient_counts",
     "rounded_counts",
@@ -268,84 +263,3 @@ def _agree(measures: StepMeasures) -> Callable[[torch.Tensor], None] | None:
     """Under sharding, how the ranks make a tensor of peaks every rank's largest."""
     combiner = measures.combiner
     return None if combiner is None else lambda peaks: combiner.all_reduce(peaks, "max")
-
-
-class ScaleSkips:
-    """The steps a GradScaler skipped, counted on the device.
-
-    A GradScaler lowers its scale exactly when it skips a step (an Inf or NaN in the
-    scaled gradients) and raises it only after many clean ones: a step whose scale fell
-    was skipped. After each step the scale is compared with the last step's, on the
-    device, and the count is read with a sampled step's other numbers.
-
-    Args:
-        scaler: The precision plugin's GradScaler.
-    """
-
-    def __init__(self, scaler: Any) -> None:
-        self.scaler = scaler
-        self._last: torch.Tensor | None = None
-        self._skipped: torch.Tensor | None = None
-        self._now: torch.Tensor | None = None  # whether the last step was skipped
-        self.steps = 0  # steps counted since the last measurement
-
-    @classmethod
-    def of(cls, scaler: Any) -> ScaleSkips | None:
-        """The counter for ``scaler`` (None: no GradScaler, or one that is not enabled)."""
-        if scaler is None or not getattr(scaler, "_enabled", True):
-            return None
-        return cls(scaler)
-
-    def step_done(self, first: bool) -> None:
-        """A step has ended (``first``: the run's first step, whose scale started at the
-        scaler's initial one)."""
-        scale = getattr(self.scaler, "_scale", None)
-        if scale is None:  # the scaler makes its scale at the first backward pass
-            return
-        self.steps += 1
-        if self._last is None:
-            self._skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
-            self._now = torch.zeros((), dtype=torch.bool, device=scale.device)
-            if not first:  # a resumed run: this step's scale is the first known
-                self._last = scale.detach().clone()
-                return
-            self._last = torch.full_like(scale, float(self.scaler._init_scale))
-        torch.lt(scale.reshape(()), self._last.reshape(()), out=self._now)
-        self._skipped += self._now
-        self._last.copy_(scale)
-
-    def measure(self, measures: StepMeasures) -> None:
-        """Hand ``measures`` the scale, the steps skipped and the steps counted since the
-        last measurement, and start counting again."""
-        if self._last is None:
-            return
-        last = self._last.float().reshape(())
-        measures.add("loss_scale", torch.stack([last, self._skipped, self._now.float()]))
-        measures.note("loss_scale", self.steps)
-        self._skipped.zero_()  # after the stack's copy, in the device's order
-        self.steps = 0
-
-
-class LossScale(Reduction):
-    """The ``loss_scale`` statistic: the GradScaler's scale after the step, and the steps
-    it skipped since it was last measured.
-
-    The callback measures it with every step's update under a GradScaler: the update of a
-    step the scaler skipped is all zeros, which says nothing of the layers (and would
-    read as updates too small to learn), so its update statistics are dropped."""
-
-    statistics = frozenset({"loss_scale"})
-    name = "loss_scale"
-
-    def __init__(self, skips: ScaleSkips | None) -> None:
-        self.skips = skips
-
-    def at_end(self, measures: StepMeasures) -> None:
-        if self.skips is not None:
-            self.skips.measure(measures)
-
-    def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.loss_scale, obs.scale_skipped = float(values[0]), int(values[1])
-        obs.scale_steps = int(contexts[-1])
-        if values[2]:  # the scaler skipped this very step: its update was not applied
-            obs.drop_update()

@@ -32,6 +32,12 @@ from stethoscope.callbacks._lightning.batch_reductions import (
     TrainMode,
 )
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.loss_scale import (
+    EngineScaleSkips,
+    LossScale,
+    ScaleSkips,
+    scale_skips,
+)
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
@@ -39,12 +45,7 @@ from stethoscope.callbacks._lightning.parameters import (
     magnitude_histograms,
     unit_layers,
 )
-from stethoscope.callbacks._lightning.precision import (
-    Fp8Fit,
-    GradientPrecision,
-    LossScale,
-    ScaleSkips,
-)
+from stethoscope.callbacks._lightning.precision import Fp8Fit, GradientPrecision
 from stethoscope.callbacks._lightning.reduction import Reduction
 from stethoscope.callbacks._lightning.shards import (
     flat_replicas,
@@ -483,7 +484,7 @@ def make_reductions(
     layers: Sequence[tuple[str, int, Any]],
     forward: ForwardProbe,
     batch: BatchParts,
-    scale_skips: ScaleSkips | None = None,
+    scale_skips: ScaleSkips | EngineScaleSkips | None = None,
 ) -> ReductionSet:
     """Every reduction of a Lightning run, in the order each hook runs them.
 
@@ -493,7 +494,7 @@ def make_reductions(
         layers: ``(name, index of its weight, module)`` of each layer with units.
         forward: The forward hooks.
         batch: The parts of a batch (inputs, labels, samples).
-        scale_skips: The steps a GradScaler skipped (None: no GradScaler).
+        scale_skips: The steps the loss scaler skipped (None: no loss scaler).
     """
     reductions = (
         Loss(),
@@ -518,15 +519,15 @@ def make_reductions(
 
 
 def watch_parameters(
-    model: torch.nn.Module, batch: BatchParts, scaler: Any
-) -> tuple[ParameterProbe, ForwardProbe, ScaleSkips | None, ReductionSet]:
-    """The probes of ``model``'s parameters and layers, and every reduction of its run.
+    model: torch.nn.Module, batch: BatchParts
+) -> tuple[ParameterProbe, ForwardProbe, ScaleSkips | EngineScaleSkips | None, ReductionSet]:
+    """The probes of ``model``'s parameters and layers, the counter of the steps its loss
+    scaler skips (None without one), and every reduction of its run.
 
     Args:
         model: The LightningModule, with the parameters it trains with (sharded ones
             included: made after a strategy's ``configure_model``).
         batch: The parts of a batch (inputs, labels, samples).
-        scaler: The precision plugin's GradScaler, or None.
     """
     flat = flat_slices(model) | zero_slices(model)  # FSDP1's and DeepSpeed's slices
     probe = ParameterProbe(list(model.named_parameters()), flat=flat)
@@ -535,5 +536,5 @@ def watch_parameters(
         shape = probe.shapes[i]
         probe.fan_in[i] = shape.numel() / max(shape[0], 1)
     forward = ForwardProbe(model, layers)
-    skips = ScaleSkips.of(scaler)
+    skips = scale_skips(model.trainer)  # a GradScaler's, DeepSpeed's, or None
     return probe, forward, skips, make_reductions(model, probe, layers, forward, batch, skips)
