@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "DEEPSPEED_SCALER",
     "TrainingSetup",
     "adaptive_optimizers",
     "clipping_advice",
@@ -19,6 +20,9 @@ __all__ = [
     "unoptimized_advice",
     "warmup_advice",
 ]
+
+#: DeepSpeed's fp16 loss scaler, as :attr:`TrainingSetup.loss_scaler` names it.
+DEEPSPEED_SCALER = "DeepSpeed's loss scaler"
 
 #: Mixed-precision settings whose float16 overflows past 65504 (bfloat16 does not).
 _FLOAT16 = frozenset({"16-mixed", "16", "16-true", "mixed_float16", "float16"})

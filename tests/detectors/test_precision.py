@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stethoscope.advice import TrainingSetup
+from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup
 from stethoscope.detectors import (
     Fp8Readiness,
     GradientUnderflow,
@@ -75,6 +75,25 @@ def test_subnormal_gradients_warn_with_the_zero_share_beside_them():
     [f] = found
     assert f.where == "layer0.bias" and "30%" in f.message and "50% are exactly zero" in f.message
     assert "6.1e-05" in f.message and "16-mixed" in f.message
+
+
+@pytest.mark.parametrize(
+    ("scaler", "said"),
+    [
+        (None, 'scale the loss (precision="16-mixed"'),
+        ("GradScaler", "the loss is already scaled (GradScaler): a larger scale keeps more"),
+        (DEEPSPEED_SCALER, "(DeepSpeed's loss scaler): a larger scale keeps more of them "),
+    ],
+)
+def test_an_underflow_under_a_loss_scaler_asks_for_a_larger_scale_not_for_one(scaler, said):
+    # DeepSpeed's fp16 keeps float16 gradients, scaled by its loss scaler: too small even
+    # so, the remedy is a larger scale, through DeepSpeedStrategy's own arguments
+    d = low(GradientUnderflow(patience=1), loss_scaler=scaler)
+    [f] = feed(d, [obs(0, dtype="float16", grad_subnormal=np.full(4, 0.2), grad_zero=np.zeros(4))])[
+        0
+    ]
+    assert said in f.message
+    assert ("initial_scale_power" in f.message) == (scaler == DEEPSPEED_SCALER)
 
 
 def test_zeros_without_subnormals_are_a_dead_units_not_an_underflow():

@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from stethoscope.advice import TrainingSetup
+from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.number_formats import E4M3, E5M2, FORMATS, HALF
@@ -39,7 +39,20 @@ def _master_weights(setup: TrainingSetup) -> str:
 
 
 def _loss_scaling(setup: TrainingSetup) -> str:
-    """How this framework scales the loss, or trains in bfloat16 instead."""
+    """How this framework scales the loss (or, under a loss scaler, a larger scale), or
+    trains in bfloat16 instead."""
+    if setup.loss_scaler == DEEPSPEED_SCALER:  # float16 gradients, scaled and yet too small
+        return (
+            f"the loss is already scaled ({setup.loss_scaler}): a larger scale keeps more "
+            "of them (DeepSpeedStrategy's initial_scale_power, or a shorter "
+            "loss_scale_window, after which the scale grows), or train in bfloat16 "
+            '(precision="bf16-mixed"), which keeps float32\'s range'
+        )
+    if setup.loss_scaled:
+        return (
+            f"the loss is already scaled ({setup.loss_scaler}): a larger scale keeps more "
+            "of them, or train in bfloat16, which keeps float32's range"
+        )
     if setup.framework == "keras":
         return (
             'scale the loss (the "mixed_float16" dtype policy wraps the optimizer in a '

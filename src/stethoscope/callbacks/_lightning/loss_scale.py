@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stethoscope.advice import DEEPSPEED_SCALER
 from stethoscope.callbacks._lightning.measures import StepMeasures
 from stethoscope.callbacks._lightning.reduction import Reduction
 from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer, zero_stage
@@ -88,7 +89,7 @@ def loss_scaler_name(trainer: Any) -> str | None:
     if scaler_of(trainer) is not None:
         return "GradScaler"
     if any(_dynamic_deepspeed_scaler(o) for o in trainer.optimizers):
-        return "DeepSpeed's loss scaler"
+        return DEEPSPEED_SCALER
     return None
 
 
