@@ -1054,6 +1054,7 @@ def _long_summary() -> EpochSummary:
             SummaryRow(detector="16 others", status="ok", verdict="nothing found (every 1 steps)"),
         ),
         verdict="Stopped at step 6 by exploding_gradients (error) in net.4.weight.",
+        quiet=tuple(f"quiet_detector_{i}" for i in range(16)),
     )
 
 
@@ -1072,5 +1073,7 @@ def test_the_summary_never_splits_a_name_and_fits_the_width(width: int) -> None:
     assert last - first + 1 <= 3  # the verdict on three lines at most (ten, before)
     if width >= 100:
         assert "┃ detector" in out or "| detector" in out  # the table
+        assert "Quiet: quiet_detector_0, " in out  # and the quiet ones by name
     else:
         assert "error   exploding_gradients  n=2  180 / 12.7" in out  # a row per line
+        assert "quiet_detector" not in out  # counted by their row, not listed
