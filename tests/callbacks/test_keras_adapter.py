@@ -369,7 +369,7 @@ def test_what_a_sampled_step_hands_back_is_that_steps_own_numbers():
     read), and the gradient norms come with the loss: they are the numbers of that very
     step. Plain SGD's update is the step's learning rate times its gradient, the input
     statistics are those of its batch, and the learning rate is the one a schedule gives
-    after the step."""
+    the step."""
     x, y = data()
     model = mlp()
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.5)
@@ -381,10 +381,9 @@ def test_what_a_sampled_step_hands_back_is_that_steps_own_numbers():
     steps = N // BATCH
     fit(model, cb, x, y, steps_per_epoch=steps - 1)  # the last step is not sampled
     assert [o.step for o in spy.seen] == list(range(0, steps - 1, 3))
-    for o in spy.seen:
-        assert o.lr == pytest.approx(float(schedule(o.step + 1)), rel=1e-6)
-        lr_used = float(schedule(o.step))
-        np.testing.assert_allclose(o.update_norm, lr_used * o.grad_norm, rtol=1e-4)
+    for o in spy.seen:  # the rate the step's update was taken at (after it: the next one's)
+        assert o.lr == pytest.approx(float(schedule(o.step)), rel=1e-6)
+        np.testing.assert_allclose(o.update_norm, o.lr * o.grad_norm, rtol=1e-4)
         batch = x[o.step * BATCH : (o.step + 1) * BATCH]
         np.testing.assert_allclose(o.input_sq, np.mean(batch**2, axis=0), rtol=1e-5)
         assert np.isfinite(o.act_rms).all()

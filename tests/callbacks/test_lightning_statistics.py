@@ -37,6 +37,36 @@ def test_distributions_are_not_measured_unless_a_detector_needs_them():
     assert spy.seen and all(o.weight_hist is None and o.grad_hist is None for o in spy.seen)
 
 
+class SpikedSchedule(TinyMLP):
+    """TinyMLP under plain SGD whose per-step schedule (a scheduler bug) multiplies the
+    learning rate by 100 for one step, ``SPIKE``, alone."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1e-3)
+        bug = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 100.0 if s == SPIKE else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": bug, "interval": "step"}}
+
+
+SPIKE = 6
+
+
+def test_the_learning_rate_observed_is_the_one_the_steps_update_was_taken_at():
+    # Lightning steps the scheduler after the update and before the batch's end: read
+    # there, the spiked step was reported at the rate of the next one (1e-3), and the
+    # step before it at the spike's
+    spy = RecordingDetector({"grads", "updates"})
+    torch.manual_seed(0)
+    cb = LightningStethoscope(detectors=[spy], sinks=[], intervals={"recorder": 1})
+    fit(SpikedSchedule(depth=1), steps=10, callback=cb)
+    assert [o.step for o in spy.seen] == list(range(10))
+    for o in spy.seen:
+        taken = 0.1 if o.step == SPIKE else 1e-3
+        assert o.lr == taken, o.step
+        # plain SGD: each update is the rate it was taken at times the gradient (to the
+        # rounding of a small update subtracted from its weight in float32)
+        np.testing.assert_allclose(o.update_norm, taken * o.grad_norm, rtol=1e-3)
+
+
 def test_sinks_receive_the_runs_context():
     sink = CapturingSink()
     fit(TinyMLP(), steps=2, sink=sink)

@@ -250,8 +250,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         if self._scale_skips is not None and "updates" in plan:
             plan |= {"loss_scale"}  # whether the scaler skipped the step (LossScale)
+        lr = _learning_rate(self._lr_group)  # what this step's update is taken at
         self._measures = measures = StepMeasures(
-            step, trainer.current_epoch, plan, combiner=self._combiner
+            step, trainer.current_epoch, plan, combiner=self._combiner, lr=lr
         )
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
@@ -286,8 +287,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         measures = self._measures
         if self._scale_skips is not None and trainer.global_step != measures.step:
             self._scale_skips.step_done(first=measures.step == 0)
-        lr = self._lr_group.get("lr") if self._lr_group is not None else None
-        lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
+        lr = measures.lr
         quiet = not measures.sampled and not len(self._reader)
         value = self._train_losses.on_cpu(outputs, trainer, pl_module) if quiet else None
         if value is not None:
@@ -454,6 +454,15 @@ class LightningStethoscope(StethoscopeBase, Callback):
         decision = look_if_nonfinite(judged, self._measures.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
+
+
+def _learning_rate(group: dict[str, Any] | None) -> float | None:
+    """The learning rate of ``group`` (the first optimizer's first parameter group) as a
+    number, or None. Read when a step begins: a scheduler stepped per step changes it
+    after the update and before the batch's end, and a finding must say the rate the
+    update was taken at."""
+    lr = group.get("lr") if group is not None else None
+    return float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
 
 
 def _gradient_interval(monitor: Monitor) -> float:

@@ -69,7 +69,11 @@ CORE_FIELDS: tuple[Field, ...] = (
         "Process rank (under Keras' ``MirroredStrategy``: the replica; see ``Finding``).",
         default=0,
     ),
-    Field("lr", "float | None", "The learning rate of the first parameter group, if known."),
+    Field(
+        "lr",
+        "float | None",
+        "The learning rate the step's update was taken at (the first parameter group's), if known.",
+    ),
     Field(
         "names",
         "tuple[str, ...]",

@@ -453,7 +453,9 @@ class GraphProbe:
         return {self.layout.names[i] for i, v in enumerate(self._watched) if id(v) in ids}
 
     def learning_rate(self) -> float | None:
-        """The optimizer's learning rate after the last execution (None if unknown)."""
+        """The learning rate of the sampled step's update, as its step handed it back; else
+        (an optimizer whose rate the step cannot read) the optimizer's own after the last
+        execution; None if unknown."""
         try:
             lr = self._returned_lr
             if lr is None:  # not handed back: ask the optimizer

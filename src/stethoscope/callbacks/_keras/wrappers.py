@@ -19,7 +19,6 @@ light step too.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
@@ -76,6 +75,7 @@ class _Trace:
     grads: dict[int, Any] = field(default_factory=dict)  # what the gradient hook measured
     carried: Any = None  # the loss scale the gradients carry, from apply to the ring
     scale: Any = None  # a LossScaleOptimizer's ScaleStep, from apply to the update hook
+    lr: Any = None  # a heavy step's learning rate, read before its update, to the logs
 
 
 class StepWrappers:
@@ -273,6 +273,7 @@ class StepWrappers:
             trace = self._trace()
             if not self.switches.off:
                 trace.outer = kops.graph()
+                trace.lr = _learning_rate(self.optimizer) if self.switches.heavy else None
             logs = original(*args, **kwargs)
             if self.switches.off:
                 return logs
@@ -322,10 +323,8 @@ class StepWrappers:
                 if slot.returned
             }
         out["iterations"] = self._step_index()  # the steps taken, skipped ones included
-        # a constant, or the schedule's value at the step count (as the host would read it);
-        # an optimizer that does not expose one number leaves it to the host to ask
-        with contextlib.suppress(Exception):
-            out["learning_rate"] = ops.cast(self.optimizer.learning_rate, "float32")
+        if trace.lr is not None:  # else the optimizer does not expose one number: the host asks
+            out["learning_rate"], trace.lr = trace.lr, None
         return out
 
     def _apply(self, original: Any) -> Any:
@@ -507,3 +506,14 @@ def _forward_rows(rows: dict[int, Any], variable: Any, count: int) -> Any:
     return ops.stack(
         [table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan) for i in range(count)]
     )
+
+
+def _learning_rate(optimizer: Any) -> Any:
+    """The learning rate ``optimizer``'s next update is taken at, a float32 tensor: a
+    constant, or its schedule's value at the step count. Read before the update, which
+    counts the step (after it, a schedule gives the next step's rate). None when the
+    optimizer does not expose one number (the host then asks it)."""
+    try:
+        return ops.cast(optimizer.learning_rate, "float32")
+    except Exception:  # a schedule or wrapper that gives no single number
+        return None

@@ -20,7 +20,8 @@ class Reading:
     Args:
         step: The optimizer step measured.
         epoch: Its epoch.
-        lr: The learning rate of the first parameter group then, if known.
+        lr: The learning rate its update was taken at (the first parameter group's), if
+            known.
         params: The watched parameters the per-parameter statistics describe, in order.
         layout: ``(statistic, elements, contexts)`` for each statistic measured, in the
             order of the tensor: ``contexts`` holds what decoding needs, one per part.
@@ -52,6 +53,9 @@ class StepMeasures:
     step: int
     epoch: int
     plan: frozenset[str]
+    #: The learning rate of the first parameter group when the step began: the one its
+    #: update is taken at (None: unknown, or a tensor, which is not read).
+    lr: float | None = None
     #: The watched parameters an optimizer stepped this step (with a gradient), in the
     #: order the per-parameter statistics were measured.
     params: list[int] = field(default_factory=list)
