@@ -16,7 +16,7 @@ from torch import nn
 from stethoscope import LightningStethoscope, Recovery
 from stethoscope.detectors import default_detectors
 from stethoscope.findings import RECOVERY
-from stethoscope.testing import CapturingSink
+from stethoscope.testing import CapturingSink, RecordingDetector
 
 FEATURES, CLASSES = 12, 3
 
@@ -135,7 +135,12 @@ def test_a_cool_down_scales_the_learning_rate_on_top_of_the_schedule_then_restor
     model = SpyNet()
     settings = Recovery(cool_after=2, window=10, cool_steps=5, cool_factor=0.5)
     sink = CapturingSink()
-    trainer = train(model, data, [LightningStethoscope(sinks=[sink], recover=settings)])
+    spy = RecordingDetector({"grads"})  # the learning rate each step is observed at
+    detectors = [*default_detectors(), spy]
+    cb = LightningStethoscope(
+        sinks=[sink], recover=settings, detectors=detectors, intervals={"recorder": 1}
+    )
+    trainer = train(model, data, [cb])
     applied = trainer.optimizers[0].applied
     assert len(applied) == 58  # two skipped
     schedule = [0.1 * 0.99**s for s in range(60) if s not in (40, 42)]
@@ -143,6 +148,10 @@ def test_a_cool_down_scales_the_learning_rate_on_top_of_the_schedule_then_restor
     for i, (lr, planned) in enumerate(zip(applied, schedule, strict=True)):
         assert lr == pytest.approx(planned * (0.5 if i in cooled else 1.0)), i
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.99**60)
+    # findings and the record give each step the rate its update was taken at, cooled
+    taken = dict(zip((s for s in range(60) if s not in (40, 42)), applied, strict=True))
+    seen = {o.step: o.lr for o in spy.seen if o.step in taken}
+    assert len(seen) > 50 and seen == pytest.approx({s: taken[s] for s in seen})
     acts = [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
     assert acts == [(40, "skip"), (42, "skip"), (42, "cool"), (48, "restore_lr")]
 

@@ -48,7 +48,7 @@ from stethoscope.callbacks._lightning.zero import accumulating
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
-from stethoscope.recovery import Recovery
+from stethoscope.recovery import Recoverer, Recovery
 from stethoscope.sinks import ConsoleSink, Sink
 
 __all__ = ["LightningStethoscope"]
@@ -250,7 +250,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         if self._scale_skips is not None and "updates" in plan:
             plan |= {"loss_scale"}  # whether the scaler skipped the step (LossScale)
-        lr = _learning_rate(self._lr_group)  # what this step's update is taken at
+        lr = _learning_rate(self._lr_group, self.recoverer, step)  # as its update takes it
         self._measures = measures = StepMeasures(
             step, trainer.current_epoch, plan, combiner=self._combiner, lr=lr
         )
@@ -456,13 +456,17 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._act(decision)
 
 
-def _learning_rate(group: dict[str, Any] | None) -> float | None:
+def _learning_rate(
+    group: dict[str, Any] | None, recoverer: Recoverer | None, step: int
+) -> float | None:
     """The learning rate of ``group`` (the first optimizer's first parameter group) as a
-    number, or None. Read when a step begins: a scheduler stepped per step changes it
-    after the update and before the batch's end, and a finding must say the rate the
-    update was taken at."""
+    number, as the update of ``step`` takes it (cooled by ``recoverer``'s ladder), or
+    None. Read when the step begins: a scheduler stepped per step changes it after the
+    update and before the batch's end, and a finding must say the rate the update was
+    taken at."""
     lr = group.get("lr") if group is not None else None
-    return float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
+    lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
+    return recoverer.rate_taken(step, lr) if recoverer is not None else lr
 
 
 def _gradient_interval(monitor: Monitor) -> float:

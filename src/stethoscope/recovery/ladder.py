@@ -251,6 +251,17 @@ class Ladder:
         rate, not from the spike's."""
         return self.s.ceiling if self.cooling(step) else None
 
+    def rate_taken(self, step: int, lr: float | None) -> float | None:
+        """The first optimizer's first group's learning rate ``lr`` as the update of
+        ``step`` takes it: capped at the snapshot's and scaled by the cool-down's factor
+        while cooling (as the adapters apply :meth:`lr_ceiling` and :meth:`lr_scale`)."""
+        if lr is None or not self.cooling(step):
+            return lr
+        ceiling = self.lr_ceiling(step)
+        if ceiling and ceiling[0]:
+            lr = min(lr, ceiling[0][0])
+        return lr * self.lr_scale(step)
+
     def snapshot_due(self, step: int) -> bool:
         """Whether to snapshot after ``step``: on the cadence, and healthy since the last
         ``snapshot_every`` steps (no warning on a step that was applied; skipped steps

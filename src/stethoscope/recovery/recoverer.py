@@ -121,6 +121,11 @@ class Recoverer:
         batches after a roll back (see :meth:`skipped_ahead`), or None."""
         return self.ladder.skipping_ahead(step)
 
+    def rate_taken(self, step: int, lr: float | None) -> float | None:
+        """``lr``, the first group's learning rate, as the update of ``step`` takes it
+        (cooled by the ladder; see :meth:`Ladder.rate_taken`)."""
+        return self.ladder.rate_taken(step, lr)
+
     def skipped_ahead(self, step: int, why: str, batch: BatchName | None) -> None:
         """The adapter did not apply step ``step``, skipped ahead after a roll back: kept
         with the skipped batches, without a finding of its own (the roll back said so)."""
