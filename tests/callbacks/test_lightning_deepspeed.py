@@ -185,3 +185,8 @@ def test_fp16_overflows_are_left_to_deepspeeds_loss_scaler_which_is_read(runs):
     assert scales[0] == 2.0**24 and scales[-1] == ranks(runs, "zero2_fp16")[0]["loss_scale"]
     assert sum(skipped) == ranks(runs, "zero2_fp16")[0]["skipped_steps"]
     assert sum(counted) == 39  # steps 0 to 38, the last one measured
+    # a step the engine skipped updated nothing: its all-zero update is not judged
+    rows = observed(runs, "zero2_fp16")
+    skipped_now = [s for s in sorted(rows) if "update_norm" not in rows[s]]
+    assert skipped_now and skipped_now == list(range(0, skipped_now[-1] + 1, 2))
+    assert all("update_norm" in rows[s] for s in rows if s > skipped_now[-1])

@@ -155,9 +155,9 @@ class EngineScaleSkips:
     The engine counts its applied steps (``global_steps``) and those it skipped for an
     overflow (``skipped_steps``), and its optimizer keeps the scale (``loss_scale``):
     host numbers, which DeepSpeed updates in its step (reading its overflow flag off the
-    device itself). Nothing is counted here: a measurement takes the counters'
-    differences since the last one, so a step inside an accumulation window, which the
-    engine does not apply, counts for nothing.
+    device itself). A measurement takes the counters' differences since the last one, so
+    a step inside an accumulation window, which the engine does not apply, counts for
+    nothing; each step's end notes whether its count of skips rose.
 
     Args:
         engine: The DeepSpeed engine (the strategy's wrapped model).
@@ -167,6 +167,8 @@ class EngineScaleSkips:
     def __init__(self, engine: Any, optimizer: Any) -> None:
         self.engine, self.optimizer = engine, optimizer
         self._steps, self._skipped = self._counters()  # at the last measurement
+        self._seen = self._skipped  # the engine's skips when the last step ended
+        self._now = False  # whether the engine skipped the last step
 
     @classmethod
     def of(cls, trainer: Any) -> EngineScaleSkips | None:
@@ -182,7 +184,9 @@ class EngineScaleSkips:
         return int(self.engine.global_steps), int(self.engine.skipped_steps)
 
     def step_done(self, first: bool) -> None:
-        """A step has ended: the engine has counted it."""
+        """A step has ended: whether the engine skipped it (its count of skips rose)."""
+        skipped = int(self.engine.skipped_steps)
+        self._now, self._seen = skipped > self._seen, skipped
 
     def measure(self, measures: StepMeasures) -> None:
         """Hand ``measures`` the scale, the steps skipped, whether the last one was, and
@@ -191,9 +195,9 @@ class EngineScaleSkips:
         steps, skipped = self._counters()
         if steps == self._steps:  # no step of the engine's since the last measurement
             return
-        now = not getattr(self.engine, "_step_applied", True)
         scale = float(self.optimizer.loss_scale)
-        measures.note("loss_scale", (scale, skipped - self._skipped, now, steps - self._steps))
+        counted = (scale, skipped - self._skipped, self._now, steps - self._steps)
+        measures.note("loss_scale", counted)
         self._steps, self._skipped = steps, skipped
 
 
