@@ -143,11 +143,11 @@ class NonfiniteGradients(Detector):
     the output, which is where the non-finite value entered the backward pass.
 
     Under a loss scaler (``TrainingSetup.loss_scaler``: float16 with PyTorch's
-    GradScaler, DeepSpeed's or Keras' LossScaleOptimizer), gradients that overflow while the loss is
-    finite are the scaler's business: it skips that step and halves its scale, which is
-    how it finds its scale (at the start of a run, and after each growth). That is an
-    info finding; only ``patience`` measured steps in a row that all overflowed are an
-    error: the scaler skips every step then, and training has stalled.
+    GradScaler, DeepSpeed's, or Keras' LossScaleOptimizer), gradients that overflow while
+    the loss is finite are the scaler's business: it skips that step and lowers its
+    scale, which is how it finds its scale (at the start of a run, and after each
+    growth). That is an info finding; only ``patience`` measured steps in a row that all
+    overflowed are an error: the scaler skips every step then, and training has stalled.
 
     Args:
         patience: Under a loss scaler, consecutive measured steps whose gradients
