@@ -72,7 +72,7 @@ def test_measures_combine_only_the_parts_that_say_how():
     measures = StepMeasures(step=0, epoch=0, plan=frozenset({"grads"}), combiner=combiner)
     measures.add("grads", torch.tensor([3.0]), combine="norm")
     measures.add("loss", torch.tensor([2.5]))
-    reading = measures.take(lr=None)
+    reading = measures.take()
     assert reading.values.tolist() == [5.0, 2.5]
     assert calls == ["sum"]
     with pytest.raises(ValueError, match="combine='mean' must be one of"):
@@ -161,4 +161,4 @@ def test_a_parameter_fsdp1_left_this_rank_nothing_of_counts_alike_on_every_rank(
     # the stale gradients are read per parameter, one part per parameter on every rank
     measures = StepMeasures(step=0, epoch=0, plan=frozenset({"stale_grads"}))
     StaleGrads(probe).before_backward(measures, torch.zeros(()))
-    assert measures.take(lr=None).values.numel() == 2
+    assert measures.take().values.numel() == 2

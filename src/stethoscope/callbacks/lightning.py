@@ -306,7 +306,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
                 r.at_end(measures)
             if loss is not None:
                 measures.add("loss", loss.reshape(1))
-            reading = measures.take(lr)
+            reading = measures.take()
             if reading is not None:
                 self._reader.push(reading, reading.values)
             self._drain(trainer, wait=False)

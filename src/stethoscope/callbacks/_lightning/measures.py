@@ -117,7 +117,7 @@ class StepMeasures:
         self._contexts.setdefault(statistic, []).append(context)
         self._combines.setdefault(statistic, [])
 
-    def take(self, lr: float | None) -> Reading | None:
+    def take(self) -> Reading | None:
         """What was measured since the last take, as one reading (None: nothing)."""
         if not self._parts:
             return None
@@ -135,4 +135,4 @@ class StepMeasures:
         if not tensors:  # facts seen on the host alone
             tensors = [torch.zeros(0)]
         values = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        return Reading(self.step, self.epoch, lr, tuple(self.params), tuple(layout), values)
+        return Reading(self.step, self.epoch, self.lr, tuple(self.params), tuple(layout), values)

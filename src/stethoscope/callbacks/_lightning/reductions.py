@@ -471,11 +471,11 @@ class ReductionSet:
         indices = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         if not indices:
             return None
-        measures = StepMeasures(step, epoch, frozenset({"grads", "weights"}))
+        measures = StepMeasures(step, epoch, frozenset({"grads", "weights"}), lr=lr)
         self._by_name["grads"].before_step(measures, indices)
         measures.params.extend(indices)
         self._by_name["weights"].at_end(measures)
-        return measures.take(lr)
+        return measures.take()
 
 
 def make_reductions(
