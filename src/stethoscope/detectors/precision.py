@@ -41,17 +41,18 @@ def _master_weights(setup: TrainingSetup) -> str:
 def _loss_scaling(setup: TrainingSetup) -> str:
     """How this framework scales the loss (or, under a loss scaler, a larger scale), or
     trains in bfloat16 instead."""
-    if setup.loss_scaler == DEEPSPEED_SCALER:  # float16 gradients, scaled and yet too small
-        return (
-            f"the loss is already scaled ({setup.loss_scaler}): a larger scale keeps more "
-            "of them (DeepSpeedStrategy's initial_scale_power, or a shorter "
-            "loss_scale_window, after which the scale grows), or train in bfloat16 "
-            '(precision="bf16-mixed"), which keeps float32\'s range'
+    if setup.loss_scaled:  # float16 gradients, scaled and yet too small
+        deepspeed = setup.loss_scaler == DEEPSPEED_SCALER  # its own arguments say how
+        larger = (
+            " (DeepSpeedStrategy's initial_scale_power, or a shorter loss_scale_window, "
+            "after which the scale grows)"
+            if deepspeed
+            else ""
         )
-    if setup.loss_scaled:
+        bf16 = ' (precision="bf16-mixed")' if deepspeed else ""
         return (
             f"the loss is already scaled ({setup.loss_scaler}): a larger scale keeps more "
-            "of them, or train in bfloat16, which keeps float32's range"
+            f"of them{larger}, or train in bfloat16{bf16}, which keeps float32's range"
         )
     if setup.framework == "keras":
         return (
