@@ -102,9 +102,9 @@ def flat_slices(module: torch.nn.Module) -> dict[int, FlatSlice]:
     for any other model. Read from FSDP's flat parameter (private in torch 2.13:
     ``_params``, ``_shapes``, ``_shard_param_infos``; the module's ``_inter_node_pg``)."""
     out: dict[int, FlatSlice] = {}
-    for m, flat in _flat_parameters(module):
+    for m, flat, hybrid in _flat_parameters(module):
         # under a hybrid strategy the replicas hold the same: the first counts it
-        elsewhere = _is_hybrid(m) and torch.distributed.get_rank(m._inter_node_pg) != 0
+        elsewhere = hybrid and torch.distributed.get_rank(m._inter_node_pg) != 0
         for p, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos, strict=True):
             held = info.numel_in_shard if info.in_shard and not elsewhere else 0
             start = info.intra_param_start_idx if held else 0
@@ -126,24 +126,20 @@ def unwrapped_name(name: str) -> str:
 _MAPPED = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
-def _flat_parameters(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
-    """``(FullyShardedDataParallel, its flat parameter)`` of each FSDP1 module inside
-    ``module`` with ``use_orig_params=True`` and a mapped strategy (private in torch
-    2.13: ``_handle``, ``_sharding_strategy``, ``flat_param._params``)."""
+def _flat_parameters(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Any, bool]]:
+    """``(FullyShardedDataParallel, its flat parameter, hybrid)`` of each FSDP1 module
+    inside ``module`` with ``use_orig_params=True`` and a mapped strategy; ``hybrid``:
+    it shards within a group of ranks and replicates across such groups
+    (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``). Private in torch 2.13: ``_handle``,
+    ``_sharding_strategy``, ``flat_param._params``."""
     out = []
     for m in module.modules():
         handle = getattr(m, "_handle", None)
         flat = getattr(handle, "flat_param", None)
         strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", None)
         if getattr(flat, "_params", None) and strategy in _MAPPED:
-            out.append((m, flat))
+            out.append((m, flat, "HYBRID" in strategy))
     return out
-
-
-def _is_hybrid(fsdp: torch.nn.Module) -> bool:
-    """Whether this FSDP1 module shards within a group of ranks and replicates across
-    such groups (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``)."""
-    return "HYBRID" in fsdp._handle._sharding_strategy.name
 
 
 def flat_replicas(module: torch.nn.Module) -> dict[int, Any]:
@@ -152,8 +148,8 @@ def flat_replicas(module: torch.nn.Module) -> dict[int, Any]:
     summed over that group. Empty for any other model."""
     return {
         id(p): m.process_group
-        for m, flat in _flat_parameters(module)
-        if _is_hybrid(m)
+        for m, flat, hybrid in _flat_parameters(module)
+        if hybrid
         for p in flat._params
     }
 
