@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from stethoscope.detectors import DETECTORS, Detector
+from stethoscope.advice import TrainingSetup
+from stethoscope.detectors import DETECTORS, Detector, LossDividedTwice
 from stethoscope.findings import FIELDS, Finding
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
@@ -43,6 +44,7 @@ STABLE_NAMES = (
     "collapsed_lr",
     "eval_mode",
     "unzeroed_gradients",
+    "loss_divided_twice",
     "all_zero",
     "rounded_updates",
     "gradient_underflow",
@@ -53,7 +55,17 @@ STABLE_NAMES = (
     "straggler",
 )
 
-CLASSES = [pytest.param(cls, id=name) for name, cls in DETECTORS.items()]
+
+# loss_divided_twice in the only run it judges: one whose loss is divided twice (it reads
+# nothing else of an observation)
+class _DividedTwice(LossDividedTwice):
+    __doc__ = LossDividedTwice.__doc__  # its contract is the detector's
+    setup = TrainingSetup(divided_again=4)
+
+
+#: Each detector as these runs need it: one that judges a setup alone is given that setup.
+_IN_ITS_SETUP = {"loss_divided_twice": _DividedTwice}
+CLASSES = [pytest.param(_IN_ITS_SETUP.get(name, cls), id=name) for name, cls in DETECTORS.items()]
 #: Detectors whose state is only streaks over the last few observations (a unit is dead after
 #: ``window`` zero rows in a row), so a fresh one catches up with a restored one in the tail.
 SHORT_MEMORY = {
@@ -68,6 +80,7 @@ SHORT_MEMORY = {
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
     "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
     "broadcast_loss",  # a streak of steps whose loss broadcast
+    "loss_divided_twice",  # said once, at the first gradients: whether it has is all
     "rounded_updates",  # a streak of steps whose updates rounded away
     "gradient_underflow",  # a streak of steps whose gradients underflowed
     "overflow_risk",  # the tensors it warned of: the tail's, whatever came before

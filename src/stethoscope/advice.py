@@ -54,6 +54,11 @@ class TrainingSetup:
         master_weights: Whether the optimizer updates float32 master copies of the
             16-bit weights (DeepSpeed's optimizers): an update too small for a weight is
             kept in its copy, not lost.
+        divided_again: The number a step's loss is divided by a second time, after the
+            mean over the batches it accumulates (1: none). Lightning divides each
+            batch's loss by ``accumulate_grad_batches``, and under ``DeepSpeedStrategy``
+            the engine's backward divides it by its ``gradient_accumulation_steps``,
+            which Lightning sets to the same number.
     """
 
     framework: str = ""
@@ -65,6 +70,7 @@ class TrainingSetup:
     loss_scaler: str | None = None
     low_precision: bool = False
     master_weights: bool = False
+    divided_again: int = 1
 
     @property
     def loss_scaled(self) -> bool:

@@ -85,7 +85,18 @@ def test_zero_statistics_equal_those_of_the_unsharded_model(runs, layout, refere
     # the record asks for the histograms; with two batches a step, the stale gradients
     # are read with the first, in an observation without norms (which Observed leaves)
     assert compared == (norms | {"grad_hist", "stale_grads"} if halved == 1 else norms)
-    assert findings(runs, layout) == []  # a healthy run: quiet
+    found = findings(runs, layout)
+    if layout.endswith("_accumulate"):  # said once, an info: the model trains with Adam
+        (said,) = found
+        assert (said["detector"], said["severity"], said["value"]) == (
+            "loss_divided_twice",
+            "info",
+            2.0,
+        )
+        assert said["step"] == 0 and "1/2 of the mean" in said["message"]
+    else:
+        assert found == []  # a healthy run: quiet
+    assert findings(runs, reference) == []  # DDP divides once
     if layout.endswith("_norms"):  # the record describes the whole model, as DDP's does
         with (
             RunRecord(runs / f"{layout}-record") as zero,

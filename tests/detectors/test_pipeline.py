@@ -1,5 +1,6 @@
-"""Layer 1: collapsed_lr on sequences of losses and learning rates: a per-epoch decay
-stepped every batch, against warm-ups, cosine annealing and constant rates."""
+"""Layer 1: the pipeline detectors on sequences of observations: collapsed_lr's per-epoch
+decay stepped every batch, against warm-ups, cosine annealing and constant rates; the
+others' mistakes against their healthy twins."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import numpy as np
 import pytest
 from _helpers import assert_resumes, assert_sentence, make_obs, run
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.detectors import (
     CollapsedLearningRate,
     EvalMode,
     LogitsMismatch,
+    LossDividedTwice,
     UnzeroedGradients,
 )
 from stethoscope.detectors.pipeline import probability_floor
@@ -226,3 +229,57 @@ def test_a_mismatch_must_hold_on_sampled_steps_in_a_row():
     steps = [predicted(t, probs=t != 16, expects="logits") for t in (0, 16, 32)]
     assert run(LogitsMismatch(), steps) == []
     assert run(LogitsMismatch(patience=1), steps[:1])[0].step == 0
+
+
+# -- loss_divided_twice ---------------------------------------------------------------------
+
+
+def divided(k: int, **setup) -> LossDividedTwice:
+    detector = LossDividedTwice()
+    detector.setup = TrainingSetup(framework="lightning", divided_again=k, **setup)
+    return detector
+
+
+def measured(steps) -> list[Observation]:
+    """Steps whose gradients (norms 3 and 4: 5 in all) were measured, after one that
+    measured the loss alone."""
+    return [make_obs(0, loss=1.0)] + [make_obs(t, loss=1.0, grads=[3.0, 4.0]) for t in steps]
+
+
+@pytest.mark.parametrize(
+    ("setup", "severity", "effect"),
+    [
+        ({}, "warning", "2 times smaller"),  # SGD: every step is halved
+        ({"adaptive": True}, "info", "barely change"),  # Adam: scale-free
+        ({"adaptive": True, "clipping": "gradient_clip_val=1.0"}, "warning", "true norm 2"),
+    ],
+    ids=["sgd", "adam", "adam-clipped"],
+)
+def test_a_loss_divided_twice_is_said_once_at_the_first_measured_gradients(setup, severity, effect):
+    detector = divided(2, **setup)
+    assert detector.applies() and not detector.finished(0)
+    (f,) = run(detector, measured([4, 8]))
+    assert (f.severity, f.step, f.value, f.where) == (severity, 4, 2.0, "loss")
+    assert "norm 5 at step 4" in f.message and effect in f.message
+    assert_sentence(f, "accumulate_grad_batches", names=["accumulate_grad_batches=2", "1/2"])
+    assert detector.finished(8)
+
+
+def test_a_loss_divided_once_is_no_concern_of_it():
+    detector = divided(1)
+    assert not detector.applies() and detector.finished(0)
+    assert LossDividedTwice().finished(0)  # no setup: Keras, or no DeepSpeed
+
+
+def test_a_loss_divided_once_is_no_concern_of_it_even_when_run():
+    assert run(divided(1), measured([4, 8])) == []
+
+
+class _DividedByFour(LossDividedTwice):
+    setup = TrainingSetup(divided_again=4)
+
+
+@pytest.mark.parametrize("at", [1, 2])  # before it has said it, and after
+def test_loss_divided_twice_resumes(at):
+    (f,) = assert_resumes(_DividedByFour, measured([4, 8]), at=at)
+    assert f.step == 4 and f.value == 4.0

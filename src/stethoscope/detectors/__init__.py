@@ -23,6 +23,7 @@ from stethoscope.detectors.pipeline import (
     CollapsedLearningRate,
     EvalMode,
     LogitsMismatch,
+    LossDividedTwice,
     UnzeroedGradients,
 )
 from stethoscope.detectors.precision import (
@@ -51,6 +52,7 @@ __all__ = [
     "LargeUpdates",
     "LogitsMismatch",
     "LossAtChance",
+    "LossDividedTwice",
     "LossNotDecreasing",
     "LossScaleCollapse",
     "LossSpike",
@@ -104,6 +106,7 @@ DETECTORS: dict[str, type[Detector]] = {
         BroadcastLoss,
         EvalMode,
         UnzeroedGradients,
+        LossDividedTwice,
         RoundedUpdates,
         GradientUnderflow,
         LossScaleCollapse,

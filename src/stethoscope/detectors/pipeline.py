@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from stethoscope.detectors._stats import is_finite, push
 from stethoscope.detectors.base import (
     Detector,
@@ -22,6 +24,7 @@ __all__ = [
     "CollapsedLearningRate",
     "EvalMode",
     "LogitsMismatch",
+    "LossDividedTwice",
     "UnzeroedGradients",
 ]
 
@@ -403,6 +406,75 @@ class BroadcastLoss(_Persistent):
                 "target.unsqueeze(-1)).",
                 value=1.0,
                 threshold=None,
+                where="loss",
+            )
+        ]
+
+
+class LossDividedTwice(Detector):
+    """A loss divided twice by the batches a step accumulates: the gradients applied are
+    a fraction of those the loss asks for, and nothing else says so.
+
+    Rule: where the training divides each batch's loss by the number of batches a step
+    accumulates and then by a number again (``TrainingSetup.divided_again``), a finding
+    at the first step whose gradients are measured, giving their norm: a warning where
+    the gradients' scale matters (an optimizer that is not adaptive, such as SGD, whose
+    steps shrink by that number; gradient clipping, whose threshold acts on the true
+    gradients at a norm that many times larger), an info under Adam and its kin without
+    clipping, whose steps barely change. It applies to no other run, and costs nothing
+    there.
+
+    Sources: Lightning's automatic optimization divides each batch's loss by
+    ``accumulate_grad_batches``; under ``DeepSpeedStrategy`` it hands that loss to the
+    engine's backward, which divides it by its ``gradient_accumulation_steps``, the same
+    number (lightning 2.6, deepspeed 0.19). Keras' ``gradient_accumulation_steps``
+    averages once.
+    """
+
+    name = "loss_divided_twice"
+    needs = frozenset({"grads"})
+    # the gradients' own interval: judged at the first step that measures them anyway (on
+    # rank zero alone, the other ranks planning alike), and then finished
+    base_interval = 16
+    advice = "multiply the loss by the accumulation"
+
+    def _initial_state(self) -> dict:
+        return {"judged": False}
+
+    def applies(self) -> bool:
+        return self.setup.divided_again > 1
+
+    def finished(self, step: int) -> bool:
+        return self.state["judged"] or not self.applies()
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        if self.finished(obs.step) or obs.grad_norm is None:
+            return []
+        self.state["judged"] = True
+        setup, k = self.setup, self.setup.divided_again
+        total = float(np.sqrt(np.nansum(np.square(np.asarray(obs.grad_norm, np.float64)))))
+        matters = not setup.adaptive or setup.clipping is not None
+        if setup.adaptive:
+            effect = (
+                f"an adaptive optimizer's steps barely change (its epsilon weighs {k} times more)"
+            )
+        else:
+            effect = f"the optimizer's steps are {k} times smaller than asked"
+        if setup.clipping is not None:
+            effect += f", and {setup.clipping} clips at a true norm {k} times larger"
+        return [
+            self.finding(
+                obs,
+                "warning" if matters else "info",
+                f"The loss is divided twice by the {k} batches each step accumulates: "
+                f"Lightning divides each batch's loss by accumulate_grad_batches={k} and "
+                f"DeepSpeed's engine divides it by its gradient_accumulation_steps={k} "
+                f"again, so the gradients applied (norm {total:.3g} at step {obs.step}) "
+                f"are 1/{k} of the mean over the step's batches and {effect}; return the "
+                "loss times self.trainer.accumulate_grad_batches from training_step, or "
+                "fold the accumulation into the batch size.",
+                value=float(k),
+                threshold=1.0,
                 where="loss",
             )
         ]

@@ -21,7 +21,11 @@ from lightning.pytorch.callbacks import RichProgressBar
 from stethoscope.advice import TrainingSetup, adaptive_optimizers
 from stethoscope.callbacks._lightning.loss_scale import loss_scaler_name
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
-from stethoscope.callbacks._lightning.zero import client_optimizer, is_deepspeed_optimizer
+from stethoscope.callbacks._lightning.zero import (
+    client_optimizer,
+    is_deepspeed_optimizer,
+    zero_stage,
+)
 from stethoscope.number_formats import HALF
 from stethoscope.sinks.base import RunContext
 
@@ -75,7 +79,20 @@ def training_setup(trainer: Any) -> TrainingSetup:
         loss_scaler=loss_scaler_name(trainer),
         low_precision=precision not in _FULL_PRECISION or _holds_half(module),
         master_weights=any(is_deepspeed_optimizer(o) for o in trainer.optimizers),
+        divided_again=_divided_again(trainer),
     )
+
+
+def _divided_again(trainer: Any) -> int:
+    """What the loss is divided by a second time: Lightning's automatic optimization
+    divides each batch's loss by ``accumulate_grad_batches`` (manual optimization may
+    not set it), and a DeepSpeed engine's backward, which Lightning calls with its
+    default ``scale_wrt_gas=True``, by its ``gradient_accumulation_steps``, set by
+    Lightning to the same number (lightning 2.6, deepspeed 0.19). 1: none."""
+    engine = trainer.strategy.model
+    if trainer.accumulate_grad_batches <= 1 or zero_stage(engine) is None:
+        return 1
+    return int(engine.gradient_accumulation_steps())
 
 
 #: The Trainer's precision settings that keep everything in float32 or float64.
