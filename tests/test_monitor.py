@@ -264,6 +264,24 @@ def test_a_suspect_escalates_without_a_finding():
     assert 51 in detectors[1].state["steps"]  # the spy ran off its 4-step grid
 
 
+class SetupScripted(Scripted):
+    """A finding about the training's setup: nothing a closer look at the next steps adds."""
+
+    name = "setup_scripted"
+    escalates = False
+
+
+@pytest.mark.parametrize(("cls", "escalated"), [(Scripted, True), (SetupScripted, False)])
+def test_a_warning_about_the_setup_does_not_escalate(cls, escalated):
+    sink = CapturingSink()
+    spy = Spy()
+    m = Monitor(detectors=[cls({60: ("warning", "loss")}), spy], sinks=[sink], hot_steps=4)
+    feed(m, range(70))
+    assert (60, cls.name) in [(f.step, f.detector) for f in sink.findings]
+    assert (SAMPLER in sink.detectors()) is escalated
+    assert (61 in spy.state["steps"]) is escalated  # off its grid of 4 only when escalated
+
+
 def test_escalate_false_never_reports():
     sink = CapturingSink()
     m = Monitor(sinks=[sink], escalate=False, stop_on=None)

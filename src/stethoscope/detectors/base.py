@@ -68,6 +68,10 @@ class Detector:
     #: The number whose bar it keeps for the recovery ladder, which skips a step past it
     #: before its update (:data:`BARS`), or None. See :meth:`threshold`.
     bars: ClassVar[str | None] = None
+    #: Whether its warnings and errors escalate the sampler (every detector run on every
+    #: step for a while): not for a finding about the training's setup, which no closer
+    #: look at the next steps would tell more of.
+    escalates: ClassVar[bool] = True
     #: Whether it is left out of :func:`~stethoscope.detectors.default_detectors` unless
     #: named there: a report that costs something and that a run asks for.
     opt_in: ClassVar[bool] = False

@@ -436,6 +436,7 @@ class LossDividedTwice(Detector):
     # the gradients' own interval: judged at the first step that measures them anyway (on
     # rank zero alone, the other ranks planning alike), and then finished
     base_interval = 16
+    escalates = False  # a fact of the setup: the next steps would say nothing more
     advice = "multiply the loss by the accumulation"
 
     def _initial_state(self) -> dict:

@@ -259,9 +259,12 @@ class Judge:
         escalate on an alarm or a suspicion, record the findings and the sampler's notes,
         decide."""
         findings: list[Finding] = []
+        alarming: list[Finding] = []  # the warnings and errors the sampler escalates on
         suspects: list[str] = []
         for r in raised:
             findings.extend(r.findings)
+            if r.detector.escalates:
+                alarming.extend(f for f in r.findings if f.severity >= Severity.WARNING)
             if r.suspect:
                 suspects.append(f"{r.detector.name}: {r.suspect}")
             if r.request:  # for the steps after this one, whatever this one carried
@@ -269,7 +272,6 @@ class Judge:
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
             return NOTHING
         held = self.held
-        alarming = [f for f in findings if f.severity >= Severity.WARNING]
         if alarming or suspects:
             reason = f"{alarming[0].detector} {alarming[0].severity}" if alarming else suspects[0]
             if hold:
