@@ -471,9 +471,11 @@ class LossDividedTwice(Detector):
                 f"Lightning divides each batch's loss by accumulate_grad_batches={k} and "
                 f"DeepSpeed's engine divides it by its gradient_accumulation_steps={k} "
                 f"again, so the gradients applied (norm {total:.3g} at step {obs.step}) "
-                f"are 1/{k} of the mean over the step's batches and {effect}; return the "
-                "loss times self.trainer.accumulate_grad_batches from training_step, or "
-                "fold the accumulation into the batch size.",
+                f"are 1/{k} of the mean over the step's batches and {effect}; fold the "
+                "accumulation into the batch size, or return the loss times "
+                "self.trainer.accumulate_grad_batches from training_step and leave this "
+                "detector out (default_detectors(loss_divided_twice=None)), which cannot "
+                "see that.",
                 value=float(k),
                 threshold=1.0,
                 where="loss",
