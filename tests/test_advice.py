@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from stethoscope.advice import TrainingSetup, clipping_advice, float16_note, warmup_advice
+import math
+
+import numpy as np
+import pytest
+
+from stethoscope.advice import (
+    TrainingSetup,
+    clipping_advice,
+    epsilon_advice,
+    epsilon_cause,
+    float16_note,
+    small_epsilon,
+    warmup_advice,
+)
 
 
 def test_clipping_advice_is_in_the_frameworks_words_unless_the_run_clips_already():
@@ -23,3 +36,52 @@ def test_float16_overflow_is_mentioned_only_under_float16():
 def test_warmup_advice_points_at_the_schedule_when_there_is_one():
     assert warmup_advice(TrainingSetup(scheduler=True)) == "check your schedule's warm-up"
     assert warmup_advice(TrainingSetup()) == "add warm-up"
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "eps", "dtypes", "zero", "bound"),
+    [
+        ("AdamW", 1e-8, ["float32", "float16"], True, math.inf),  # 1e-8 rounds to 0
+        ("Adam", 1e-7, ["float16"], False, 2441.41),  # sqrt(2**-24) / 1e-7
+        ("RMSprop", 1e-5, ["float16"], False, 24.414),
+        ("Adagrad", 1e-10, ["float16"], True, math.inf),
+    ],
+)
+def test_an_epsilon_small_for_float16_is_named_with_how_far_a_step_may_go(
+    optimizer, eps, dtypes, zero, bound
+):
+    risk = small_epsilon(optimizer, "eps", eps, dtypes)
+    assert (
+        risk is not None and risk.dtype == "float16" and str(risk) == f"{optimizer}'s eps={eps:g}"
+    )
+    assert risk.zero is zero and risk.bound == pytest.approx(bound, rel=1e-3)
+    # the rounding it predicts is float16's own
+    assert bool(np.float16(eps) == 0) is zero
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "eps", "dtypes"),
+    [
+        ("AdamW", 1e-8, ["bfloat16", "float32"]),  # float32's range
+        ("AdamW", 1e-4, ["float16"]),  # bounds a step at 2.4x
+        ("AdamW", 3e-5, ["float16"]),
+        ("SGD", 1e-8, ["float16"]),  # no root of a second moment
+        ("Adamax", 1e-8, ["float16"]),  # keeps no square
+        ("Adam", (1e-8, 1e-3), ["float16"]),  # no number
+        ("Adam", None, ["float16"]),
+    ],
+)
+def test_an_epsilon_the_dtype_bounds_a_step_with_is_not_small(optimizer, eps, dtypes):
+    assert small_epsilon(optimizer, "eps", eps, dtypes) is None
+
+
+def test_the_epsilons_cause_and_remedy_are_in_the_frameworks_words():
+    zero = small_epsilon("AdamW", "eps", 1e-8, ["float16"])
+    small = small_epsilon("Adam", "epsilon", 1e-7, ["float16"])
+    assert epsilon_cause(zero).endswith("AdamW's eps=1e-08 is 0 in float16")
+    assert epsilon_cause(small).endswith(
+        "Adam's epsilon=1e-07 lets such a step be up to 2441x the usual one"
+    )
+    assert 'precision="16-mixed"' in epsilon_advice(TrainingSetup("lightning"))
+    assert '"mixed_float16"' in epsilon_advice(TrainingSetup("keras"))
+    assert "1e-4" in epsilon_advice(TrainingSetup())

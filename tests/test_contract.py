@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from stethoscope.advice import TrainingSetup
-from stethoscope.detectors import DETECTORS, Detector, LossDividedTwice
+from stethoscope.advice import TrainingSetup, small_epsilon
+from stethoscope.detectors import DETECTORS, Detector, EpsilonUnderflow, LossDividedTwice
 from stethoscope.findings import FIELDS, Finding
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
@@ -50,6 +50,7 @@ STABLE_NAMES = (
     "gradient_underflow",
     "loss_scale_collapse",
     "overflow_risk",
+    "epsilon_underflow",
     "fp8_readiness",
     "replica_divergence",
     "straggler",
@@ -63,8 +64,14 @@ class _DividedTwice(LossDividedTwice):
     setup = TrainingSetup(divided_again=4)
 
 
+# epsilon_underflow in the only run it judges: float16 weights under Adam's eps=1e-8
+class _ZeroEpsilon(EpsilonUnderflow):
+    __doc__ = EpsilonUnderflow.__doc__
+    setup = TrainingSetup(small_epsilon=small_epsilon("Adam", "eps", 1e-8, ["float16"]))
+
+
 #: Each detector as these runs need it: one that judges a setup alone is given that setup.
-_IN_ITS_SETUP = {"loss_divided_twice": _DividedTwice}
+_IN_ITS_SETUP = {"loss_divided_twice": _DividedTwice, "epsilon_underflow": _ZeroEpsilon}
 CLASSES = [pytest.param(_IN_ITS_SETUP.get(name, cls), id=name) for name, cls in DETECTORS.items()]
 #: Detectors whose state is only streaks over the last few observations (a unit is dead after
 #: ``window`` zero rows in a row), so a fresh one catches up with a restored one in the tail.
@@ -81,6 +88,7 @@ SHORT_MEMORY = {
     "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
     "broadcast_loss",  # a streak of steps whose loss broadcast
     "loss_divided_twice",  # said once, at the first gradients: whether it has is all
+    "epsilon_underflow",  # likewise
     "rounded_updates",  # a streak of steps whose updates rounded away
     "gradient_underflow",  # a streak of steps whose gradients underflowed
     "overflow_risk",  # the tensors it warned of: the tail's, whatever came before

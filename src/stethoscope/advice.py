@@ -9,14 +9,23 @@ advice with the helpers here.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from stethoscope.number_formats import format_of
 
 __all__ = [
     "DEEPSPEED_SCALER",
+    "EPSILON_BOUND",
+    "SmallEpsilon",
     "TrainingSetup",
     "adaptive_optimizers",
     "clipping_advice",
+    "epsilon_advice",
+    "epsilon_cause",
     "float16_note",
+    "small_epsilon",
     "unoptimized_advice",
     "warmup_advice",
 ]
@@ -24,8 +33,51 @@ __all__ = [
 #: DeepSpeed's fp16 loss scaler, as :attr:`TrainingSetup.loss_scaler` names it.
 DEEPSPEED_SCALER = "DeepSpeed's loss scaler"
 
+#: How far past Adam's usual step (about the learning rate) a step may go where the
+#: second moment underflowed before the epsilon counts as small (see :class:`SmallEpsilon`).
+EPSILON_BOUND = 10.0
+
 #: Mixed-precision settings whose float16 overflows past 65504 (bfloat16 does not).
 _FLOAT16 = frozenset({"16-mixed", "16", "16-true", "mixed_float16", "float16"})
+
+
+@dataclass(frozen=True)
+class SmallEpsilon:
+    """An adaptive optimizer's epsilon too small for the 16-bit dtype of the weights it
+    updates, in which it keeps their second moment (torch's optimizers and Keras' alike).
+
+    Adam divides each step by ``sqrt(v) + eps``. A gradient element whose square is under
+    the dtype's smallest subnormal (float16: 6e-8, so below ~2.4e-4) leaves ``v`` at zero,
+    and its step is ``m / eps``: up to ``sqrt(smallest) / eps`` times the usual one (about
+    the learning rate), and a division by zero where ``eps`` itself rounds to zero
+    (float16: 1e-8). Small when that bound passes :data:`EPSILON_BOUND`.
+
+    Args:
+        optimizer: The optimizer's class name (``"AdamW"``).
+        name: Its epsilon argument (``"eps"``, Keras' ``"epsilon"``).
+        value: The epsilon.
+        dtype: The 16-bit dtype (``"float16"``).
+    """
+
+    optimizer: str
+    name: str
+    value: float
+    dtype: str
+
+    @property
+    def zero(self) -> bool:
+        """Whether the epsilon rounds to zero in the dtype (half its smallest subnormal,
+        or less)."""
+        return self.value <= format_of(self.dtype).smallest / 2
+
+    @property
+    def bound(self) -> float:
+        """How many times the usual step a step may be where the second moment
+        underflowed (inf: the epsilon is zero)."""
+        return math.inf if self.zero else math.sqrt(format_of(self.dtype).smallest) / self.value
+
+    def __str__(self) -> str:
+        return f"{self.optimizer}'s {self.name}={self.value:g}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +111,8 @@ class TrainingSetup:
             batch's loss by ``accumulate_grad_batches``, and under ``DeepSpeedStrategy``
             the engine's backward divides it by its ``gradient_accumulation_steps``,
             which Lightning sets to the same number.
+        small_epsilon: An adaptive optimizer's epsilon too small for the 16-bit dtype it
+            keeps its second moment in, or None.
     """
 
     framework: str = ""
@@ -71,6 +125,7 @@ class TrainingSetup:
     low_precision: bool = False
     master_weights: bool = False
     divided_again: int = 1
+    small_epsilon: SmallEpsilon | None = None
 
     @property
     def loss_scaled(self) -> bool:
@@ -142,4 +197,56 @@ def float16_note(setup: TrainingSetup) -> str:
     return (
         f" Under {setup.precision} precision, float16 overflows past 65504: a bfloat16 "
         "setting keeps float32's range."
+    )
+
+
+#: Optimizer class names (lowercase stems) that divide each step by ``sqrt(v) + eps``,
+#: ``v`` the mean of the squared gradients (Adamax keeps no square; Adadelta takes the
+#: root of ``v + eps``).
+_EPSILON_DIVIDES = ("adam", "rmsprop", "adagrad", "lamb")
+
+
+def small_epsilon(
+    optimizer: str, name: str, eps: object, dtypes: Iterable[object]
+) -> SmallEpsilon | None:
+    """``optimizer``'s epsilon (its argument ``name``) if it is small for one of
+    ``dtypes``, those of the weights it updates (see :class:`SmallEpsilon`); None when
+    it is not, is no number, or ``optimizer`` (a class name) divides by no such root.
+    bfloat16 has float32's range: 1e-8 is not small there."""
+    stem = optimizer.lower()
+    if "adamax" in stem or not any(s in stem for s in _EPSILON_DIVIDES):
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        return None
+    formats = {f.name: f for f in map(format_of, dtypes) if f is not None and f.bits < 24}
+    for fmt in sorted(formats.values(), key=lambda f: -f.smallest):  # the narrowest first
+        risk = SmallEpsilon(optimizer, name, float(eps), fmt.name)
+        if risk.bound > EPSILON_BOUND:
+            return risk
+    return None
+
+
+def epsilon_advice(setup: TrainingSetup) -> str:
+    """How to give the optimizer an epsilon its weights' dtype can bound the step with,
+    in the framework's own words (1e-4 bounds it at 2.4x in float16)."""
+    if setup.framework == "keras":
+        return (
+            "set epsilon=1e-4, or keep float32 variables and optimizer state (the "
+            '"mixed_float16" dtype policy)'
+        )
+    if setup.framework == "lightning":
+        return 'set eps=1e-4, or keep float32 weights and optimizer state (precision="16-mixed")'
+    return "set an epsilon of 1e-4, or keep float32 weights and optimizer state"
+
+
+def epsilon_cause(risk: SmallEpsilon) -> str:
+    """Why a step went far where the epsilon is small: a clause naming it."""
+    bound = (
+        f"is 0 in {risk.dtype}"
+        if risk.zero
+        else f"lets such a step be up to {risk.bound:.0f}x the usual one"
+    )
+    return (
+        f"where a gradient's second moment underflows to zero in {risk.dtype}, the step "
+        f"divides by the epsilon alone, and {risk} {bound}"
     )

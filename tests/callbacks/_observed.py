@@ -8,7 +8,13 @@ from typing import Any
 from stethoscope.testing import CapturingSink
 
 #: The precision detectors that speak by default (fp8_readiness is asked for).
-PRECISION = {"rounded_updates", "gradient_underflow", "loss_scale_collapse", "overflow_risk"}
+PRECISION = {
+    "rounded_updates",
+    "gradient_underflow",
+    "loss_scale_collapse",
+    "overflow_risk",
+    "epsilon_underflow",
+}
 
 
 class Observed(CapturingSink):

@@ -238,6 +238,37 @@ def test_the_same_loss_under_a_loss_scale_optimizer_is_silent():
     assert all(np.isnan(o.grad_subnormal).all() for o in sink.observations)
 
 
+# -- float16 variables: an Adam epsilon float16 cannot hold ---------------------------------------
+
+
+def fit_with_a_dead_feature(optimizer: Any, policy: str = "float16") -> Observed:
+    """Fit the MLP on data whose first feature is always zero: the hidden kernel's first
+    row gets no gradient, so Adam's moments there are exactly zero and its step there is
+    0 / (0 + epsilon), whatever the CPU's kernels."""
+    x, y = data()
+    x[:, 0] = 0.0
+    sink = Observed("precision")
+    cb = KerasStethoscope(sinks=[sink], stop_on=None)
+    model = mlp(policy, optimizer)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    return sink
+
+
+def test_an_adam_epsilon_that_is_zero_in_float16_is_named_and_the_nan_blamed_on_it():
+    sink = fit_with_a_dead_feature(keras.optimizers.Adam(1e-3, epsilon=1e-8))
+    (said,) = sink.by_detector("epsilon_underflow")
+    assert (said.step, said.severity, said.where) == (0, "warning", "Adam")
+    assert "Adam's epsilon=1e-08 is 0 in float16" in said.message and "epsilon=1e-4" in said.message
+    nan = sink.by_detector("nonfinite_weights")[0]  # 0 / 0 in the dead row
+    assert nan.step == 0 and nan.where.startswith("mlp/hidden/kernel")
+    assert "is 0 in float16" in nan.message and "learning rate" not in nan.message
+
+
+def test_an_epsilon_float16_bounds_a_step_with_is_silent():
+    sink = fit_with_a_dead_feature(keras.optimizers.Adam(1e-3, epsilon=1e-4))
+    assert not named(sink) & {"epsilon_underflow", "nonfinite_weights", "large_updates"}
+
+
 # -- a LossScaleOptimizer: its scale and the steps it skipped -------------------------------------
 
 

@@ -174,6 +174,44 @@ def test_the_same_loss_under_a_loss_scaler_is_silent():
     assert all(set(o.dtypes) == {"float32"} for o in sink.observations)
 
 
+# -- 16-true: an Adam epsilon float16 cannot hold ------------------------------------------------
+
+
+class HalfAdam(TinyMLP):
+    """TinyMLP under Adam with epsilon ``eps``, its first input feature always zero:
+    net.0.weight's first column gets no gradient, so Adam's moments there are exactly
+    zero and its step there is 0 / (0 + eps), whatever the CPU's kernels."""
+
+    def __init__(self, eps: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.eps = eps
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = torch.cat([torch.zeros_like(x[:, :1]), x[:, 1:]], dim=1)
+        return torch.nn.functional.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, eps=self.eps)
+
+
+def test_an_adam_epsilon_that_is_zero_in_float16_is_named_and_the_nan_blamed_on_it():
+    _, sink = run(HalfAdam(1e-8), precision="16-true", steps=3)
+    (said,) = sink.by_detector("epsilon_underflow")
+    assert (said.step, said.severity, said.where) == (0, "warning", "Adam")
+    assert "Adam's eps=1e-08 is 0 in float16" in said.message
+    nan = sink.by_detector("nonfinite_weights")[0]  # 0 / 0 in the zero column
+    assert (nan.step, nan.where) == (0, "net.0.weight")
+    assert "Adam's eps=1e-08 is 0 in float16" in nan.message and "learning rate" not in nan.message
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_an_epsilon_the_weights_dtype_bounds_a_step_with_is_silent(precision):
+    eps = 1e-4 if precision == "16-true" else 1e-8  # bfloat16 keeps float32's range
+    _, sink = run(HalfAdam(eps), precision=precision, steps=20)
+    assert not named(sink) & {"epsilon_underflow", "nonfinite_weights", "large_updates"}
+
+
 # -- a GradScaler: its scale and the steps it skipped ----------------------------------------------
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _helpers import INF, NAMES, NAN, assert_actionable, loss_obs, make_obs, run, steps
 
-from stethoscope.advice import TrainingSetup
+from stethoscope.advice import TrainingSetup, small_epsilon
 from stethoscope.detectors import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
 
 
@@ -197,3 +197,19 @@ def test_nonfinite_weights_ignores_nonfinite_gradients_and_quiet_on_healthy_twin
 def test_nonfinite_weights_single_step():
     (f,) = run(NonfiniteWeights(), [make_obs(0, weights=[NAN])])
     assert (f.step, f.where, f.severity.value) == (0, "p0", "error")
+    assert "lower learning rate" in f.message
+
+
+@pytest.mark.parametrize(
+    ("eps", "said"), [(1e-8, "eps=1e-08 is 0 in float16"), (1e-7, "up to 2441x the usual one")]
+)
+def test_nonfinite_weights_under_an_epsilon_small_for_float16_names_it(eps, said):
+    detector = NonfiniteWeights()
+    risk = small_epsilon("AdamW", "eps", eps, ["float16"])
+    detector.setup = TrainingSetup(framework="lightning", small_epsilon=risk)
+    (f,) = run(detector, [make_obs(0, weights=[NAN])])
+    assert said in f.message and "learning rate" not in f.message
+    assert f.message.endswith(
+        'set eps=1e-4, or keep float32 weights and optimizer state (precision="16-mixed").'
+    )
+    assert detector.current_advice() == "restart with a larger epsilon (1e-4)"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup
+from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup, small_epsilon
 from stethoscope.detectors import (
+    EpsilonUnderflow,
     Fp8Readiness,
     GradientUnderflow,
     LossScaleCollapse,
@@ -205,3 +206,30 @@ def test_when_nothing_moved_at_all_the_optimizers_own_arithmetic_is_named():
     d = low(RoundedUpdates(patience=1))
     [f] = d.update(obs(0, update_lost=np.array([0.9, 0.5, 1.0, 0.0])))
     assert "beta_2" not in f.message
+
+
+# -- epsilon_underflow ----------------------------------------------------------------------------
+
+
+def with_epsilon(detector, eps: float, framework: str = "lightning"):
+    risk = small_epsilon("AdamW", "eps", eps, ["float16"])
+    detector.setup = TrainingSetup(framework=framework, low_precision=True, small_epsilon=risk)
+    return detector
+
+
+def test_an_epsilon_that_is_zero_in_float16_is_said_once_at_the_first_gradients():
+    detector = with_epsilon(EpsilonUnderflow(), 1e-8)
+    assert detector.applies() and not detector.finished(0)
+    steps = [obs(0)] + [obs(t, grad_norm=np.ones(4)) for t in (16, 32)]
+    (f,), suspects = feed(detector, steps)
+    assert suspects == [None] * 3
+    assert (f.severity, f.step, f.value, f.where) == ("warning", 16, 1e-8, "AdamW")
+    assert "AdamW's eps=1e-08 is 0 in float16" in f.message
+    assert f.message.endswith('(precision="16-mixed").') and detector.finished(32)
+
+
+@pytest.mark.parametrize("eps", [1e-7, 1e-4])  # small but not zero; not small
+def test_an_epsilon_that_is_not_zero_is_no_finding_of_its_own(eps):
+    detector = with_epsilon(EpsilonUnderflow(), eps)
+    assert not detector.applies() and detector.finished(0)
+    assert EpsilonUnderflow().finished(0)  # float32, or no adaptive optimizer

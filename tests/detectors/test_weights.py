@@ -19,6 +19,7 @@ from _helpers import (
     steps,
 )
 
+from stethoscope.advice import TrainingSetup, small_epsilon
 from stethoscope.detectors import (
     AllZero,
     FrozenWeights,
@@ -109,6 +110,16 @@ def test_large_updates_nonfinite_norms_are_skipped_without_breaking_the_streak()
 def test_large_updates_without_a_learning_rate_says_nothing_about_it():
     (f,) = run(LargeUpdates(), [ratio_obs(0, 50.0, lr=None)])
     assert "learning rate of" not in f.message and "learning rate is far too high" in f.message
+
+
+def test_large_updates_under_an_epsilon_small_for_float16_names_it_not_the_learning_rate():
+    d = LargeUpdates()
+    risk = small_epsilon("Adam", "epsilon", 1e-7, ["float16"])
+    d.setup = TrainingSetup(framework="keras", small_epsilon=risk)
+    (f,) = run(d, [ratio_obs(0, 50.0)])
+    assert "Adam's epsilon=1e-07 lets such a step be up to 2441x the usual one" in f.message
+    assert "far too high" not in f.message and "set epsilon=1e-4" in f.message
+    assert d.current_advice() == "set a larger epsilon (1e-4)"
 
 
 def test_large_updates_suspects_a_single_large_step():

@@ -27,6 +27,7 @@ from stethoscope.detectors.pipeline import (
     UnzeroedGradients,
 )
 from stethoscope.detectors.precision import (
+    EpsilonUnderflow,
     Fp8Readiness,
     GradientUnderflow,
     LossScaleCollapse,
@@ -44,6 +45,7 @@ __all__ = [
     "CollapsedLearningRate",
     "DeadRelu",
     "Detector",
+    "EpsilonUnderflow",
     "EvalMode",
     "ExplodingGradients",
     "Fp8Readiness",
@@ -111,6 +113,7 @@ DETECTORS: dict[str, type[Detector]] = {
         GradientUnderflow,
         LossScaleCollapse,
         OverflowRisk,
+        EpsilonUnderflow,
         Fp8Readiness,
         ReplicaDivergence,
         Straggler,

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from stethoscope.advice import float16_note
+from stethoscope.advice import epsilon_advice, epsilon_cause, float16_note
 from stethoscope.detectors.base import (
     Detector,
     Losses,
@@ -229,13 +229,21 @@ class NonfiniteWeights(Detector):
     """A weight became NaN or ±Inf after an optimizer step.
 
     Rule: any parameter whose norm after the step is non-finite is an error. The
-    model cannot recover from this: the message says to restart from a checkpoint.
+    model cannot recover from this: the message says to restart from a checkpoint. Where
+    the optimizer's epsilon is small for the 16-bit weights it updates
+    (``TrainingSetup.small_epsilon``), the message names it as the cause: a step where a
+    gradient's second moment underflowed divides by that epsilon.
     """
 
     name = "nonfinite_weights"
     needs = frozenset({"weights"})
     base_interval = 16
     advice = "restart from a checkpoint with a lower LR"
+
+    def current_advice(self) -> str:
+        if self.setup.small_epsilon is None:
+            return self.advice
+        return "restart with a larger epsilon (1e-4)"
 
     def _update(self, obs: Observation) -> list[Finding]:
         bad = ~np.isfinite(obs.weight_norm)
@@ -249,10 +257,21 @@ class NonfiniteWeights(Detector):
                 obs,
                 "error",
                 f"The weights of {obs.names[first]} are {_describe(value)} after the optimizer "
-                f"step {obs.step} ({len(idx)} of {len(bad)} parameters): the update diverged and "
-                "the model cannot recover; restart from a checkpoint with a lower learning rate "
-                "or gradient clipping.",
+                f"step {obs.step} ({len(idx)} of {len(bad)} parameters): {self._cause()}",
                 value=value,
                 where=obs.names[first],
             )
         ]
+
+    def _cause(self) -> str:
+        """Why, and what to do: the end of the message."""
+        risk = self.setup.small_epsilon
+        if risk is None:
+            return (
+                "the update diverged and the model cannot recover; restart from a checkpoint "
+                "with a lower learning rate or gradient clipping."
+            )
+        return (
+            f"{epsilon_cause(risk)}, so the model cannot recover; "
+            f"restart from a checkpoint and {epsilon_advice(self.setup)}."
+        )

@@ -14,13 +14,14 @@ from collections import deque
 
 import numpy as np
 
-from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup
+from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup, epsilon_advice
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.number_formats import E4M3, E5M2, FORMATS, HALF
 from stethoscope.observation import Observation
 
 __all__ = [
+    "EpsilonUnderflow",
     "Fp8Readiness",
     "GradientUnderflow",
     "LossScaleCollapse",
@@ -515,5 +516,65 @@ class Fp8Readiness(Detector):
                 value=float(np.nanmax(lost)) if len(past) else None,
                 threshold=self.fraction,
                 where=obs.names[int(past[np.argmax(lost[past])])] if len(past) else grew[0][1],
+            )
+        ]
+
+
+class EpsilonUnderflow(Detector):
+    """An optimizer's epsilon that is zero in the 16-bit dtype of the weights it updates.
+
+    Adam (and RMSprop, Adagrad...) divides each step by ``sqrt(v) + eps``, and keeps ``v``,
+    the mean of the squared gradients, in the weight's dtype. In float16 a gradient
+    element under about 2.4e-4 (or zero) leaves ``v`` at zero; with the default
+    ``eps=1e-8``, itself zero in float16, its step divides by zero and the weight turns NaN
+    or infinite, on the first steps. bfloat16 keeps float32's range and is not concerned.
+
+    Rule: from the setup (``TrainingSetup.small_epsilon``, when the epsilon rounds to
+    zero): a warning once, at the first step whose gradients are measured. A smaller
+    epsilon that is not zero is no finding (the runs measured with one do not all
+    diverge), but ``nonfinite_weights`` names it as the cause if the weights go bad.
+    """
+
+    name = "epsilon_underflow"
+    needs = frozenset({"grads"})
+    base_interval = 16  # the gradients' own interval: it plans nothing of its own
+    escalates = False  # a fact of the setup: the next steps would say nothing more
+    advice = "set eps=1e-4, or fp32 weights"
+
+    def _initial_state(self) -> dict:
+        return {"judged": False}
+
+    def applies(self) -> bool:
+        risk = self.setup.small_epsilon
+        return risk is not None and risk.zero
+
+    def finished(self, step: int) -> bool:
+        return self.state["judged"] or not self.applies()
+
+    def current_advice(self) -> str:
+        return (
+            "set epsilon=1e-4, or fp32 variables"
+            if self.setup.framework == "keras"
+            else self.advice
+        )
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        if self.finished(obs.step) or obs.grad_norm is None:
+            return []
+        self.state["judged"] = True
+        risk = self.setup.small_epsilon
+        fmt = FORMATS[risk.dtype]
+        return [
+            self.finding(
+                obs,
+                "warning",
+                f"{risk} is 0 in {risk.dtype}: the optimizer keeps each weight's second "
+                f"moment in {risk.dtype}, where a gradient element under about "
+                f"{np.sqrt(fmt.smallest):.2g} (or zero) leaves it at zero, and a step there "
+                f"divides by zero, turning the weight NaN or infinite (step {obs.step}); "
+                f"{epsilon_advice(self.setup)}.",
+                value=risk.value,
+                threshold=fmt.smallest / 2,
+                where=risk.optimizer,
             )
         ]

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from stethoscope.advice import unoptimized_advice
+from stethoscope.advice import epsilon_advice, epsilon_cause, unoptimized_advice
 from stethoscope.detectors._stats import is_finite, median
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -93,13 +93,26 @@ class LargeUpdates(Detector):
                 obs,
                 "error" if error else "warning",
                 f"The optimizer step changed {where} by {ratio:.3g}x its own norm at step "
-                f"{obs.step}{lr} (healthy: ~1e-3): the learning rate is far too high for this "
-                "model; lower it (try 10-100x smaller) or add a warm-up.",
+                f"{obs.step}{lr} (healthy: ~1e-3): {self._cause()}.",
                 value=ratio,
                 threshold=self.error_threshold if error else self.threshold,
                 where=where,
             )
         ]
+
+    def current_advice(self) -> str:
+        return self.advice if self.setup.small_epsilon is None else "set a larger epsilon (1e-4)"
+
+    def _cause(self) -> str:
+        """Why, and what to do: the end of the message. An epsilon small for the 16-bit
+        weights (``TrainingSetup.small_epsilon``) makes such steps at any learning rate."""
+        risk = self.setup.small_epsilon
+        if risk is None:
+            return (
+                "the learning rate is far too high for this model; lower it (try 10-100x "
+                "smaller) or add a warm-up"
+            )
+        return f"{epsilon_cause(risk)}; {epsilon_advice(self.setup)}"
 
 
 class SmallUpdates(Detector):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stethoscope.advice import TrainingSetup, adaptive_optimizers
+from stethoscope.advice import SmallEpsilon, TrainingSetup, adaptive_optimizers, small_epsilon
 from stethoscope.number_formats import HALF
 
 __all__ = [
@@ -144,7 +144,24 @@ def training_setup(model: Any) -> TrainingSetup:
         adaptive=adaptive_optimizers(optimizers_of(model)),
         loss_scaler="LossScaleOptimizer" if scaled else None,
         low_precision=policy not in _FULL_PRECISION or half,
+        small_epsilon=_small_epsilon(model),
     )
+
+
+def _small_epsilon(model: Any) -> SmallEpsilon | None:
+    """The first optimizer's epsilon too small for the 16-bit variables it updates (Keras
+    keeps an optimizer's slots in each variable's dtype; a ``LossScaleOptimizer``'s is
+    its inner optimizer's)."""
+    import keras
+
+    dtypes = {keras.backend.standardize_dtype(v.dtype) for v in model.trainable_variables}
+    for optimizer in optimizers_of(model):
+        optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
+        name = type(optimizer).__name__
+        risk = small_epsilon(name, "epsilon", getattr(optimizer, "epsilon", None), dtypes)
+        if risk is not None:
+            return risk
+    return None
 
 
 #: The dtype policies that compute and keep the variables in float32 or float64.

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
-from stethoscope.advice import TrainingSetup, adaptive_optimizers
+from stethoscope.advice import SmallEpsilon, TrainingSetup, adaptive_optimizers, small_epsilon
 from stethoscope.callbacks._lightning.loss_scale import loss_scaler_name
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.zero import (
@@ -80,7 +80,22 @@ def training_setup(trainer: Any) -> TrainingSetup:
         low_precision=precision not in _FULL_PRECISION or _holds_half(module),
         master_weights=any(is_deepspeed_optimizer(o) for o in trainer.optimizers),
         divided_again=_divided_again(trainer),
+        small_epsilon=_small_epsilon(trainer.optimizers),
     )
+
+
+def _small_epsilon(optimizers: list[Any]) -> SmallEpsilon | None:
+    """The first epsilon too small for the 16-bit weights its parameter group updates
+    (torch's optimizers keep their state in each weight's dtype); DeepSpeed's updates
+    float32 master copies."""
+    for optimizer in map(client_optimizer, optimizers):
+        name = type(optimizer).__name__
+        for group in optimizer.param_groups:
+            dtypes = {p.dtype for p in group["params"]}
+            risk = small_epsilon(name, "eps", group.get("eps"), dtypes)
+            if risk is not None:
+                return risk
+    return None
 
 
 def _divided_again(trainer: Any) -> int:
