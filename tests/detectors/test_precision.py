@@ -233,3 +233,17 @@ def test_an_epsilon_that_is_not_zero_is_no_finding_of_its_own(eps):
     detector = with_epsilon(EpsilonUnderflow(), eps)
     assert not detector.applies() and detector.finished(0)
     assert EpsilonUnderflow().finished(0)  # float32, or no adaptive optimizer
+
+
+@pytest.mark.parametrize(
+    ("setup", "said"),
+    [
+        ({"framework": "lightning"}, "scale the loss (16-mixed) or train in bf16"),
+        ({"framework": "keras"}, "scale the loss (mixed_float16) or mixed_bfloat16"),
+        ({"framework": "lightning", "loss_scaler": "GradScaler"}, "a larger loss scale, or bf16"),
+    ],
+)
+def test_gradient_underflows_summary_advice_is_in_the_frameworks_words(setup, said):
+    detector = GradientUnderflow()
+    detector.setup = TrainingSetup(low_precision=True, **setup)
+    assert detector.current_advice() == said

@@ -233,6 +233,13 @@ class GradientUnderflow(_ShareStreak):
     def __init__(self, *, fraction: float = 0.05, patience: int = 2) -> None:
         super().__init__(fraction=fraction, patience=patience)
 
+    def current_advice(self) -> str:
+        if self.setup.loss_scaled:
+            return "a larger loss scale, or bf16"
+        if self.setup.framework == "keras":
+            return "scale the loss (mixed_float16) or mixed_bfloat16"
+        return self.advice
+
     def _update(self, obs: Observation) -> list[Finding]:
         subnormal = np.asarray(obs.grad_subnormal, dtype=np.float64)
         judged = _half(obs) & np.isfinite(subnormal)
