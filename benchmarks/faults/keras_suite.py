@@ -616,6 +616,8 @@ def make_optimizer(
     kwargs: dict[str, Any] = {"learning_rate": lr, "name": train.optimizer}
     if train.optimizer == "sgd":
         kwargs["momentum"] = train.momentum
+    elif train.optimizer == "adam" and train.eps is not None:
+        kwargs["epsilon"] = train.eps
     elif train.optimizer != "adam":
         raise ValueError(f"optimizer={train.optimizer!r}; use 'adam' or 'sgd'")
     if train.clip is not None:

@@ -351,7 +351,8 @@ class SuiteModule(L.LightningModule):
             if f.kind == "zero_lr_group":
                 groups.append({"params": [p for p in params if id(p) in odd], "lr": 0.0})
         if t.optimizer == "adam":
-            opt: torch.optim.Optimizer = torch.optim.Adam(groups, lr=t.lr)
+            eps = {} if t.eps is None else {"eps": t.eps}
+            opt: torch.optim.Optimizer = torch.optim.Adam(groups, lr=t.lr, **eps)
         elif t.optimizer == "sgd":
             opt = torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
         else:

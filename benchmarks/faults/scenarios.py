@@ -256,6 +256,7 @@ class TrainSpec:
             dynamic loss scaler; Keras: ``"mixed_float16"``). The loss is computed in
             float32 from the output.
         loss_weight: The loss is multiplied by it (an auxiliary loss weighted down).
+        eps: Adam's epsilon (None: the framework's default, torch's 1e-8, Keras' 1e-7).
         loss: ``"logits"``: cross-entropy of the model's output taken as logits
             (Lightning's ``cross_entropy``, Keras' ``from_logits=True``);
             ``"probabilities"``: taken as probabilities (Lightning: ``nll_loss`` of their
@@ -281,6 +282,7 @@ class TrainSpec:
     validate: bool = False
     precision: str = "32"
     loss_weight: float = 1.0
+    eps: float | None = None
     loss: str = "logits"
 
     def __post_init__(self) -> None:
@@ -969,6 +971,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         # the cause is the inputs' scale, which unnormalized_input names
         collateral=("unnormalized_input", *DIVERGENCE),
     ),
+    Scenario(
+        "fp16_adam_epsilon_zero",
+        "precision",
+        "float16 weights and Adam's moments (16-true) under Adam at eps=1e-8 (torch's "
+        "default), which is 0 in float16: where a gradient's second moment underflows, "
+        "the step divides by zero",
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=300, precision="16-true", eps=1e-8),
+        onset=0,
+        expect=("epsilon_underflow", "nonfinite_weights"),
+        window=16,
+        # the weights turn NaN at once: everything after them follows; float16 gradients
+        # with no loss scaling underflow too (gradient_underflow, rightly)
+        collateral=(*DIVERGENCE, "gradient_underflow"),
+    ),
     # -- healthy controls: each sets a trap ----------------------------------------------
     Scenario(
         "healthy_standardized",
@@ -1139,6 +1155,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="sgd", lr=100.0, max_steps=300, precision="16-mixed", loss_weight=1e-3
         ),
+    ),
+    Scenario(
+        "healthy_fp16_adam_mixed",
+        "healthy",
+        "float16 compute with float32 weights and Adam's moments and a loss scaler "
+        "(16-mixed) under Adam at eps=1e-8 (the twin of fp16_adam_epsilon_zero): the "
+        "epsilon is kept",
+        train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=300, precision="16-mixed", eps=1e-8),
     ),
     Scenario(
         "healthy_digits_validated",
