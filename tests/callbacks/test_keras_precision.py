@@ -157,6 +157,17 @@ def test_gradient_shares_count_subnormals_zeros_and_the_peak_in_the_gradients_dt
     assert np.isnan(shares32).all()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_nan_value_or_gradient_is_no_update_that_rounded_away(dtype):
+    nan, inf = math.nan, math.inf
+    before = keras.ops.convert_to_tensor([nan, 2.0, 3.0, 4.0, -inf, 6.0], dtype)
+    after = keras.ops.convert_to_tensor([nan, 2.0, 3.0, 4.0, -inf, 7.0], dtype)
+    grad = keras.ops.convert_to_tensor([1.0, nan, -inf, 1.0, 1.0, 1.0], dtype)
+    # 0: a NaN value; 1, 2: a gradient that is no number; 4: an infinite value. 3 and 5
+    # were pushed, and 3 stayed
+    assert float(rounded_away(before, after, grad)) == pytest.approx(1 / 2)
+
+
 def test_rounded_away_is_the_share_of_pushed_elements_left_as_they_were():
     bf16 = "bfloat16"
     before = keras.ops.convert_to_tensor([1.0, 2.0, 3.0, 4.0, 5.0], bf16)

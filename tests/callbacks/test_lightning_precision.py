@@ -120,6 +120,17 @@ def test_rounded_counts_are_the_pushed_elements_left_as_they_were_and_the_pushed
     assert np.isnan(rounded_counts(*[[t] for t in wide]).numpy()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_nan_weight_or_gradient_is_no_update_that_rounded_away(dtype):
+    nan, inf = math.nan, math.inf
+    before = torch.tensor([nan, 2.0, 3.0, 4.0, -inf], dtype=dtype)
+    after = torch.tensor([nan, 2.0, 3.0, 4.0, -inf], dtype=dtype)  # nothing moved
+    grad = torch.tensor([1.0, nan, -inf, 1.0, 1.0], dtype=dtype)
+    # 0: a NaN weight; 1, 2: a gradient that is no number; 4: an infinite weight. Only 3
+    # was pushed, and stayed
+    assert rounded_counts([before], [after], [grad]).tolist() == [[1.0, 1.0]]
+
+
 # -- bf16-true: updates that round away ------------------------------------------------------------
 
 

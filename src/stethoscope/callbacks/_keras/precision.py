@@ -70,18 +70,21 @@ def gradient_shares(g: Any, scale: Any = None) -> Any:
 
 
 def rounded_away(before: Any, after: Any, grad: Any) -> Any:
-    """Of a variable's elements whose gradient ``grad`` is not zero, the share that is
-    exactly as it was before the step (``before``: its value then, in its own dtype or
-    in float32, which holds every 16-bit value exactly): the updates that rounded away.
-    NaN where every gradient element is zero, and for a variable wider than 16 bits (not
-    judged, not measured)."""
+    """Of a variable's elements whose gradient ``grad`` is finite and not zero and whose
+    value was finite, the share that is exactly as it was before the step (``before``:
+    its value then, in its own dtype or in float32, which holds every 16-bit value
+    exactly): the updates that rounded away. NaN where no element is such, and for a
+    variable wider than 16 bits (not judged, not measured). A NaN value stays NaN, and a
+    NaN gradient moves nothing: neither is an update that rounded away."""
     if keras.backend.standardize_dtype(after.dtype) not in HALF:
         return ops.convert_to_tensor(np.float32(np.nan))
     if keras.backend.standardize_dtype(before.dtype) != keras.backend.standardize_dtype(
         after.dtype
     ):
         before, after = ops.cast(before, "float32"), ops.cast(after, "float32")
-    pushed = ops.not_equal(ops.stop_gradient(grad), 0)
+    grad = ops.stop_gradient(grad)
+    pushed = ops.logical_and(ops.not_equal(grad, 0), ops.isfinite(grad))
+    pushed = ops.logical_and(pushed, ops.isfinite(before))
     stayed = ops.logical_and(pushed, ops.equal(after, before))
     counts = ops.cast(ops.stack([ops.count_nonzero(stayed), ops.count_nonzero(pushed)]), "float32")
     return counts[0] / counts[1]

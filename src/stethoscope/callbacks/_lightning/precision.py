@@ -42,6 +42,11 @@ _TINY_BITS = {
     for name in HALF
 }
 _MAGNITUDE = 0x7FFF  # all but the sign bit
+#: Per 16-bit dtype, the bit pattern of infinity: a magnitude at or above it is not finite.
+_INF_BITS = {
+    getattr(torch, name): int(torch.tensor(math.inf, dtype=getattr(torch, name)).view(torch.int16))
+    for name in HALF
+}
 
 
 def gradient_counts(
@@ -84,17 +89,19 @@ def gradient_counts(
 def rounded_counts(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 ) -> torch.Tensor:
-    """For each parameter held in 16 bits, of its elements whose gradient is not zero, how
-    many are exactly as they were before the step (``before``: its snapshot), the updates
-    that rounded away, and how many there are (their share is the first over the second);
-    NaN for a wider parameter (not judged, not measured). One float32 tensor
-    ``(len(after), 2)`` on the device."""
+    """For each parameter held in 16 bits, of its elements whose gradient is finite and not
+    zero and whose weight was finite, how many are exactly as they were before the step
+    (``before``: its snapshot), the updates that rounded away, and how many there are
+    (their share is the first over the second); NaN for a wider parameter (not judged,
+    not measured). A NaN weight stays NaN, and a NaN gradient moves nothing: neither is
+    an update that rounded away. One float32 tensor ``(len(after), 2)`` on the device."""
     rows = []
     with torch.no_grad():
         for b, a, g in zip(before, after, grads, strict=True):
             if a.dtype not in _TINY_BITS or g.dtype not in _TINY_BITS:
                 rows.append(torch.full((2,), math.nan, device=a.device))
                 continue
+            g_inf, w_inf = _INF_BITS[g.dtype], _INF_BITS[a.dtype]
             a = a.detach().reshape(-1).view(torch.int16)
             g = g.detach().reshape(-1).view(torch.int16)
             b = b.reshape(-1).view(torch.int16)
@@ -102,7 +109,8 @@ def rounded_counts(
             stayed = torch.zeros_like(pushed)
             for lo in range(0, a.numel(), _CHUNK):
                 part = slice(lo, lo + _CHUNK)
-                moving = (g[part] & _MAGNITUDE) != 0
+                g_bits = g[part] & _MAGNITUDE
+                moving = (g_bits != 0) & (g_bits < g_inf) & ((b[part] & _MAGNITUDE) < w_inf)
                 pushed += torch.count_nonzero(moving)
                 stayed += torch.count_nonzero(moving & (a[part] == b[part]))
             rows.append(torch.stack([stayed.float(), pushed.float()]))
