@@ -437,7 +437,7 @@ class LossDividedTwice(Detector):
     # rank zero alone, the other ranks planning alike), and then finished
     base_interval = 16
     escalates = False  # a fact of the setup: the next steps would say nothing more
-    advice = "multiply the loss by the accumulation"
+    advice = "fold the accumulation into the batch size"
 
     def _initial_state(self) -> dict:
         return {"judged": False}
