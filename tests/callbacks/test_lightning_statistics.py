@@ -4,6 +4,7 @@ the run's context that its sinks receive."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from _histograms import magnitude_histogram
 from _models import TinyMLP, fit
@@ -65,6 +66,50 @@ def test_the_learning_rate_observed_is_the_one_the_steps_update_was_taken_at():
         # plain SGD: each update is the rate it was taken at times the gradient (to the
         # rounding of a small update subtracted from its weight in float32)
         np.testing.assert_allclose(o.update_norm, taken * o.grad_norm, rtol=1e-3)
+
+
+def warm_up(step: int) -> float:
+    """A linear warm-up to 1e-2 over 5 steps, then constant."""
+    return 1e-2 * min(1.0, (step + 1) / 5)
+
+
+class WarmedUpInOptimizerStep(TinyMLP):
+    """TinyMLP under plain SGD warmed up by hand in ``optimizer_step`` (Lightning's own
+    recipe): the rate is set after the step began, just before the update."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        for group in optimizer.param_groups:
+            group["lr"] = warm_up(self.trainer.global_step)
+        optimizer.step(closure=optimizer_closure)
+
+
+class WarmedUpAtBatchStart(WarmedUpInOptimizerStep):
+    """The same warm-up set in the module's ``on_train_batch_start``, which Lightning calls
+    after the callbacks'."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = warm_up(self.trainer.global_step)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.parametrize("model", [WarmedUpInOptimizerStep, WarmedUpAtBatchStart])
+def test_a_rate_set_after_the_step_began_is_observed_as_the_update_takes_it(model):
+    # read when the step begins alone, each step was observed at the rate of the step
+    # before it (0 at step 0)
+    spy = RecordingDetector({"grads", "updates"})
+    torch.manual_seed(0)
+    cb = LightningStethoscope(detectors=[spy], sinks=[], intervals={"recorder": 1})
+    fit(model(depth=1), steps=8, callback=cb)
+    assert [o.step for o in spy.seen] == list(range(8))
+    for o in spy.seen:
+        assert o.lr == pytest.approx(warm_up(o.step)), o.step
+        np.testing.assert_allclose(o.update_norm, o.lr * o.grad_norm, rtol=1e-3)
 
 
 def test_sinks_receive_the_runs_context():

@@ -25,6 +25,7 @@ from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_clock_for
 from stethoscope.callbacks._lightning.forward import ForwardProbe
 from stethoscope.callbacks._lightning.hooks import HookSwitch
+from stethoscope.callbacks._lightning.learning_rate import TakenRate
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
 from stethoscope.callbacks._lightning.loss_scale import (
     EngineScaleSkips,
@@ -48,7 +49,7 @@ from stethoscope.callbacks._lightning.zero import accumulating
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
 from stethoscope.observation import Observation
-from stethoscope.recovery import Recoverer, Recovery
+from stethoscope.recovery import Recovery
 from stethoscope.sinks import ConsoleSink, Sink
 
 __all__ = ["LightningStethoscope"]
@@ -173,7 +174,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
-        self._lr_group: dict[str, Any] | None = None
+        self._rate = TakenRate()
         #: The other ranks (a distributed run only).
         self._ranks: LightningRanks | None = None
         self._backward_always = self._backward_on = False
@@ -211,10 +212,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         # DeepSpeed's engine) replaces its parameters and optimizers after setup
         watched = watch_parameters(pl_module, self._batch)
         self._probe, self._forward, self._scale_skips, self._reductions = watched
-        optimizers = trainer.optimizers
-        # the dict object stays the same while schedulers change its "lr": read it per step
-        self._lr_group = optimizers[0].param_groups[0] if optimizers else None
-        self._probe.optimized_by(optimizers)
+        self._rate = TakenRate(trainer.optimizers, self.recoverer)
+        self._probe.optimized_by(trainer.optimizers)
         if self._ranks is not None:  # before the monitor starts: how the ranks judge
             self._ranks.watch_replicas(trainer, pl_module, sharded=self._probe.sharded)
         context = run_context(
@@ -250,9 +249,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             plan |= {"weights", "updates"}  # the update ratio is a headline stat
         if self._scale_skips is not None and "updates" in plan:
             plan |= {"loss_scale"}  # whether the scaler skipped the step (LossScale)
-        lr = _learning_rate(self._lr_group, self.recoverer, step)  # as its update takes it
         self._measures = measures = StepMeasures(
-            step, trainer.current_epoch, plan, combiner=self._combiner, lr=lr
+            step, trainer.current_epoch, plan, combiner=self._combiner, lr=self._rate.at(step)
         )
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
@@ -267,11 +265,12 @@ class LightningStethoscope(StethoscopeBase, Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        measures = self._measures
+        measures.lr = self._rate.at(measures.step)  # a warm-up may set it after batch start
         if self._recovery is not None:
             self._recovery.judge(optimizer)
             if self._recovery.replaying:  # the step again: its statistics were taken
                 return
-        measures = self._measures
         if measures.sampled and not accumulating(trainer.strategy.model):  # else nothing to read
             scale = pending_scale(scaler_of(trainer), optimizer)
             self._reductions.before_step(measures, optimizer, scale)
@@ -454,19 +453,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         decision = look_if_nonfinite(judged, self._measures.step, self.monitor, self._reductions)
         if decision is not None:
             self._act(decision)
-
-
-def _learning_rate(
-    group: dict[str, Any] | None, recoverer: Recoverer | None, step: int
-) -> float | None:
-    """The learning rate of ``group`` (the first optimizer's first parameter group) as a
-    number, as the update of ``step`` takes it (cooled by ``recoverer``'s ladder), or
-    None. Read when the step begins: a scheduler stepped per step changes it after the
-    update and before the batch's end, and a finding must say the rate the update was
-    taken at."""
-    lr = group.get("lr") if group is not None else None
-    lr = float(lr) if isinstance(lr, (int, float)) else None  # a tensor lr: no sync
-    return recoverer.rate_taken(step, lr) if recoverer is not None else lr
 
 
 def _gradient_interval(monitor: Monitor) -> float:
