@@ -38,6 +38,17 @@ def test_distributions_are_not_measured_unless_a_detector_needs_them():
     assert spy.seen and all(o.weight_hist is None and o.grad_hist is None for o in spy.seen)
 
 
+def every_step(model: TinyMLP, steps: int) -> list:
+    """The observations of each of ``steps`` steps, every one measuring the gradients and
+    the update."""
+    spy = RecordingDetector({"grads", "updates"})
+    torch.manual_seed(0)
+    cb = LightningStethoscope(detectors=[spy], sinks=[], intervals={"recorder": 1})
+    fit(model, steps=steps, callback=cb)
+    assert [o.step for o in spy.seen] == list(range(steps))
+    return spy.seen
+
+
 class SpikedSchedule(TinyMLP):
     """TinyMLP under plain SGD whose per-step schedule (a scheduler bug) multiplies the
     learning rate by 100 for one step, ``SPIKE``, alone."""
@@ -55,12 +66,7 @@ def test_the_learning_rate_observed_is_the_one_the_steps_update_was_taken_at():
     # Lightning steps the scheduler after the update and before the batch's end: read
     # there, the spiked step was reported at the rate of the next one (1e-3), and the
     # step before it at the spike's
-    spy = RecordingDetector({"grads", "updates"})
-    torch.manual_seed(0)
-    cb = LightningStethoscope(detectors=[spy], sinks=[], intervals={"recorder": 1})
-    fit(SpikedSchedule(depth=1), steps=10, callback=cb)
-    assert [o.step for o in spy.seen] == list(range(10))
-    for o in spy.seen:
+    for o in every_step(SpikedSchedule(depth=1), steps=10):
         taken = 0.1 if o.step == SPIKE else 1e-3
         assert o.lr == taken, o.step
         # plain SGD: each update is the rate it was taken at times the gradient (to the
@@ -102,12 +108,7 @@ class WarmedUpAtBatchStart(WarmedUpInOptimizerStep):
 def test_a_rate_set_after_the_step_began_is_observed_as_the_update_takes_it(model):
     # read when the step begins alone, each step was observed at the rate of the step
     # before it (0 at step 0)
-    spy = RecordingDetector({"grads", "updates"})
-    torch.manual_seed(0)
-    cb = LightningStethoscope(detectors=[spy], sinks=[], intervals={"recorder": 1})
-    fit(model(depth=1), steps=8, callback=cb)
-    assert [o.step for o in spy.seen] == list(range(8))
-    for o in spy.seen:
+    for o in every_step(model(depth=1), steps=8):
         assert o.lr == pytest.approx(warm_up(o.step)), o.step
         np.testing.assert_allclose(o.update_norm, o.lr * o.grad_norm, rtol=1e-3)
 
