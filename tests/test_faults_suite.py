@@ -49,6 +49,17 @@ def _short(sc, steps):
     return dataclasses.replace(sc, train=dataclasses.replace(sc.train, max_steps=steps))
 
 
+def test_an_adam_epsilon_zero_in_float16_is_named_with_no_other_cause_blamed():
+    """Adam at eps=1e-8 over float16 weights turns them NaN at the first step: named, with
+    no other cause blamed (rounded_updates once read the NaN weights, whose bits no longer
+    change, as updates that rounded away); the same epsilon on float32 weights is quiet."""
+    fault, twin = select(["fp16_adam_epsilon_zero", "healthy_fp16_adam_mixed"])
+    runs = run_all([fault, twin], [0], ("adaptive",), baselines=False)
+    v = judge(fault, runs[0], "adaptive")
+    assert v.detected and v.latency == 0 and v.misdiagnoses == (), v.misdiagnoses
+    assert judge(twin, runs[1], "adaptive").false_alarms == ()
+
+
 def test_the_suite_declares_enough_scenarios():
     faults = [s for s in SCENARIOS if not s.healthy]
     controls = [s for s in SCENARIOS if s.healthy]
