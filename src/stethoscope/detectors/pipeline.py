@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from stethoscope.detectors._stats import is_finite, push
 from stethoscope.detectors.base import (
     Detector,
@@ -17,7 +15,7 @@ from stethoscope.detectors.base import (
     check_positive,
 )
 from stethoscope.findings import Finding
-from stethoscope.observation import Observation
+from stethoscope.observation import Observation, global_norm
 
 __all__ = [
     "BroadcastLoss",
@@ -453,7 +451,7 @@ class LossDividedTwice(Detector):
             return []
         self.state["judged"] = True
         setup, k = self.setup, self.setup.divided_again
-        total = float(np.sqrt(np.nansum(np.square(np.asarray(obs.grad_norm, np.float64)))))
+        total = global_norm(obs.grad_norm)
         matters = not setup.adaptive or setup.clipping is not None
         if setup.adaptive:
             effect = (
