@@ -11,7 +11,7 @@ from stethoscope.findings import Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.statistics import STATISTICS
 
-__all__ = ["BARS", "Detector", "Losses", "Rates", "Steps"]
+__all__ = ["BARS", "Detector", "Losses", "Rates", "SetupCheck", "Steps"]
 
 #: The numbers a detector can keep a bar of for the recovery ladder (``Detector.bars``):
 #: the step's loss, and the global norm of its gradients.
@@ -226,6 +226,37 @@ class Detector:
             where=where,
             rank=obs.rank if rank is None else rank,
         )
+
+
+class SetupCheck(Detector):
+    """A rule on how the training is set up (:attr:`setup`), not on its course: said once,
+    at the first step whose gradients are measured, and then finished.
+
+    It reads the gradients at their own interval, so it plans no measurement of its own,
+    and rank zero alone judges it, the other ranks planning alike. It does not escalate:
+    the next steps would tell nothing more. A subclass gives :meth:`applies`, from the
+    setup alone, and :meth:`_said`, the finding.
+    """
+
+    needs: ClassVar[frozenset[str]] = frozenset({"grads"})
+    base_interval: ClassVar[int] = 16  # the gradient detectors' own
+    escalates: ClassVar[bool] = False
+
+    def _initial_state(self) -> dict[str, Any]:
+        return {"judged": False}
+
+    def finished(self, step: int) -> bool:
+        return self.state["judged"] or not self.applies()
+
+    def _update(self, obs: Observation) -> list[Finding]:
+        if self.finished(obs.step) or obs.grad_norm is None:
+            return []
+        self.state["judged"] = True
+        return [self._said(obs)]
+
+    def _said(self, obs: Observation) -> Finding:
+        """The finding, at ``obs``, the first step whose gradients were measured."""
+        raise NotImplementedError
 
 
 def check_positive(owner: str, name: str, value: float, *, integer: bool = False) -> None:

@@ -10,6 +10,7 @@ from stethoscope.detectors.base import (
     Detector,
     Losses,
     Rates,
+    SetupCheck,
     Steps,
     check_fraction,
     check_positive,
@@ -409,7 +410,7 @@ class BroadcastLoss(_Persistent):
         ]
 
 
-class LossDividedTwice(Detector):
+class LossDividedTwice(SetupCheck):
     """A loss divided twice by the batches a step accumulates: the gradients applied are
     a fraction of those the loss asks for, and nothing else says so.
 
@@ -430,26 +431,12 @@ class LossDividedTwice(Detector):
     """
 
     name = "loss_divided_twice"
-    needs = frozenset({"grads"})
-    # the gradients' own interval: judged at the first step that measures them anyway (on
-    # rank zero alone, the other ranks planning alike), and then finished
-    base_interval = 16
-    escalates = False  # a fact of the setup: the next steps would say nothing more
     advice = "fold the accumulation into the batch size"
-
-    def _initial_state(self) -> dict:
-        return {"judged": False}
 
     def applies(self) -> bool:
         return self.setup.divided_again > 1
 
-    def finished(self, step: int) -> bool:
-        return self.state["judged"] or not self.applies()
-
-    def _update(self, obs: Observation) -> list[Finding]:
-        if self.finished(obs.step) or obs.grad_norm is None:
-            return []
-        self.state["judged"] = True
+    def _said(self, obs: Observation) -> Finding:
         setup, k = self.setup, self.setup.divided_again
         total = global_norm(obs.grad_norm)
         matters = not setup.adaptive or setup.clipping is not None
@@ -461,21 +448,19 @@ class LossDividedTwice(Detector):
             effect = f"the optimizer's steps are {k} times smaller than asked"
         if setup.clipping is not None:
             effect += f", and {setup.clipping} clips at a true norm {k} times larger"
-        return [
-            self.finding(
-                obs,
-                "warning" if matters else "info",
-                f"The loss is divided twice by the {k} batches each step accumulates: "
-                f"Lightning divides each batch's loss by accumulate_grad_batches={k} and "
-                f"DeepSpeed's engine divides it by its gradient_accumulation_steps={k} "
-                f"again, so the gradients applied (norm {total:.3g} at step {obs.step}) "
-                f"are 1/{k} of the mean over the step's batches and {effect}; fold the "
-                "accumulation into the batch size, or return the loss times "
-                "self.trainer.accumulate_grad_batches from training_step and leave this "
-                "detector out (default_detectors(loss_divided_twice=None)), which cannot "
-                "see that.",
-                value=float(k),
-                threshold=1.0,
-                where="loss",
-            )
-        ]
+        return self.finding(
+            obs,
+            "warning" if matters else "info",
+            f"The loss is divided twice by the {k} batches each step accumulates: "
+            f"Lightning divides each batch's loss by accumulate_grad_batches={k} and "
+            f"DeepSpeed's engine divides it by its gradient_accumulation_steps={k} "
+            f"again, so the gradients applied (norm {total:.3g} at step {obs.step}) "
+            f"are 1/{k} of the mean over the step's batches and {effect}; fold the "
+            "accumulation into the batch size, or return the loss times "
+            "self.trainer.accumulate_grad_batches from training_step and leave this "
+            "detector out (default_detectors(loss_divided_twice=None)), which cannot "
+            "see that.",
+            value=float(k),
+            threshold=1.0,
+            where="loss",
+        )

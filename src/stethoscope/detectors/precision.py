@@ -15,7 +15,7 @@ from collections import deque
 import numpy as np
 
 from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup, epsilon_advice
-from stethoscope.detectors.base import Detector, check_fraction, check_positive
+from stethoscope.detectors.base import Detector, SetupCheck, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.number_formats import E4M3, E5M2, FORMATS, HALF
 from stethoscope.observation import Observation
@@ -527,7 +527,7 @@ class Fp8Readiness(Detector):
         ]
 
 
-class EpsilonUnderflow(Detector):
+class EpsilonUnderflow(SetupCheck):
     """An optimizer's epsilon that is zero in the 16-bit dtype of the weights it updates.
 
     Adam (and RMSprop, Adagrad...) divides each step by ``sqrt(v) + eps``, and keeps ``v``,
@@ -543,20 +543,11 @@ class EpsilonUnderflow(Detector):
     """
 
     name = "epsilon_underflow"
-    needs = frozenset({"grads"})
-    base_interval = 16  # the gradients' own interval: it plans nothing of its own
-    escalates = False  # a fact of the setup: the next steps would say nothing more
     advice = "set eps=1e-4, or fp32 weights"
-
-    def _initial_state(self) -> dict:
-        return {"judged": False}
 
     def applies(self) -> bool:
         risk = self.setup.small_epsilon
         return risk is not None and risk.zero
-
-    def finished(self, step: int) -> bool:
-        return self.state["judged"] or not self.applies()
 
     def current_advice(self) -> str:
         return (
@@ -565,23 +556,18 @@ class EpsilonUnderflow(Detector):
             else self.advice
         )
 
-    def _update(self, obs: Observation) -> list[Finding]:
-        if self.finished(obs.step) or obs.grad_norm is None:
-            return []
-        self.state["judged"] = True
+    def _said(self, obs: Observation) -> Finding:
         risk = self.setup.small_epsilon
         fmt = FORMATS[risk.dtype]
-        return [
-            self.finding(
-                obs,
-                "warning",
-                f"{risk} is 0 in {risk.dtype}: the optimizer keeps each weight's second "
-                f"moment in {risk.dtype}, where a gradient element under about "
-                f"{np.sqrt(fmt.smallest):.2g} (or zero) leaves it at zero, and a step there "
-                f"divides by zero, turning the weight NaN or infinite (step {obs.step}); "
-                f"{epsilon_advice(self.setup)}.",
-                value=risk.value,
-                threshold=fmt.smallest / 2,
-                where=risk.optimizer,
-            )
-        ]
+        return self.finding(
+            obs,
+            "warning",
+            f"{risk} is 0 in {risk.dtype}: the optimizer keeps each weight's second "
+            f"moment in {risk.dtype}, where a gradient element under about "
+            f"{np.sqrt(fmt.smallest):.2g} (or zero) leaves it at zero, and a step there "
+            f"divides by zero, turning the weight NaN or infinite (step {obs.step}); "
+            f"{epsilon_advice(self.setup)}.",
+            value=risk.value,
+            threshold=fmt.smallest / 2,
+            where=risk.optimizer,
+        )
