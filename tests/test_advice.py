@@ -6,9 +6,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from stethoscope.advice import (
     TrainingSetup,
+    adaptive_optimizers,
     clipping_advice,
     epsilon_advice,
     epsilon_cause,
@@ -73,6 +75,18 @@ def test_an_epsilon_small_for_float16_is_named_with_how_far_a_step_may_go(
 )
 def test_an_epsilon_the_dtype_bounds_a_step_with_is_not_small(optimizer, eps, dtypes):
     assert small_epsilon(optimizer, "eps", eps, dtypes) is None
+
+
+def test_an_optimizer_is_judged_by_its_class_and_bases_as_adaptive_optimizers_judges_it():
+    class Mine(torch.optim.Adam):  # a user's subclass: an Adam all the same
+        pass
+
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    mine = Mine([p], eps=1e-8)
+    risk = small_epsilon(mine, "eps", 1e-8, [p.dtype])
+    assert risk is not None and str(risk) == "Mine's eps=1e-08" and risk.zero
+    assert adaptive_optimizers([mine])
+    assert small_epsilon(torch.optim.SGD([p], lr=0.1), "eps", 1e-8, [p.dtype]) is None
 
 
 def test_the_epsilons_cause_and_remedy_are_in_the_frameworks_words():

@@ -149,10 +149,17 @@ def adaptive_optimizers(optimizers: list) -> bool:
         return False
     for opt in optimizers:
         opt = getattr(opt, "inner_optimizer", None) or opt
-        names = " ".join(cls.__name__.lower() for cls in type(opt).__mro__)
-        if not any(stem in names for stem in _ADAPTIVE):
+        if not any(stem in _lineage(opt) for stem in _ADAPTIVE):
             return False
     return True
+
+
+def _lineage(optimizer: object) -> str:
+    """The lowercase names of ``optimizer``'s class and its bases, what its kind is judged
+    by (a subclass of Adam is an Adam); a name given as a string is its own."""
+    if isinstance(optimizer, str):
+        return optimizer.lower()
+    return " ".join(cls.__name__.lower() for cls in type(optimizer).__mro__)
 
 
 def clipping_advice(setup: TrainingSetup) -> str:
@@ -207,20 +214,22 @@ _EPSILON_DIVIDES = ("adam", "rmsprop", "adagrad", "lamb")
 
 
 def small_epsilon(
-    optimizer: str, name: str, eps: object, dtypes: Iterable[object]
+    optimizer: object, name: str, eps: object, dtypes: Iterable[object]
 ) -> SmallEpsilon | None:
     """``optimizer``'s epsilon (its argument ``name``) if it is small for one of
     ``dtypes``, those of the weights it updates (see :class:`SmallEpsilon`); None when
-    it is not, is no number, or ``optimizer`` (a class name) divides by no such root.
+    it is not, is no number, or ``optimizer`` (judged by its class and bases, as
+    :func:`adaptive_optimizers` judges it, or a class name) divides by no such root.
     bfloat16 has float32's range: 1e-8 is not small there."""
-    stem = optimizer.lower()
-    if "adamax" in stem or not any(s in stem for s in _EPSILON_DIVIDES):
+    lineage = _lineage(optimizer)
+    if "adamax" in lineage or not any(s in lineage for s in _EPSILON_DIVIDES):
         return None
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         return None
     formats = {f.name: f for f in map(format_of, dtypes) if f is not None and f.bits < 24}
     for fmt in sorted(formats.values(), key=lambda f: -f.smallest):  # the narrowest first
-        risk = SmallEpsilon(optimizer, name, float(eps), fmt.name)
+        shown = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+        risk = SmallEpsilon(shown, name, float(eps), fmt.name)
         if risk.bound > EPSILON_BOUND:
             return risk
     return None

@@ -157,8 +157,7 @@ def _small_epsilon(model: Any) -> SmallEpsilon | None:
     dtypes = {keras.backend.standardize_dtype(v.dtype) for v in model.trainable_variables}
     for optimizer in optimizers_of(model):
         optimizer = getattr(optimizer, "inner_optimizer", None) or optimizer
-        name = type(optimizer).__name__
-        risk = small_epsilon(name, "epsilon", getattr(optimizer, "epsilon", None), dtypes)
+        risk = small_epsilon(optimizer, "epsilon", getattr(optimizer, "epsilon", None), dtypes)
         if risk is not None:
             return risk
     return None

@@ -89,10 +89,9 @@ def _small_epsilon(optimizers: list[Any]) -> SmallEpsilon | None:
     (torch's optimizers keep their state in each weight's dtype); DeepSpeed's updates
     float32 master copies."""
     for optimizer in map(client_optimizer, optimizers):
-        name = type(optimizer).__name__
         for group in optimizer.param_groups:
             dtypes = {p.dtype for p in group["params"]}
-            risk = small_epsilon(name, "eps", group.get("eps"), dtypes)
+            risk = small_epsilon(optimizer, "eps", group.get("eps"), dtypes)
             if risk is not None:
                 return risk
     return None
