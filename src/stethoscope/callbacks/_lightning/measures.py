@@ -53,8 +53,9 @@ class StepMeasures:
     step: int
     epoch: int
     plan: frozenset[str]
-    #: The learning rate of the first parameter group when the step began: the one its
-    #: update is taken at (None: unknown, or a tensor, which is not read).
+    #: The learning rate the step's update is taken at (see ``TakenRate``: read when the
+    #: step begins, and again just before the update where that hook runs; None:
+    #: unknown, or a tensor, which is not read).
     lr: float | None = None
     #: The watched parameters an optimizer stepped this step (with a gradient), in the
     #: order the per-parameter statistics were measured.
