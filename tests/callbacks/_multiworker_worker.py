@@ -296,6 +296,7 @@ def recover_nan(out: Path) -> dict:
     mine, theirs = state(model), state(twin)
     return {
         "acts": [[f.step, f.where, f.rank] for f in sink.findings if f.detector == RECOVERY],
+        "messages": [f.message for f in sink.findings if f.detector == RECOVERY],
         "skipped": [
             [b.step, b.batch.epoch, b.batch.index] for b in cb.recoverer.skipped_data.batches
         ],
@@ -396,6 +397,77 @@ def recover_rollback(out: Path) -> dict:
     }
 
 
+class Crash(Exception):
+    """The machine died."""
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises :class:`Crash` at the start of batch ``batch`` of epoch ``epoch``, on every
+    worker alike (a machine that dies takes the job down with it)."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if (self.epoch, batch) == self.at:
+            raise Crash
+
+
+def recover_resumed(out: Path) -> dict:
+    """A run with ``recover=True`` and a record per worker, as on two nodes (rank zero's
+    record holds the run, worker 1's stays empty), backed up by ``BackupAndRestore`` at
+    the end of epoch 0 on each worker: global batch ``NAN_STEP`` is NaN in worker 1's
+    data, skipped in epoch 0 and in epoch 1, and the job dies in epoch 1 at its batch 7.
+    Resumed on clean data, both workers number their steps on from rank zero's record
+    and skip epoch 1's batch ``NAN_STEP`` again; then a fit with no callback on the same
+    global batches but those two (``twin``)."""
+    from stethoscope.findings import RECOVERY
+
+    record, backup = out / f"record{INDEX}", out / f"backup{INDEX}"
+    x, y = data(nan_here=INDEX == 1)
+    model = mlp(STRATEGY)
+    callbacks = [
+        KerasStethoscope(sinks=[], record=record, recover=True),
+        keras.callbacks.BackupAndRestore(backup),
+        CrashAt(1, 7),
+    ]
+    crashed = False
+    try:
+        fit(model, callbacks, x, y, epochs=2)
+    except Crash:
+        crashed = True
+    x, y = data()
+    resumed = mlp(STRATEGY)
+    sink = CapturingSink()
+    cb = KerasStethoscope(sinks=[sink], record=record, recover=True)
+    fit(resumed, [cb, keras.callbacks.BackupAndRestore(backup)], x, y, epochs=2)
+    keep = np.ones(N, dtype=bool)
+    keep[NAN_STEP * BATCH : (NAN_STEP + 1) * BATCH] = False
+    twin = mlp(STRATEGY)
+    fit(twin, [], x[keep], y[keep], epochs=2)
+    mine, theirs = state(resumed), state(twin)
+    result: dict[str, Any] = {
+        "crashed": crashed,
+        "acts": [[f.step, f.where, f.message] for f in sink.findings if f.detector == RECOVERY],
+        "applied": steps_taken(resumed),
+        "stopped_by": finding(cb.stopped_by) if cb.stopped_by else None,
+        "digest": digest(mine),
+        "same_as_twin": all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+        "clean": clean(resumed),
+    }
+    if INDEX == 0:
+        with RunRecord(record) as run:
+            result["record"] = {
+                "steps": sorted(int(s) for s in run.losses().steps),
+                "skipped": [b.step for b in run.skipped_batches()],
+            }
+    return result
+
+
 class Nudge(keras.callbacks.Callback):
     """At the start of ``step``, adds 1e-3 to this worker's own copy of the hidden
     kernel: the workers' weights differ from there on (the same summed update moves
@@ -435,6 +507,7 @@ SCENARIOS = {
     "recover_nan": recover_nan,
     "recover_bars": recover_bars,
     "recover_rollback": recover_rollback,
+    "recover_resumed": recover_resumed,
 }
 
 

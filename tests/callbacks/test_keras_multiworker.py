@@ -141,8 +141,29 @@ def test_recover_skips_worker_1s_nan_batch_on_both_workers_as_if_never_seen(work
         # bit for bit a fit on the same global batches but that one
         assert run["same_as_twin"] and run["digest"] == run["twin_digest"]
     assert zero["digest"] == one["digest"]
-    # rank zero reports the skip once
+    # rank zero reports the skip once, with the worker whose loss made it: its own loss
+    # was finite (the NaN was in worker 1's half of the global batch)
     assert [[s, w] for s, w, _ in zero["acts"]] == [[NAN_STEP, "skip"]]
+    [message] = zero["messages"]
+    assert "on another worker, the loss is non-finite" in message
+
+
+def test_a_resumed_run_skips_again_on_both_workers_from_rank_zeros_record(workers):
+    zero, one = workers[0]["recover_resumed"], workers[1]["recover_resumed"]
+    for run in (zero, one):
+        assert run["crashed"] and run["stopped_by"] is None and run["clean"]
+        # epoch 1's batch NAN_STEP skipped again on clean data: 7 of 8 applied per epoch,
+        # bit for bit a fit that never saw that global batch, in either epoch
+        assert run["applied"] == 2 * (EPOCH - 1) and run["same_as_twin"]
+    assert zero["digest"] == one["digest"]
+    # worker 1's record is empty (another node's): rank zero's numbering and skips rule
+    [(step, where, message)] = zero["acts"]
+    assert (step, where) == (EPOCH + NAN_STEP, "skip") and "skipped again" in message
+    assert "on another worker, the loss is non-finite" in message  # as it was first skipped
+    assert one["acts"] == []
+    record = zero["record"]
+    assert record["steps"] == list(range(2 * EPOCH))  # numbered on, each step once
+    assert record["skipped"] == [NAN_STEP, EPOCH + NAN_STEP]
 
 
 def test_an_error_on_worker_1_alone_rolls_both_workers_back_to_the_same_snapshot(workers):

@@ -55,7 +55,13 @@ from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
-from stethoscope.recovery.settings import FORCED_SKIP, REASONS, skip_reason
+from stethoscope.recovery.settings import (
+    FORCED_SKIP,
+    LOSS_PAST_BAR,
+    NONFINITE_LOSS,
+    REASONS,
+    skip_reason,
+)
 from stethoscope.recovery.skipped import BatchName, SkippedBatch
 from stethoscope.recovery.snapshots import SnapshotStore
 
@@ -185,6 +191,17 @@ class KerasRecovery:
                 self._forced[step] = why
         self.link.force(tuple(sorted(step % steps for step in self._forced)))
 
+    def _loss_elsewhere(self, code: int, loss: float, loss_bar: float) -> bool:
+        """Whether the loss that made the verdict ``code`` was not this worker's ``loss``.
+        Under several workers the gate judges the global loss (every worker's shard),
+        so a NaN or a spike in another worker's shard makes the verdict of every worker
+        alike (no :data:`ELSEWHERE` mark), while this worker's own loss is fine."""
+        if self.link.regime.workers == 1:
+            return False
+        if code == NONFINITE_LOSS:
+            return math.isfinite(loss)
+        return code == LOSS_PAST_BAR and loss <= loss_bar
+
     def settle(self, step: int, batch: BatchName, verdict: np.ndarray, loss: float | None) -> None:
         """Step ``step`` ran on ``batch`` with ``verdict`` (its code, the gradient norm it
         was judged on and what its replay found) and ``loss``: report a skip, or a replay
@@ -201,7 +218,8 @@ class KerasRecovery:
             loss_bar, grad_bar, *_ = self.link.bars
             value = math.nan if loss is None else loss
             why = skip_reason(code, loss=value, norm=norm, loss_bar=loss_bar, grad_bar=grad_bar)
-            if found == ELSEWHERE:  # against that worker's bars: this one's would mislead
+            if found == ELSEWHERE or self._loss_elsewhere(code, value, loss_bar):
+                # this worker's own values would mislead
                 why = f"on another worker, {REASONS[code]}"
             if found == TRANSIENT:
                 self.recoverer.transient(step, batch.epoch, why, batch)
