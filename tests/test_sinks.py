@@ -196,6 +196,9 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
         logger_name = f"stethoscope.test.{request.node.name}"
         handler = ListHandler(records)
         logging.getLogger(logger_name).addHandler(handler)
+        # kept from pytest's own capture: a finding with a lone surrogate in a report
+        # section cannot travel to pytest-xdist's controller
+        logging.getLogger(logger_name).propagate = False
         result = Kit(
             name,
             lambda **kw: LoggingSink(logger=logger_name, **kw),
@@ -237,7 +240,9 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
     for sink in made:
         sink.close()
     if handler is not None:
-        logging.getLogger(f"stethoscope.test.{request.node.name}").removeHandler(handler)
+        logger = logging.getLogger(f"stethoscope.test.{request.node.name}")
+        logger.removeHandler(handler)
+        logger.propagate = True
 
 
 class ListHandler(logging.Handler):
