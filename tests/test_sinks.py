@@ -173,7 +173,7 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
 
     name = request.param
     records: list[logging.LogRecord] = []
-    handler: logging.Handler | None = None
+    handler: KeepAndDrop | None = None
     if name == "console":
         result = Kit(
             name, lambda **kw: ConsoleSink(console=plain_console(), **kw), console_steps, False
@@ -194,11 +194,8 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
         )
     elif name == "logging":
         logger_name = f"stethoscope.test.{request.node.name}"
-        handler = ListHandler(records)
-        logging.getLogger(logger_name).addHandler(handler)
-        # kept from pytest's own capture: a finding with a lone surrogate in a report
-        # section cannot travel to pytest-xdist's controller
-        logging.getLogger(logger_name).propagate = False
+        handler = KeepAndDrop(records)
+        logging.getLogger(logger_name).addFilter(handler)
         result = Kit(
             name,
             lambda **kw: LoggingSink(logger=logger_name, **kw),
@@ -240,9 +237,21 @@ def kit(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kit]:
     for sink in made:
         sink.close()
     if handler is not None:
-        logger = logging.getLogger(f"stethoscope.test.{request.node.name}")
-        logger.removeHandler(handler)
-        logger.propagate = True
+        logging.getLogger(f"stethoscope.test.{request.node.name}").removeFilter(handler)
+
+
+class KeepAndDrop(logging.Filter):
+    """Keeps each record its logger is asked to log, and lets none through to a handler:
+    pytest's own capture would put a finding's lone surrogate into the test's report,
+    which pytest-xdist cannot send to its controller."""
+
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.records = records
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
 
 
 class ListHandler(logging.Handler):
