@@ -153,12 +153,14 @@ def test_unzeroed_resumes():
 # -- logits_mismatch ----------------------------------------------------------------------
 
 
-def predicted(step: int, *, probs: bool, loss: float = 1.0, expects: str = "", **losses):
+def predicted(
+    step: int, *, probs: bool, loss: float = 1.0, expects: str = "", width: int = 4, **losses
+):
     return Observation(
         step=step,
         loss=loss,
         output_probs=1.0 if probs else 0.0,
-        output_width=4,
+        output_width=width,
         loss_expects=expects,
         **losses,
     )
@@ -223,6 +225,21 @@ def test_a_loss_that_is_neither_way_of_taking_the_output_is_left_alone(loss):
         for probs in (True, False)
     ]
     assert run(LogitsMismatch(), steps) == []
+
+
+def test_one_column_within_0_and_1_fed_as_logits_must_stay_there_for_a_span_of_steps():
+    """A fresh model's one logit can lie within [0, 1] on every row (a GAN's
+    discriminator on a generator that has not spread yet) and leave as it learns; a
+    sigmoid's stays."""
+    span = LogitsMismatch.one_column_span
+    logit = [predicted(t, probs=t < 48, expects="logits", width=1) for t in range(0, 96, 16)]
+    assert run(LogitsMismatch(), logit) == []
+    sigmoid = [predicted(t, probs=True, expects="logits", width=1) for t in range(0, 257, 16)]
+    (found,) = run(LogitsMismatch(), sigmoid)
+    assert found.step == span and "from_logits=True" in found.message
+    # after a break, the span counts from the first step of the new streak
+    broken = [predicted(t, probs=t != 64, expects="logits", width=1) for t in range(0, 257, 16)]
+    assert run(LogitsMismatch(), broken)[0].step == 80 + span
 
 
 def test_a_mismatch_must_hold_on_sampled_steps_in_a_row():
