@@ -32,7 +32,11 @@ class ForwardProbe:
             (name, SATURATING[type(m)], m) for name, m in named if type(m) in SATURATING
         ]
         self._out_targets = [(name, "layer", m) for name, _, m in layers]
-        self._leaves = [(n or type(m).__name__, m) for n, m in named if not any(m.children())]
+        # a leaf has no child; never by a child's truth: a torch.compile'd module (an
+        # OptimizedModule) has a __len__ that raises for a module without one
+        self._leaves = [
+            (n or type(m).__name__, m) for n, m in named if next(m.children(), None) is None
+        ]
         self._handles: list[Any] = []
         self.names: list[str] = []
         self.kinds: list[str] = []
