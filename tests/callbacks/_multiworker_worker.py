@@ -42,6 +42,7 @@ STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _keras_crash import Crash, CrashAt  # noqa: E402
 from _keras_facts import clean, finding  # noqa: E402
 
 from stethoscope import KerasStethoscope, TrainingProblem  # noqa: E402
@@ -395,26 +396,6 @@ def recover_rollback(out: Path) -> dict:
         "digest": digest(state(model)),
         "clean": clean(model),
     }
-
-
-class Crash(Exception):
-    """The machine died."""
-
-
-class CrashAt(keras.callbacks.Callback):
-    """Raises :class:`Crash` at the start of batch ``batch`` of epoch ``epoch``, on every
-    worker alike (a machine that dies takes the job down with it)."""
-
-    def __init__(self, epoch: int, batch: int) -> None:
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), 0
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if (self.epoch, batch) == self.at:
-            raise Crash
 
 
 def recover_resumed(out: Path) -> dict:

@@ -15,31 +15,13 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
+from _keras_crash import Crash, CrashAt  # noqa: E402
 from test_keras_recovery import BATCH, data, fit, model, same_state, without  # noqa: E402
 
 from stethoscope import KerasStethoscope  # noqa: E402
 from stethoscope.findings import RECOVERY  # noqa: E402
 from stethoscope.record import RunRecord  # noqa: E402
 from stethoscope.testing import CapturingSink  # noqa: E402
-
-
-class Crash(Exception):
-    """The machine died."""
-
-
-class CrashAt(keras.callbacks.Callback):
-    """Raises :class:`Crash` at the start of batch ``batch`` of epoch ``epoch``."""
-
-    def __init__(self, epoch: int, batch: int) -> None:
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), 0
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        if (self.epoch, batch) == self.at:
-            raise Crash
 
 
 def first_run(tmp_path: Path) -> tuple[Path, Path]:
