@@ -108,8 +108,8 @@ def test_a_global_seed_that_makes_fit_serve_one_order_every_epoch_is_named():
     found, read = fit(arrays(), shuffle=True)
     assert read == "shuffle"
     assert len(found) == int(alike)
-    if alike:
-        assert found[0].step == N // BATCH and "same order every epoch" in found[0].message
+    if alike:  # named at the second epoch's second step, which is its second batch too
+        assert found[0].step == N // BATCH + 1 and "same order every epoch" in found[0].message
 
 
 def test_a_tf_data_pipeline_that_never_reshuffles_is_named():
@@ -120,14 +120,53 @@ def test_a_tf_data_pipeline_that_never_reshuffles_is_named():
         .batch(BATCH)
     )
     (found,), read = fit(data)
-    assert read == "" and found.step == N // BATCH  # the second epoch's first step
-    assert "same order every epoch" in found.message
+    assert read == "" and found.step == N // BATCH + 1  # the second epoch's second step
+    assert "same order every epoch" in found.message and "so did its batch 1" in found.message
 
 
 def test_a_tf_data_pipeline_that_reshuffles_is_left_alone():
     x, y = arrays()
     data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=1).batch(BATCH)
     assert fit(data) == ([], "")
+
+
+class WholeBatches(keras.utils.PyDataset):
+    """The arrays' 8 batches, whole, in an order of their own each epoch (as fit shuffles
+    a PyDataset): every epoch begins with the batch the one before began with, by chance
+    (one time in 8), and goes on otherwise."""
+
+    ORDERS = ([5, 2, 7, 0, 1, 3, 4, 6], [5, 6, 1, 3, 0, 7, 2, 4], [5, 0, 4, 6, 7, 2, 1, 3])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = arrays()
+        self.epoch, self.position, self.served = 0, 0, []
+
+    def __len__(self) -> int:
+        return N // BATCH
+
+    def __getitem__(self, i: int):
+        # its own order, whichever index fit's shuffle asks for
+        b = self.ORDERS[self.epoch % len(self.ORDERS)][self.position % (N // BATCH)]
+        self.position += 1
+        self.served.append(b)
+        return self.x[b * BATCH : (b + 1) * BATCH], self.y[b * BATCH : (b + 1) * BATCH]
+
+    def on_epoch_end(self) -> None:
+        self.epoch, self.position = self.epoch + 1, 0
+
+
+def test_whole_batches_reshuffled_whose_first_comes_first_again_are_no_repeat():
+    """Before, the second epoch's first batch alone was taken for the same order."""
+    data = WholeBatches()
+    found, read = fit(data, shuffle=True)
+    assert read == "shuffle" and found == []
+    # the batches served were each epoch's order (after any batch fit peeks at first)
+    # fit peeks at the first batches, and ends an epoch after, so its epochs take the
+    # orders from the second on: each begins with batch 5, and then another batch
+    epochs = [data.served[-24:][e * 8 : (e + 1) * 8] for e in range(3)]
+    assert [order[0] for order in epochs] == [5, 5, 5]
+    assert len({order[1] for order in epochs}) == 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", "int32", "bool"])

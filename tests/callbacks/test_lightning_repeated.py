@@ -57,11 +57,37 @@ def test_a_loader_stuck_on_one_batch_is_named():
     assert "same batch again and again" in found.message
 
 
-def test_the_same_order_every_epoch_is_named_at_the_second_epochs_start():
+def test_the_same_order_every_epoch_is_named_at_the_second_epochs_second_step():
     data = DataLoader(dataset(SAMPLES), batch_size=32, sampler=FixedShuffle(SAMPLES))
     _, sink = fit(TinyMLP(), steps=3 * STEPS_PER_EPOCH, data=data)
     (found,) = repeated(sink)
-    assert found.step == STEPS_PER_EPOCH and "same order every epoch" in found.message
+    assert found.step == STEPS_PER_EPOCH + 1 and "same order every epoch" in found.message
+    assert "and so did its batch 1" in found.message
+
+
+class WholeBatches(Sampler):
+    """The samples in blocks of 32, the blocks in a new order every epoch (a sampler over
+    pre-built batches), each epoch beginning with block 0, as one epoch in 15 does by
+    chance."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __iter__(self):
+        seed = torch.Generator().manual_seed(self.epoch)
+        rest = torch.randperm(STEPS_PER_EPOCH - 1, generator=seed)
+        self.epoch += 1
+        return iter([i for b in [0, *(rest + 1).tolist()] for i in range(32 * b, 32 * (b + 1))])
+
+
+def test_whole_batches_reshuffled_whose_first_comes_first_again_are_no_repeat():
+    """Before, the second epoch's first batch alone was taken for the same order."""
+    data = DataLoader(dataset(SAMPLES), batch_size=32, sampler=WholeBatches())
+    _, sink = fit(TinyMLP(), steps=3 * STEPS_PER_EPOCH, data=data)
+    assert repeated(sink) == []
 
 
 def test_shuffled_and_sequential_loaders_are_left_alone():

@@ -25,8 +25,9 @@ def batch_prints(order: np.ndarray, index: int) -> np.ndarray:
 
 
 def epochs(n: int, *, reshuffle: bool, seed: int = 0, steps: list[int] | None = None):
-    """Observations of ``n`` epochs, on the steps in ``steps`` (default: every step), each
-    epoch in a new random order (``reshuffle``) or the first one's again."""
+    """Observations of ``n`` epochs, on the steps in ``steps`` (default: every step) and on
+    each epoch's first two (the detector asks for the second), each epoch in a new random
+    order (``reshuffle``) or the first one's again."""
     rng = np.random.default_rng(seed)
     per = SAMPLES // BATCH
     out, order = [], rng.permutation(SAMPLES)
@@ -35,7 +36,7 @@ def epochs(n: int, *, reshuffle: bool, seed: int = 0, steps: list[int] | None = 
             order = rng.permutation(SAMPLES)
         for i in range(per):
             step = e * per + i
-            if steps is None or step in steps or i == 0:  # every epoch's first is measured
+            if steps is None or step in steps or i <= 1:
                 out.append(obs(step, e, batch_prints(order, i)))
     return out
 
@@ -61,11 +62,36 @@ def test_reshuffled_epochs_are_never_repeats(steps):
     assert judge(epochs(6, reshuffle=True, steps=steps)) == []
 
 
-def test_the_same_order_every_epoch_is_named_at_the_second_epochs_first_step():
+def test_the_same_order_every_epoch_is_named_at_the_second_epochs_second_step():
     (found,) = judge(epochs(4, reshuffle=False, steps=sampled(4)))
     assert found.detector == "repeated_data" and found.severity == "warning"
-    assert found.step == SAMPLES // BATCH and found.epoch == 1
+    assert found.step == SAMPLES // BATCH + 1 and found.epoch == 1
+    assert "and so did its batch 1" in found.message
     assert_sentence(found, "set_epoch", names=["same order every epoch", "epoch 0"])
+
+
+def batches_in(order: list[int]) -> list[np.ndarray]:
+    """An epoch of whole batches in ``order`` (a Keras PyDataset shuffled by fit)."""
+    return [batch_prints(np.arange(SAMPLES), b) for b in order]
+
+
+def test_whole_batches_reshuffled_whose_first_comes_first_again_are_no_repeat():
+    """One epoch in as many as there are batches begins with the last one's first."""
+    first, second = batches_in([5, 2, 7, 0, 1, 3, 4, 6]), batches_in([5, 6, 1, 3, 0, 7, 2, 4])
+    observations = [obs(t, 0, first[t]) for t in (0, 1, 4)]
+    observations += [obs(8 + t, 1, second[t]) for t in (0, 1, 4)]
+    assert judge(observations) == []
+
+
+def test_a_next_batch_measured_elsewhere_leaves_the_first_to_tell():
+    """Where the last epoch's next batch was measured at another place, the first batch
+    alone says the order is the same."""
+    order = batches_in(list(range(8)))
+    observations = [obs(0, 0, order[0]), obs(3, 0, order[3])]
+    observations += [obs(8, 1, order[0]), obs(9, 1, order[1])]
+    (found,) = judge(observations)
+    assert found.step == 9 and "epoch 1 began with the very batch epoch 0" in found.message
+    assert "so did its batch" not in found.message
 
 
 def test_an_order_asked_to_be_sequential_is_left_alone():
@@ -178,14 +204,14 @@ def validate(detector: RepeatedData, step: int, prints: np.ndarray) -> list:
 
 def test_validation_samples_the_model_trains_on_are_named():
     """A validation set that is the training set: every validation sample was trained on;
-    the run fingerprinted one batch in 3 (a third of an epoch's samples)."""
+    the run fingerprinted 4 batches of 8 (half an epoch's samples)."""
     d = RepeatedData()
     judge(epochs(1, reshuffle=True, steps=sampled(1)), d)
     everything = 1_000_003.0 * (np.arange(SAMPLES) + 1)
     (found,) = validate(d, 7, everything)
     assert found.where == "validation data" and found.value == pytest.approx(1.0)
-    assert "24 of the 64 validation samples" in found.message
-    assert "about 38% of the training set" in found.message
+    assert "32 of the 64 validation samples" in found.message
+    assert "about 50% of the training set" in found.message
     assert_sentence(found, "split the data once", names=["overlaps the training data"])
 
 
@@ -214,7 +240,7 @@ def test_a_loader_stuck_across_an_epochs_start_is_named_at_its_second_step():
     for t in (0, 3, 6, 8, 9):
         prints = batch_prints(order, t % 8) if t < 5 else stuck
         found += d.update(obs(t, t // 8, prints))
-        assert d.request == (frozenset({"prints"}) if t == 8 else frozenset())
+        assert d.request == (frozenset({"prints"}) if t in (0, 8) else frozenset())
     (finding,) = found
     assert finding.step == 9 and "same batch again and again" in finding.message
 
@@ -226,4 +252,6 @@ def test_full_batch_training_asks_for_no_second_batch():
     for t in range(6):
         d.update(obs(t, t, everything))
         asked.append(bool(d.request))
-    assert asked == [False] * 6  # the same batch every step, and an epoch of one step
+    # the same batch every step, and an epoch of one step: asked for at the first step
+    # alone, before the length of an epoch is known
+    assert asked == [True] + [False] * 5

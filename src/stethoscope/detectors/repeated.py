@@ -35,10 +35,13 @@ class RepeatedData(Detector):
     - *stuck*: a batch equal to the one just before it in the same epoch (a batch seen
       before, on a sampled step or at an epoch's start, asks for the next step's batch
       too): the loader serves one batch again and again;
-    - *same order*: an epoch's first batch equals the one before's, or a batch comes back
-      later in the same epoch, while shuffling was not turned off (a sequential sampler,
-      as ``shuffle=False`` or Lightning's ``overfit_batches`` make, orders the data on
-      purpose). An epoch of one batch (full-batch training) is left alone;
+    - *same order*: an epoch's first batch equals the one before's, and so does the
+      next batch measured (where the last epoch's was measured at the same place), or a
+      batch comes back later in the same epoch, while shuffling was not turned off (a
+      sequential sampler, as ``shuffle=False`` or Lightning's ``overfit_batches`` make,
+      orders the data on purpose). Whole batches reshuffled (a Keras ``PyDataset``)
+      begin two epochs alike one time in as many as there are batches; their next
+      batches differ. An epoch of one batch (full-batch training) is left alone;
     - *resume*: the first batch after a resume equals the first batch of the epoch the
       checkpoint was taken in, a few steps into it: the loader started the epoch again,
       so its first batches are seen twice and as many of its last never; or the resumed
@@ -77,7 +80,10 @@ class RepeatedData(Detector):
         # batches (key -> step); last: [step, key] of the last batch seen; cycle: [step,
         # earlier step] of a batch that came again, until the next step's tells why;
         # kept: training prints (the first KEEP), batch: the samples printed per batch;
-        # warned: the mistakes already named
+        # warned: the mistakes already named; next: [offset from the epoch's start, key]
+        # of the first batch measured after the epoch's first, next_before: the last
+        # epoch's; order: the epoch before, while an epoch that began with its first
+        # batch waits for its next batch to tell
         return {
             "epoch": None,
             "start": 0,
@@ -89,6 +95,9 @@ class RepeatedData(Detector):
             "kept": [],
             "batch": 0,
             "warned": [],
+            "next": None,
+            "next_before": None,
+            "order": None,
         }
 
     def finished(self, step: int) -> bool:
@@ -110,10 +119,10 @@ class RepeatedData(Detector):
         found: list[Finding] = []
         if st["epoch"] != obs.epoch:
             found += self._new_epoch(obs, key, resumed)
-        elif resumed:
-            found += self._resumed_within(obs, key)
         else:
-            found += self._again(obs, key)
+            if st.get("next") is None:
+                found += self._next_batch(obs, key)
+            found += self._resumed_within(obs, key) if resumed else self._again(obs, key)
         if key not in st["seen"] and len(st["kept"]) < self.KEEP:
             st["kept"].extend(prints[: self.KEEP - len(st["kept"])].tolist())
         st["seen"].setdefault(key, step)
@@ -171,15 +180,38 @@ class RepeatedData(Detector):
         elif before is not None and not resumed and obs.epoch == before + 1:
             st["length"] = ran
             if ran > 1 and key == st["first"] and not again and obs.data_order != "sequential":
-                found += self._same_order(
-                    obs,
-                    f"epoch {obs.epoch} began with the very batch epoch {before} began "
-                    "with (the same samples, in the same order)",
-                )
-        if again and st["length"] != 1:
-            self.request = self.needs  # is the next batch the same one too?
+                # the same order, or whole batches reshuffled (a Keras PyDataset, batches
+                # shuffled after batching) whose first came first again, one epoch in as
+                # many as it has batches: the next batch measured tells
+                st["order"] = before
+        if st["length"] != 1:
+            # the next batch: is it the same one too, and is it the next epoch's next?
+            self.request = self.needs
         st["epoch"], st["start"], st["first"], st["seen"] = obs.epoch, obs.step, key, {}
+        st["next_before"], st["next"] = st.get("next"), None
         return found
+
+    def _next_batch(self, obs: Observation, key: str) -> list[Finding]:
+        """The first batch measured after an epoch's first: kept for the next epoch's, and
+        set against the last epoch's where the epoch began with the last one's first."""
+        st = self.state
+        offset = obs.step - st["start"]
+        st["next"] = [offset, key]
+        before, st["order"] = st.get("order"), None
+        if before is None:
+            return []
+        earlier = st.get("next_before")
+        if earlier is None or earlier[0] != offset:  # nothing to set it against
+            what = ""
+        elif earlier[1] == key:
+            what = f", and so did its batch {offset}"
+        else:
+            return []  # whole batches reshuffled: only the first came first again
+        return self._same_order(
+            obs,
+            f"epoch {obs.epoch} began with the very batch epoch {before} began with (the "
+            f"same samples, in the same order){what}",
+        )
 
     def _resumed_within(self, obs: Observation, key: str) -> list[Finding]:
         """A resumed run's first batch, in the epoch the checkpoint was taken in."""
