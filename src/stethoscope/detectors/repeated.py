@@ -82,8 +82,8 @@ class RepeatedData(Detector):
         # kept: training prints (the first KEEP), batch: the samples printed per batch;
         # warned: the mistakes already named; next: [offset from the epoch's start, key]
         # of the first batch measured after the epoch's first, next_before: the last
-        # epoch's; order: the epoch before, while an epoch that began with its first
-        # batch waits for its next batch to tell
+        # epoch's; order: whether this epoch began with the last one's first batch, until
+        # its next batch tells
         return {
             "epoch": None,
             "start": 0,
@@ -97,7 +97,7 @@ class RepeatedData(Detector):
             "warned": [],
             "next": None,
             "next_before": None,
-            "order": None,
+            "order": False,
         }
 
     def finished(self, step: int) -> bool:
@@ -163,6 +163,7 @@ class RepeatedData(Detector):
         st = self.state
         found: list[Finding] = []
         before, ran = st["epoch"], obs.step - st["start"]
+        pending = False  # the epoch began with the last one's first batch
         # the very batch seen last, again: a stuck loader, which the next step tells
         again = key == st["last"][1]
         if before is not None and resumed and 0 < ran < st["length"]:
@@ -183,12 +184,12 @@ class RepeatedData(Detector):
                 # the same order, or whole batches reshuffled (a Keras PyDataset, batches
                 # shuffled after batching) whose first came first again, one epoch in as
                 # many as it has batches: the next batch measured tells
-                st["order"] = before
+                pending = True
         if st["length"] != 1:
             # the next batch: is it the same one too, and is it the next epoch's next?
             self.request = self.needs
         st["epoch"], st["start"], st["first"], st["seen"] = obs.epoch, obs.step, key, {}
-        st["next_before"], st["next"] = st.get("next"), None
+        st["next_before"], st["next"], st["order"] = st.get("next"), None, pending
         return found
 
     def _next_batch(self, obs: Observation, key: str) -> list[Finding]:
@@ -197,8 +198,8 @@ class RepeatedData(Detector):
         st = self.state
         offset = obs.step - st["start"]
         st["next"] = [offset, key]
-        before, st["order"] = st.get("order"), None
-        if before is None:
+        pending, st["order"] = st.get("order"), False
+        if not pending:
             return []
         earlier = st.get("next_before")
         if earlier is None or earlier[0] != offset:  # nothing to set it against
@@ -209,7 +210,7 @@ class RepeatedData(Detector):
             return []  # whole batches reshuffled: only the first came first again
         return self._same_order(
             obs,
-            f"epoch {obs.epoch} began with the very batch epoch {before} began with (the "
+            f"epoch {obs.epoch} began with the very batch epoch {obs.epoch - 1} began with (the "
             f"same samples, in the same order){what}",
         )
 
