@@ -227,8 +227,8 @@ def small_epsilon(
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         return None
     formats = {f.name: f for f in map(format_of, dtypes) if f is not None and f.bits < 24}
+    shown = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
     for fmt in sorted(formats.values(), key=lambda f: -f.smallest):  # the narrowest first
-        shown = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
         risk = SmallEpsilon(shown, name, float(eps), fmt.name)
         if risk.bound > EPSILON_BOUND:
             return risk
