@@ -12,8 +12,11 @@ as on CUDA. What a GPU would make of the code is then checked:
   the pinned buffers raises, from stethoscope's code, as it does on CUDA;
 - every other direct read by stethoscope's code (``.item()``, ``.tolist()``, ``float()``,
   ``int()``, ``bool()``, ``.cpu()``, ``.to("cpu")``: a copy to the host is written with
-  the string) and every tensor it builds from host data on the device
-  (``torch.tensor(..., device=...)``) is a host sync on a GPU: it is counted
+  the string), every tensor it builds from host data on the device
+  (``torch.tensor(..., device=...)``, or ``.to(device)`` of a tensor made by
+  ``torch.from_numpy``, which is pageable host memory, not a pinned buffer) and every
+  element it sets to a Python number (``t[0] = 1``, a copy from the host on CUDA) is a
+  host sync on a GPU: it is counted
   (:attr:`SimulatedAccelerator.syncs`), with where the fit was and the line of
   stethoscope's that made it;
 - the device keeps its own clock: each step takes the milliseconds the test says
@@ -101,6 +104,7 @@ class SimulatedAccelerator(device.Accelerator):
         self.waits: list[Sync] = []
         self.events = 0
         self._hosts: dict[int, weakref.ref] = {}  # id -> the pinned buffer (ids are reused)
+        self._pageable: dict[int, weakref.ref] = {}  # id -> a tensor torch.from_numpy made
         self._saved: dict[str, Any] = {}
         self._substituted: Any = None
 
@@ -131,6 +135,11 @@ class SimulatedAccelerator(device.Accelerator):
             if held is not None and held() is t:
                 return True
         return False
+
+    def is_pageable(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory that is not pinned (made from a NumPy array)."""
+        held = self._pageable.get(id(tensor))
+        return held is not None and held() is tensor
 
     def sync(self, kind: str, depth: int) -> Sync | None:
         """A read of ``kind`` by the code ``depth`` frames above the caller: the sync it
@@ -179,6 +188,12 @@ class SimulatedAccelerator(device.Accelerator):
             named = [a for a in (*args, kwargs.get("device")) if isinstance(a, str)]
             if "cpu" in named and not sim.is_host(t):
                 sim._count("to")
+
+            # a copy to the device from pageable host memory waits, as a pinned one does not
+            if sim.is_pageable(t) and any(
+                isinstance(a, (torch.device, torch.Tensor)) for a in (*args, kwargs.get("device"))
+            ):
+                sim._count("to device")
             return torch._C.TensorBase.to(t, *args, **kwargs)
 
         def build(*args, **kwargs):
@@ -186,17 +201,28 @@ class SimulatedAccelerator(device.Accelerator):
                 sim._count("tensor")
             return self._saved["tensor"](*args, **kwargs)
 
+        def from_numpy(array):
+            made = self._saved["from_numpy"](array)
+            sim._pageable[id(made)] = weakref.ref(made)
+            return made
+
+        def setitem(t, index, value):
+            if isinstance(value, (bool, int, float)) and not sim.is_host(t):
+                sim._count("setitem")
+            return torch._C.TensorBase.__setitem__(t, index, value)
+
         for name in _READS:
             setattr(tensor, name, reader(name))
         tensor.to = to
-        self._saved["tensor"] = torch.tensor
-        torch.tensor = build
+        tensor.__setitem__ = setitem
+        self._saved["tensor"], self._saved["from_numpy"] = torch.tensor, torch.from_numpy
+        torch.tensor, torch.from_numpy = build, from_numpy
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name in (*_READS, "to"):
+        for name in (*_READS, "to", "__setitem__"):
             delattr(torch.Tensor, name)  # torch's own, on its base class, again
-        torch.tensor = self._saved["tensor"]
+        torch.tensor, torch.from_numpy = self._saved["tensor"], self._saved["from_numpy"]
         self._substituted.__exit__(*exc)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.device import to_host
+from stethoscope.callbacks._lightning.device import accelerator_for, to_host
 from stethoscope.prints import (
     MAX_PRINTS,
     MAX_VAL_PRINTS,
@@ -157,15 +157,23 @@ def sample_prints(x: Any) -> torch.Tensor | None:
         return torch.remainder(sums, PRINT_PRIME).float()
 
 
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_WEIGHTS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _weights(width: int, device: torch.device) -> torch.Tensor:
-    """:func:`~stethoscope.prints.print_weights` on ``device``, made once per width."""
+    """:func:`~stethoscope.prints.print_weights` on ``device``, made once per width. On an
+    accelerator they cross from a pinned buffer without the host waiting (a copy from
+    pageable memory would wait for the device); the buffer is kept with them."""
     key = (width, device)
     if key not in _WEIGHTS:
-        _WEIGHTS[key] = torch.from_numpy(print_weights(width)).to(device)
-    return _WEIGHTS[key]
+        weights = torch.from_numpy(print_weights(width))
+        accelerator = accelerator_for(device)
+        if accelerator is None:
+            _WEIGHTS[key] = (weights, weights.to(device))
+        else:
+            pinned = accelerator.pinned(weights.shape, weights.dtype).copy_(weights)
+            _WEIGHTS[key] = (pinned, pinned.to(device, non_blocking=True))
+    return _WEIGHTS[key][1]
 
 
 def fingerprint(batch: Any) -> str | None:

@@ -379,14 +379,20 @@ _FOLD = _fine_to_coarse()
 _TOP_LEVEL = -round(2 * math.log10(DISTRIBUTION_EDGES[0]))
 
 
+_FOLDS: dict[torch.device, torch.Tensor] = {}
+
+
 def _fold_on(device: torch.device) -> torch.Tensor:
-    """:data:`_FOLD` as a tensor on ``device``, computed there: a tensor made from a
-    Python list would be a copy from the host, which waits for the device."""
-    level = torch.arange(_FINE_LOW, _FINE_HIGH, device=device)
-    fold = (1 + _TOP_LEVEL - level).clamp_(1, len(DISTRIBUTION_EDGES) + 1)
-    fold[0] = DISTRIBUTION_BINS - 1  # non-finite
-    fold[-1] = 0  # exact zero
-    return fold
+    """:data:`_FOLD` as a tensor on ``device``, computed there once: a tensor made from a
+    Python list would be a copy from the host, and so would an element set to a Python
+    number (``fold[0] = n``): on CUDA, each waits for the device. ``masked_fill`` takes
+    its number as a kernel's argument."""
+    if device not in _FOLDS:
+        level = torch.arange(_FINE_LOW, _FINE_HIGH, device=device)
+        fold = (1 + _TOP_LEVEL - level).clamp_(1, len(DISTRIBUTION_EDGES) + 1)
+        fold = fold.masked_fill_(level == _FINE_LOW, DISTRIBUTION_BINS - 1)  # non-finite
+        _FOLDS[device] = fold.masked_fill_(level == _FINE_HIGH - 1, 0)  # exact zero
+    return _FOLDS[device]
 
 
 def magnitude_histograms(
