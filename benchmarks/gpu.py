@@ -70,7 +70,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU, tiny sizes")
     ap.add_argument(
         "--only",
-        default="census,faults,sharded,small,medium,snapshot",
+        default="census,faults,sharded,host,small,medium,snapshot",
         help="sections, comma-separated",
     )
     ap.add_argument("--budget", type=float, default=330.0, help="seconds for every section")
@@ -156,13 +156,17 @@ def token_batches(n: int, batch: int, context: int, vocab: int, seed: int = 0) -
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    follow = torch.randint(0, vocab, (vocab,), generator=g)
+    # the tokens a sequence uses: a vocabulary of GPT-2's size would leave each rule seen
+    # a few times in a run, and the loss, slow to fall, would escalate the sampler (a
+    # benchmark of the steady state must not measure an escalation)
+    used = min(vocab, 2048)
+    follow = torch.randint(0, used, (used,), generator=g)
     out = []
     for _ in range(n):
         x = torch.empty(batch, context + 1, dtype=torch.long)
-        x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        x[:, 0] = torch.randint(0, used, (batch,), generator=g)
         for t in range(1, context + 1):
-            noise = torch.randint(0, vocab, (batch,), generator=g)
+            noise = torch.randint(0, used, (batch,), generator=g)
             keep = torch.rand(batch, generator=g) < 0.9
             x[:, t] = torch.where(keep, follow[x[:, t - 1]], noise)
         out.append((x, torch.zeros((), dtype=torch.long)))
@@ -649,6 +653,8 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
             self.anomaly = False
             self.marks: list[tuple[int, Any, float]] = []
             self.sampled: dict[int, bool] = {}
+            #: the host's milliseconds inside stethoscope's step hooks, per step
+            self.hook_ms: dict[int, float] = {}
             self.last = PLAIN
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -666,10 +672,12 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
             if self.anomaly != (key == ANOMALY):
                 self.anomaly = key == ANOMALY
                 torch.set_anomaly_enabled(self.anomaly, True)
+            began = time.perf_counter()
             for cb in self.active:
                 call_hook(cb, "on_train_batch_start", trainer, batch, batch_idx)
             if key == STETHOSCOPE:
                 self.sampled[step] = steady._measures.sampled
+                self.hook_ms[step] = 1e3 * (time.perf_counter() - began)
 
         def step_times(self) -> tuple[dict[int, float], dict[int, float]]:
             """Each step's milliseconds on the device's timeline and the host's."""
@@ -683,8 +691,14 @@ def _gate(owner: Callable[[int], str], steady: Any, run: Run) -> Any:
 
     def step_hook(name: str) -> Callable:
         def hook(self, trainer, pl_module, *args, **kwargs) -> None:
+            began = time.perf_counter()
             for cb in self.active:
                 call_hook(cb, name, trainer, *args, **kwargs)
+            if self.last == STETHOSCOPE and self.marks:
+                step = self.marks[-1][0]  # the step begun last (global_step moves mid-step)
+                self.hook_ms[step] = self.hook_ms.get(step, 0.0) + 1e3 * (
+                    time.perf_counter() - began
+                )
 
         return hook
 
@@ -760,6 +774,8 @@ def overhead(
     ours = [s for s in range(steps) if owners[s] == STETHOSCOPE and s >= preroll]
     sampled = [device[s] for s in ours if gate.sampled.get(s) and s in device]
     quiet = [device[s] for s in ours if gate.sampled.get(s) is False and s in device]
+    hook_quiet = [gate.hook_ms[s] for s in ours if gate.sampled.get(s) is False]
+    hook_sampled = [gate.hook_ms[s] for s in ours if gate.sampled.get(s)]
     budget = steady.monitor.budget
     run.emit(
         dict(
@@ -778,7 +794,12 @@ def overhead(
             budget_measured=budget.measured if budget is not None else None,
             budget_stretch=steady.monitor.sampler.stretch,
             gradient_interval=steady.monitor.interval("exploding_gradients"),
-            findings=[(f.detector, f.step) for f in sink.findings][:10],
+            hook_ms_quiet=round(float(np.median(hook_quiet)), 3) if hook_quiet else None,
+            hook_ms_sampled=round(float(np.mean(hook_sampled)), 3) if hook_sampled else None,
+            per_round={
+                v: [round(x, 3) for x in r["device"]] for v, r in ratios.items() if r["device"]
+            },
+            findings=[(f.detector, f.step, f.message[:160]) for f in sink.findings][:10],
         )
     )
     del module, trainer
@@ -843,7 +864,9 @@ def section_snapshot(run: Run) -> None:
 
     snapshots = Snapshots(Recovery(snapshot_in="memory", keep_snapshots=2))
     rows = []
-    for i in range(4):  # the first allocates the pinned buffers; the others reuse them
+    # the first three allocate their pinned buffers (two kept, one on its way); from the
+    # fourth on, each reuses the buffers of the snapshot it replaces
+    for i in range(7):
         step()
         began = time.perf_counter()
         snapshots.take(i, Holder(), net, Monitor())
@@ -875,16 +898,79 @@ def section_snapshot(run: Run) -> None:
             parameters_m=round(sum(p.numel() for p in net.parameters()) / 1e6, 1),
             tensors=len(tensors),
             gigabytes=round(nbytes / 1e9, 3),
-            first_start_ms=round(1e3 * rows[0][0], 1),
-            first_land_ms=round(1e3 * rows[0][1], 1),
-            start_ms=round(1e3 * statistics.median(r[0] for r in rows[1:]), 2),
-            land_ms=round(1e3 * statistics.median(r[1] for r in rows[1:]), 1),
-            gb_per_s=round(nbytes / 1e9 / statistics.median(r[1] for r in rows[1:]), 1),
+            allocating_start_ms=round(1e3 * statistics.median(r[0] for r in rows[:3]), 1),
+            allocating_land_ms=round(1e3 * statistics.median(r[1] for r in rows[:3]), 1),
+            start_ms=round(1e3 * statistics.median(r[0] for r in rows[3:]), 2),
+            land_ms=round(1e3 * statistics.median(r[1] for r in rows[3:]), 1),
+            gb_per_s=round(nbytes / 1e9 / statistics.median(r[1] for r in rows[3:]), 1),
             rollback_ms=round(1e3 * rollback, 1),
             blocking_per_tensor_ms=round(1e3 * per_tensor, 1),
+            bus=_bus(run, nbytes),
         )
     )
     snapshots.close()
+
+
+def _bus(run: Run, nbytes: int) -> dict[str, float]:
+    """The machine's own device-to-host bandwidth, for scale: one copy of ``nbytes`` into
+    pinned memory (timed with events) and one into pageable memory (a plain ``.cpu()``)."""
+    import torch
+
+    if run.cpu:
+        return {}
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    pinned = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+    pinned.copy_(source, non_blocking=True)  # touch the pages once
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    pinned.copy_(source, non_blocking=True)
+    end.record()
+    end.synchronize()
+    pinned_s = start.elapsed_time(end) / 1e3
+    began = time.perf_counter()
+    source.cpu()
+    pageable_s = time.perf_counter() - began
+    del source, pinned
+    torch.cuda.empty_cache()
+    return {
+        "pinned_gb_per_s": round(nbytes / 1e9 / pinned_s, 1),
+        "pageable_gb_per_s": round(nbytes / 1e9 / pageable_s, 1),
+    }
+
+
+def section_host(run: Run) -> None:
+    """What stethoscope's per-step crossings cost the host, per call: a reading's trip to
+    the host (a pinned buffer, a copy, an event), an event's query, a timing event."""
+    import torch
+
+    from stethoscope.callbacks._lightning.device import to_host
+
+    device = run.device
+    loss = torch.ones((), device=device)
+    calls = 2000
+
+    def per_call_us(fn: Callable[[], Any]) -> float:
+        for _ in range(50):
+            fn()
+        if not run.cpu:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return round(1e6 * (time.perf_counter() - began) / calls, 2)
+
+    crossing = to_host(loss)
+    row = dict(
+        section="host",
+        to_host_us=per_call_us(lambda: to_host(loss)),
+        landed_us=per_call_us(crossing.landed),
+        pinned_empty_us=per_call_us(lambda: torch.empty(1, pin_memory=not run.cpu)),
+    )
+    if not run.cpu:
+        row["timing_event_us"] = per_call_us(lambda: torch.cuda.Event(enable_timing=True).record())
+        row["isfinite_item_us"] = per_call_us(lambda: torch.isfinite(loss).item())
+    run.emit(row)
 
 
 SECTIONS: dict[str, Callable[[Run], None]] = {
@@ -894,6 +980,7 @@ SECTIONS: dict[str, Callable[[Run], None]] = {
     "medium": section_medium,
     "snapshot": section_snapshot,
     "sharded": section_sharded,
+    "host": section_host,
 }
 
 
@@ -930,7 +1017,15 @@ def measure(args: argparse.Namespace) -> int:
 
 # -- the tables -----------------------------------------------------------------------------
 def read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run's results; where a later run (appended) measured the same thing again, its
+    record replaces the earlier one in place."""
+    kept: dict[tuple, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            key = (r["section"], r.get("mode"), r.get("name"), r.get("layout"))
+            kept[key] = r
+    return list(kept.values())
 
 
 def _ratio(r: dict[str, Any] | None) -> str:
@@ -1028,17 +1123,44 @@ def render(results: list[dict[str, Any]]) -> str:
             f"| {r['sampled_steps']} | {'—' if measured is None else f'{measured:.2%}'} "
             f"| {r['budget_stretch']}x | {r['gradient_interval']} steps |"
         )
+    lines += [
+        "",
+        "**stethoscope's host time per step** (inside its step hooks, the stethoscope blocks "
+        "above):",
+        "",
+        "| model | quiet step | sampled step |",
+        "|---|---|---|",
+    ]
+    for r in overheads:
+        lines.append(
+            f"| {r['section']} | {r.get('hook_ms_quiet', '—')} ms "
+            f"| {r.get('hook_ms_sampled', '—')} ms |"
+        )
+    host = next((r for r in results if r["section"] == "host" and "to_host_us" in r), None)
+    if host is not None:
+        lines += [
+            "",
+            f"Per call, on the host: a reading's trip (pinned buffer, copy, event) "
+            f"{host['to_host_us']} µs, asking whether it landed {host['landed_us']} µs, a "
+            f"pinned allocation {host['pinned_empty_us']} µs, a timing event "
+            f"{host.get('timing_event_us', '—')} µs; `isfinite(loss).item()` on an idle "
+            f"device {host.get('isfinite_item_us', '—')} µs.",
+        ]
     snap = next((r for r in results if r["section"] == "snapshot" and "gigabytes" in r), None)
     if snap is not None:
+        bus = snap.get("bus") or {}
         lines += [
             "",
             f"**A recovery snapshot** of {snap['parameters_m']}M parameters with a fused AdamW "
-            f"({snap['gigabytes']} GB in {snap['tensors']} tensors): the host starts the copies "
-            f"in {snap['start_ms']} ms (the first, which allocates the pinned buffers: "
-            f"{snap['first_start_ms']} ms) and they land {snap['land_ms']} ms later "
-            f"({snap['gb_per_s']} GB/s), the training stream's time; a blocking copy per tensor, "
-            f"as before, held the host {snap['blocking_per_tensor_ms']} ms. A roll back took "
-            f"{snap['rollback_ms']} ms.",
+            f"({snap['gigabytes']} GB in {snap['tensors']} tensors): with its pinned buffers "
+            f"reused, the host starts the copies in {snap['start_ms']} ms and they land "
+            f"{snap['land_ms']} ms later ({snap['gb_per_s']} GB/s), the training stream's "
+            f"time. The first three (two kept, one on its way) allocate their buffers: "
+            f"{snap['allocating_start_ms']} ms on the host each. A blocking copy per tensor, as "
+            f"before, held the host {snap['blocking_per_tensor_ms']} ms. A roll back took "
+            f"{snap['rollback_ms']} ms. The machine's own bus: "
+            f"{bus.get('pinned_gb_per_s', '—')} GB/s into pinned memory, "
+            f"{bus.get('pageable_gb_per_s', '—')} GB/s into pageable memory.",
         ]
     lines += gpu_sharded.render(results)
     for r in results:
