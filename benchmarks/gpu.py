@@ -1062,7 +1062,7 @@ def render(results: list[dict[str, Any]]) -> str:
         )
     control = next((r for r in results if r.get("mode") == "control: one .item()"), None)
     if control is not None:
-        lines += ["", f"Control: the census saw {control['seen']} sync for one `.item()`."]
+        lines += ["", f"Control: the census saw {control['seen']} syncs for one `.item()`."]
     lines += ["", "**Faults on the GPU:**", "", "| fault | what stethoscope did |", "|---|---|"]
     for r in results:
         if r["section"] != "faults" or "findings" not in r:
