@@ -108,6 +108,29 @@ def test_two_steps_judged_bad_right_after_an_applied_one_roll_back_at_once():
     assert other.counts["rollback"] == 0
 
 
+def test_two_skips_their_batches_explain_are_no_sign_of_a_harmful_update():
+    # the same NaN batch served last in an epoch and first in the next: two skips right
+    # after an applied step, but the data explains them, not the weights
+    ladder = _ladder(cool_after=5)
+    ladder.applied(18)
+    assert ladder.skipped(19, 0, "the inputs hold NaN", bad_data=True)[1] is None
+    assert ladder.skipped(20, 1, "the inputs hold NaN", bad_data=True)[1] is None
+    assert ladder.was_skipped(19) and ladder.was_skipped(20)
+    # nor is a step judged bad on its own right after a bad batch
+    ladder.applied(21)
+    assert ladder.skipped(22, 1, "the inputs hold NaN", bad_data=True)[1] is None
+    assert ladder.skipped(23, 1, "the gradient is past its bar")[1] is None
+    assert ladder.counts["rollback"] == 0
+    # two judged bad on their own still are
+    ladder.applied(30)
+    ladder.skipped(31, 1, "the gradient is past its bar")
+    assert ladder.skipped(32, 1, "the loss is past its bar")[1] == "rollback"
+    # a checkpoint keeps what the data explained
+    again = _ladder()
+    again.load_state_dict(ladder.state_dict())
+    assert again.s.bad_data_at == 22
+
+
 def test_skips_right_after_a_roll_back_are_the_data_and_roll_back_no_more():
     ladder = _ladder(rollback_after=1, window=10)
     ladder.applied(40)

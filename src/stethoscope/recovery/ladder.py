@@ -42,6 +42,7 @@ class _State:
     rolled_back_at: int = -(10**9)  # the step of the last roll back
     applied_at: int = -(10**9)  # the last step whose update was applied
     in_a_row: int = 0  # steps skipped since the last applied one
+    bad_data_at: int = -(10**9)  # the last step skipped for its batch's non-finite inputs
     transients: int = 0  # steps judged bad whose replay was fine
     #: While cooling after a roll back: the learning rates the snapshot had, per optimizer
     #: and parameter group, above which no step goes (see :meth:`Ladder.lr_ceiling`).
@@ -70,9 +71,19 @@ class Ladder:
 
     # -- what happened --------------------------------------------------------------------
     def skipped(
-        self, step: int, epoch: int, why: str, batch: BatchName | None = None
+        self,
+        step: int,
+        epoch: int,
+        why: str,
+        batch: BatchName | None = None,
+        *,
+        bad_data: bool = False,
     ) -> tuple[list[Finding], str | None]:
         """Step ``step`` (on ``batch``, when known) was not applied because ``why``.
+        ``bad_data``: the batch's own inputs hold NaN or Inf, which explain the step
+        whatever the weights: it is no sign that the update before it did harm (the same
+        bad batch served twice in a row, across an epoch's end, would otherwise roll
+        back). It counts toward a cool-down like any skip.
         Returns the findings and what to do next: None, ``"rollback"`` or ``"stop"``."""
         s, cfg = self.s, self.settings
         s.skips.append(step)  # the weights stay healthy: no block on the next snapshot
@@ -81,6 +92,8 @@ class Ladder:
             s.skips.popleft()
         self._troubled(step)
         s.in_a_row += 1
+        if bad_data:
+            s.bad_data_at = step
         kept = "the weights and the optimizer's state stay as they were"
         named = f" ({batch})" if batch is not None else ""
         said = f"skipped step {step}{named}: {why}; {kept}"
@@ -322,6 +335,7 @@ class Ladder:
             "rolled_back_at": s.rolled_back_at,
             "applied_at": s.applied_at,
             "in_a_row": s.in_a_row,
+            "bad_data_at": s.bad_data_at,
             "transients": s.transients,
             "ceiling": s.ceiling,
         }
@@ -342,6 +356,7 @@ class Ladder:
         s.troubled_at = int(state.get("troubled_at", s.troubled_at))
         s.applied_at = int(state.get("applied_at", s.applied_at))
         s.in_a_row = int(state.get("in_a_row", 0))
+        s.bad_data_at = int(state.get("bad_data_at", s.bad_data_at))
         s.transients = int(state.get("transients", 0))
         s.ceiling = state.get("ceiling")
         self.s = s
@@ -359,9 +374,15 @@ class Ladder:
     def _damaged_by_last_update(self, step: int) -> bool:
         """Whether the two steps after an applied one were both skipped: one bad batch is
         skipped and the next is fine, but weights an update harmed are judged bad on the
-        next batches too (a learning-rate spike, a poisoned momentum)."""
+        next batches too (a learning-rate spike, a poisoned momentum). A step its batch's
+        inputs explain (see :meth:`skipped`) is no sign of the weights."""
         s = self.s
-        return s.in_a_row == 2 and s.applied_at == step - 2 and self._weights_moved_since_rollback()
+        return (
+            s.in_a_row == 2
+            and s.applied_at == step - 2
+            and s.bad_data_at < step - 1
+            and self._weights_moved_since_rollback()
+        )
 
     def _weights_moved_since_rollback(self) -> bool:
         s = self.s

@@ -61,10 +61,13 @@ class Recoverer:
         why: str,
         batch: BatchName | None = None,
         replay: str | None = None,
+        *,
+        bad_data: bool = False,
     ) -> Decision:
         """The adapter did not apply step ``step``, on ``batch`` (when it knows which),
         because ``why``; ``replay``: ``"reproduces"`` when the step was computed again
-        from the same state with the same batch and judged bad again."""
+        from the same state with the same batch and judged bad again; ``bad_data``: the
+        batch's inputs hold NaN or Inf (see ``Ladder.skipped``)."""
         said = why
         if replay == "reproduces":
             said += (
@@ -73,7 +76,7 @@ class Recoverer:
             )
         if batch is not None:
             self.skipped_data.add(SkippedBatch(step, batch, why, replay))
-        found, action = self.ladder.skipped(step, epoch, said, batch)
+        found, action = self.ladder.skipped(step, epoch, said, batch, bad_data=bad_data)
         return self._act(found, action, why)
 
     def transient(self, step: int, epoch: int, why: str, batch: BatchName | None) -> None:
