@@ -122,6 +122,22 @@ def test_a_nan_batch_is_skipped_exactly_as_if_never_seen(optimizer):
     assert all(np.isfinite(v.numpy()).all() for v in recovered.trainable_variables)
 
 
+@pytest.mark.parametrize("recover", [True, Recovery(replay=True)], ids=["skip", "replay"])
+def test_two_nan_batches_in_a_row_are_the_data_not_a_harmful_update(recover):
+    # two steps judged bad right after an applied one would roll back (the weights that
+    # update left are suspect), but a NaN in each batch's inputs explains both
+    x, y = data(30, poison={7: "nan", 8: "nan"})
+    sink = CapturingSink()
+    recovered = model("adamw")
+    fit(recovered, x, y, [KerasStethoscope(sinks=[sink], recover=recover)])
+    assert acts(sink) == [(7, "skip"), (8, "skip")]
+    for skip in (f for f in sink.findings if f.detector == RECOVERY):
+        assert "the loss was nan; the batch's inputs hold NaN or Inf" in skip.message
+    twin = model("adamw")
+    fit(twin, *without(x, y, [7, 8]), [])
+    same_state(recovered, twin)
+
+
 def test_a_spike_past_the_bars_is_skipped_exactly_as_if_never_seen():
     x, y = data(80, poison={60: "spike"})
     sink = CapturingSink()

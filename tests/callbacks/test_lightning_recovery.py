@@ -110,6 +110,32 @@ def test_a_skipped_step_is_as_if_the_batch_was_never_seen(optimizer):
     assert row.verdict == "skipped 1 step" and row.status == "info"
 
 
+@pytest.mark.parametrize("lag", [None, 1], ids=["host", "device"])
+def test_two_nan_batches_in_a_row_are_the_data_not_a_harmful_update(lag):
+    # two steps judged bad right after an applied one would roll back (the weights that
+    # update left are suspect), but a NaN in each batch's inputs explains both; on the
+    # device the verdict lands a step late, and the batch is still at hand
+    from _accelerator import SimulatedAccelerator, SimulatedSteps
+
+    poisoned = batches(60, poison={41: "nan", 42: "nan"})
+    torch.manual_seed(0)
+    model = Net("adamw-fused")
+    sink = CapturingSink()
+    callback = LightningStethoscope(sinks=[sink], recover=Recovery(cool_after=5))
+    if lag is None:
+        trainer = train(model, poisoned, [callback])
+    else:
+        with SimulatedAccelerator(lag=lag) as sim:
+            trainer = train(model, poisoned, [SimulatedSteps(sim), callback])
+    skips = [f for f in sink.findings if f.detector == RECOVERY]
+    assert [(f.step, f.where) for f in skips] == [(41, "skip"), (42, "skip")]
+    assert all("the batch's inputs hold NaN or Inf" in f.message for f in skips)
+    torch.manual_seed(0)
+    twin = Net("adamw-fused")
+    twin_trainer = train(twin, [b for i, b in enumerate(poisoned) if i not in (41, 42)], [])
+    _same_state(model, twin, trainer, twin_trainer)
+
+
 class SpySGD(torch.optim.SGD):
     """Keeps the learning rate each step is applied with."""
 
@@ -410,7 +436,10 @@ def test_a_step_skipped_on_the_device_is_as_if_the_batch_was_never_seen(optimize
     callback = LightningStethoscope(sinks=[sink], recover=True)
     with SimulatedAccelerator(lag=lag) as sim:
         trainer = train(model, poisoned, [SimulatedSteps(sim), callback])
-    assert sim.train_syncs() == []
+    # healthy steps never wait; the inputs of a step skipped for its NaN loss are read
+    # once (whether they hold NaN or Inf), when its verdict lands, up to ``lag`` steps on
+    waits = sim.train_syncs()
+    assert len(waits) <= 1 and all(s.kind == "wait" and 41 <= s.step <= 41 + lag for s in waits)
     assert trainer.global_step == 60 and not trainer.should_stop
     torch.manual_seed(0)
     twin = Net(optimizer)

@@ -37,12 +37,17 @@ from stethoscope.recovery.settings import (
     NONFINITE_LOSS,
 )
 
-__all__ = ["ELSEWHERE", "UpdateGate", "verdict_rows"]
+__all__ = ["BAD_DATA", "ELSEWHERE", "UpdateGate", "verdict_rows"]
 
 #: What a step's verdict says in place of its replay's finding (there is none under a
 #: strategy) where another worker judged the step bad and this one did not: the workers
 #: of a ``MultiWorkerMirroredStrategy`` run take the worst of their verdicts.
 ELSEWHERE = 3
+#: Added to a skipped step's finding (its replay's, or 0) where the batch's own inputs
+#: hold NaN or Inf: the data explains the step, whatever the weights. Looked at in the
+#: skip's branch alone, so a healthy step never reads its inputs for it; not under a
+#: strategy, whose replicas decide together on the summed gradients.
+BAD_DATA = 4
 
 
 class UpdateGate:
@@ -135,7 +140,7 @@ class UpdateGate:
         def skipped() -> Any:
             start.undo_state()
             self._skip()
-            return ops.convert_to_tensor(np.int32(0))
+            return _data_explains(start, np.int32(0))
 
         if self.replay is None or start.batch is None:  # no compute_loss: nothing to replay
             return skipped()
@@ -161,7 +166,7 @@ class UpdateGate:
         def reproduces() -> Any:
             start.undo_state()
             self._skip()
-            return ops.convert_to_tensor(np.int32(REPRODUCES))
+            return _data_explains(start, np.int32(REPRODUCES))
 
         return ops.cond(ops.equal(code, 0), transient, reproduces)
 
@@ -289,6 +294,15 @@ class UpdateGate:
         return ops.cast(code, "int32"), ops.sqrt(ops.cast(total, "float32"))
 
 
+def _data_explains(start: StepStart, found: np.int32) -> Any:
+    """A skipped step's ``found`` (0, or what its replay found), plus :data:`BAD_DATA`
+    where its batch has a non-finite input."""
+    if start.batch is None:  # no compute_loss: no batch to look at
+        return ops.convert_to_tensor(found)
+    finite = kops.inputs_finite(start.batch[0])
+    return ops.where(finite, found, np.int32(found + BAD_DATA))
+
+
 def _apart(fn: Any) -> Any:
     """``fn()``, traced as a function of its own where a graph is being built. TensorFlow
     inlines a ``cond``'s branches, and on a step that takes the other branch passes over
@@ -306,9 +320,11 @@ def verdict_rows(regime: Regime, handed: Any, ring: np.ndarray, variables: Probe
     """The verdicts of an execution, a row per ring slot: the code (of
     :data:`~stethoscope.recovery.REASONS`; 0: the update was applied), the global gradient
     norm it was judged on and what the step's replay found (0: not replayed,
-    :data:`TRANSIENT`, :data:`REPRODUCES`). ``handed``: what the step handed back with its
-    logs (a direct step: its code, and with a replay what it found; its norm is the
-    ``ring``'s), else None where ``verdicts`` must be read."""
+    :data:`TRANSIENT`, :data:`REPRODUCES`, :data:`ELSEWHERE`: judged bad on another
+    worker), plus :data:`BAD_DATA` where a skip's batch has a non-finite input.
+    ``handed``: what the step handed back with its logs (a direct step: its code, and
+    with a replay what it found; its norm is the ``ring``'s), else None where
+    ``verdicts`` must be read."""
     if not regime.direct:
         rows = handed if handed is not None else variables.read("verdicts")
         return np.asarray(rows, dtype=np.float64).reshape(regime.steps, 3)

@@ -28,6 +28,7 @@ __all__ = [
     "graph",
     "half_square",
     "input_stats",
+    "inputs_finite",
     "is_float",
     "is_symbolic",
     "label_histogram",
@@ -67,6 +68,16 @@ def is_symbolic(x: Any) -> bool:
 
 def is_float(t: Any) -> bool:
     return "float" in keras.backend.standardize_dtype(t.dtype)
+
+
+def inputs_finite(x: Any) -> Any:
+    """Whether every floating value of the inputs ``x`` (nested as a batch's may be) is
+    finite: a boolean tensor, True without a floating input."""
+    verdict = ops.convert_to_tensor(True)
+    for t in keras.tree.flatten(x):
+        if t is not None and is_float(t):
+            verdict = ops.logical_and(verdict, ops.all(ops.isfinite(t)))
+    return verdict
 
 
 def scalar(t: Any) -> bool:

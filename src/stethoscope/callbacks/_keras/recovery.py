@@ -47,7 +47,7 @@ import keras
 import numpy as np
 
 from stethoscope.callbacks._keras.describe import has_own_train_step
-from stethoscope.callbacks._keras.gate import ELSEWHERE
+from stethoscope.callbacks._keras.gate import BAD_DATA, ELSEWHERE
 from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.loss_scale import loss_scaler
 from stethoscope.callbacks._keras.probe import GraphProbe
@@ -207,6 +207,7 @@ class KerasRecovery:
         was judged on and what its replay found) and ``loss``: report a skip, or a replay
         that was fine and applied, then the step settled."""
         code, norm, found = int(verdict[0]), float(verdict[1]), int(verdict[2])
+        bad_data, found = found >= BAD_DATA, found % BAD_DATA
         if code == FORCED_SKIP:
             # or another worker's mark: their ladders mark the same steps, so never yet
             why = self._forced.get(step, f"on another worker, {REASONS[code]}")
@@ -225,7 +226,12 @@ class KerasRecovery:
                 self.recoverer.transient(step, batch.epoch, why, batch)
             else:
                 replay = "reproduces" if found == REPRODUCES else None
-                self.act(self.recoverer.skipped(step, batch.epoch, why, batch, replay))
+                if bad_data:
+                    why = f"{why}; the batch's inputs hold NaN or Inf"
+                decision = self.recoverer.skipped(
+                    step, batch.epoch, why, batch, replay, bad_data=bad_data
+                )
+                self.act(decision)
                 self._bars_due = True
         decision = self.recoverer.settle(step)
         if decision.stop or decision.spared:

@@ -27,6 +27,7 @@ __all__ = [
     "ValidationPrints",
     "class_labels",
     "input_moments",
+    "inputs_finite",
     "loader_order",
     "sample_prints",
     "split_batch",
@@ -182,6 +183,28 @@ def fingerprint(batch: Any) -> str | None:
     step only."""
     prints = sample_prints(split_batch(batch)[0])
     return None if prints is None else batch_fingerprint(to_host(prints).wait().numpy())
+
+
+def inputs_finite(batch: Any) -> bool:
+    """Whether every floating value of a batch's inputs is finite (True without one). On
+    an accelerator its read waits for the device: for a skipped step only."""
+    tensors = _tensors(split_batch(batch)[0])
+    floating = [t for t in tensors if t.is_floating_point()]
+    if not floating:
+        return True
+    finite = torch.stack([torch.isfinite(t).all() for t in floating]).all()
+    return bool(to_host(finite.reshape(1)).wait().numpy()[0])
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors of ``x``: a tensor, or a (nested) list, tuple or dict of them."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for part in x for t in _tensors(part)]
+    return []
 
 
 def loader_order(trainer: Any) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning import device
-from stethoscope.callbacks._lightning.batch import fingerprint
+from stethoscope.callbacks._lightning.batch import fingerprint, inputs_finite
 from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
@@ -144,6 +144,9 @@ class StepGate:
         self._losses: list[torch.Tensor] = []  # this step's losses (micro-batches), unscaled
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
         self._skipped_step = -1
+        #: The last step judged bad for a non-finite loss: a NaN or Inf in its batch's
+        #: inputs would explain it (see ``LightningRecovery._inputs_nonfinite``).
+        self.nonfinite_loss_at = -1
 
     # -- installing --------------------------------------------------------------------
     def install(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -249,6 +252,7 @@ class StepGate:
             # itself, and it is not counted twice
             return _LEFT_TO_SCALER, ""
         if bad:
+            self.nonfinite_loss_at = self.step
             return NONFINITE_LOSS, f"the loss is {bad[0]}"
         if not math.isfinite(norm):
             return NONFINITE_GRADIENT, REASONS[NONFINITE_GRADIENT]
@@ -303,6 +307,8 @@ class StepGate:
                 self.on_unapplied(verdict.step)
                 continue
             if verdict.code:
+                if verdict.code == NONFINITE_LOSS:
+                    self.nonfinite_loss_at = verdict.step
                 self._skip(verdict.step, verdict.why)
             self.on_settle(verdict.step)
 
@@ -406,6 +412,10 @@ class LightningRecovery:
         #: The step's batch and its index in the epoch (its first micro-batch's).
         self._batch: Any = None
         self._index = 0
+        #: The batches of the step in progress and the two before, by step: a verdict
+        #: decided on the device lands up to ``max_lag`` (2) steps late, and a skip looks
+        #: at its batch (references only: the batches stay where they are).
+        self._held: dict[int, Any] = {}
         self._fingerprints = True  # one batch per step: a skipped batch is printed
         self._ranks = 1
         self._before: SkippedBatch | None = None  # the step's batch, skipped before
@@ -448,6 +458,8 @@ class LightningRecovery:
     def new_step(self, step: int, epoch: int, index: int, batch: Any) -> None:
         """Step ``step`` begins on ``batch``, batch ``index`` of epoch ``epoch``: skipped
         again when it was skipped before and comes back where it was."""
+        self._held = {s: b for s, b in self._held.items() if s >= step - 2}
+        self._held[step] = batch
         self.epoch, self._index, self._batch = epoch, index, batch
         self.buffers.keep()
         before = self.recoverer.skip_again(epoch, index)
@@ -519,7 +531,10 @@ class LightningRecovery:
             self.recoverer.skipped_ahead(step, why, self._name(step))
             return
         batch = self._name(step)
-        self.act(self.recoverer.skipped(step, self.epoch, why, batch, replayed))
+        bad_data = self._inputs_nonfinite(step)
+        if bad_data:
+            why = f"{why}; the batch's inputs hold NaN or Inf"
+        self.act(self.recoverer.skipped(step, self.epoch, why, batch, replayed, bad_data=bad_data))
 
     def _put_back_buffers(self) -> None:
         if self.buffers is not None:
@@ -535,6 +550,17 @@ class LightningRecovery:
             return None
         printed = fingerprint(self._batch) if self._fingerprints else None
         return BatchName(self.epoch, self._index, printed)
+
+    def _inputs_nonfinite(self, step: int) -> bool:
+        """Whether the batch of ``step`` holds a NaN or an Inf among its inputs, which
+        explains its skip whatever the weights (see ``Ladder.skipped``). Only on one rank:
+        under DDP each rank holds a shard of its own, and every rank's ladder must climb
+        alike. False where the batch is no longer at hand. On an accelerator this read
+        waits for the device, on a skipped step alone."""
+        if self._ranks > 1 or self.gate.nonfinite_loss_at != step:
+            return False  # a finite loss: finite inputs, or ones that did no harm
+        batch = self._held.get(step)
+        return batch is not None and not inputs_finite(batch)
 
     def _same_batch(self, printed: str | None) -> bool:
         """Whether the batch in progress is the one printed ``printed`` before. Under DDP,
