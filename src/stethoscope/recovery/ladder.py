@@ -48,6 +48,33 @@ class _State:
     #: and parameter group, above which no step goes (see :meth:`Ladder.lr_ceiling`).
     ceiling: list[list[float]] | None = None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The state as plain values, for a checkpoint."""
+        state = asdict(self)
+        state["skips"] = list(self.skips)
+        return state
+
+    @classmethod
+    def of(cls, state: dict[str, Any], cool_factor: float) -> _State:
+        """The state a checkpoint holds (:meth:`as_dict`); what an older one lacks keeps
+        its start value (``cool_factor``: the cool-down's scale)."""
+        s = cls()
+        s.skips = deque(int(v) for v in state.get("skips", ()))
+        s.cool_from = state.get("cool_from")
+        s.cool_until = int(state.get("cool_until", -1))
+        s.cool_scale = float(state.get("cool_scale", cool_factor))
+        s.skips_cooling = int(state.get("skips_cooling", 0))
+        s.rollbacks = int(state.get("rollbacks", 0))
+        s.counts.update(state.get("counts", {}))
+        s.history = [Rung(**r) for r in state.get("history", ())]
+        for name in ("trouble", "rolled_back_at", "onset", "troubled_at", "applied_at"):
+            setattr(s, name, int(state.get(name, getattr(s, name))))
+        s.bad_data_at = int(state.get("bad_data_at", s.bad_data_at))
+        s.in_a_row = int(state.get("in_a_row", 0))
+        s.transients = int(state.get("transients", 0))
+        s.ceiling = state.get("ceiling")
+        return s
+
 
 class Ladder:
     """Climbs the rungs for one run. The adapter tells it what happened (:meth:`skipped`,
@@ -319,47 +346,10 @@ class Ladder:
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        s = self.s
-        return {
-            "skips": list(s.skips),
-            "cool_from": s.cool_from,
-            "cool_until": s.cool_until,
-            "cool_scale": s.cool_scale,
-            "skips_cooling": s.skips_cooling,
-            "rollbacks": s.rollbacks,
-            "counts": dict(s.counts),
-            "history": [asdict(r) for r in s.history],
-            "trouble": s.trouble,
-            "onset": s.onset,
-            "troubled_at": s.troubled_at,
-            "rolled_back_at": s.rolled_back_at,
-            "applied_at": s.applied_at,
-            "in_a_row": s.in_a_row,
-            "bad_data_at": s.bad_data_at,
-            "transients": s.transients,
-            "ceiling": s.ceiling,
-        }
+        return self.s.as_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        s = _State()
-        s.skips = deque(int(v) for v in state.get("skips", ()))
-        s.cool_from = state.get("cool_from")
-        s.cool_until = int(state.get("cool_until", -1))
-        s.cool_scale = float(state.get("cool_scale", self.settings.cool_factor))
-        s.skips_cooling = int(state.get("skips_cooling", 0))
-        s.rollbacks = int(state.get("rollbacks", 0))
-        s.counts.update(state.get("counts", {}))
-        s.history = [Rung(**r) for r in state.get("history", ())]
-        s.trouble = int(state.get("trouble", s.trouble))
-        s.rolled_back_at = int(state.get("rolled_back_at", s.rolled_back_at))
-        s.onset = int(state.get("onset", s.onset))
-        s.troubled_at = int(state.get("troubled_at", s.troubled_at))
-        s.applied_at = int(state.get("applied_at", s.applied_at))
-        s.in_a_row = int(state.get("in_a_row", 0))
-        s.bad_data_at = int(state.get("bad_data_at", s.bad_data_at))
-        s.transients = int(state.get("transients", 0))
-        s.ceiling = state.get("ceiling")
-        self.s = s
+        self.s = _State.of(state, self.settings.cool_factor)
 
     # -- the signs of damage --------------------------------------------------------------
     def _troubled(self, step: int) -> None:

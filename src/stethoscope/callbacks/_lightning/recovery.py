@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from stethoscope.callbacks._lightning import device
-from stethoscope.callbacks._lightning.batch import fingerprint, inputs_finite
 from stethoscope.callbacks._lightning.buffers import StepBuffers
 from stethoscope.callbacks._lightning.loss_scale import pending_scale, scaler_of
 from stethoscope.callbacks._lightning.parameters import total_norm
 from stethoscope.callbacks._lightning.shards import flat_slices
 from stethoscope.callbacks._lightning.skip_on_device import DeviceVerdicts, skips_on_device
 from stethoscope.callbacks._lightning.snapshots import Snapshots
+from stethoscope.callbacks._lightning.step_batches import StepBatches
 from stethoscope.callbacks._lightning.zero import is_deepspeed_optimizer
 from stethoscope.engine import Decision
 from stethoscope.recovery import Recoverer
@@ -47,7 +47,7 @@ from stethoscope.recovery.settings import (
     NONFINITE_LOSS,
     REASONS,
 )
-from stethoscope.recovery.skipped import BatchName, SkippedBatch
+from stethoscope.recovery.skipped import SkippedBatch
 
 __all__ = ["LightningRecovery", "StepGate", "refuse_unrecoverable"]
 
@@ -145,7 +145,7 @@ class StepGate:
         self._verdicts: dict[int, str | None] = {}  # id(optimizer) -> why to skip
         self._skipped_step = -1
         #: The last step judged bad for a non-finite loss: a NaN or Inf in its batch's
-        #: inputs would explain it (see ``LightningRecovery._inputs_nonfinite``).
+        #: inputs would explain it (see ``StepBatches.inputs_nonfinite``).
         self.nonfinite_loss_at = -1
 
     # -- installing --------------------------------------------------------------------
@@ -409,15 +409,7 @@ class LightningRecovery:
         self.buffers: StepBuffers | None = None  # the module's, as each step found them
         self.epoch = 0
         self.scaler: Any = None  # the precision plugin's GradScaler (AMP with float16)
-        #: The step's batch and its index in the epoch (its first micro-batch's).
-        self._batch: Any = None
-        self._index = 0
-        #: The batches of the step in progress and the two before, by step: a verdict
-        #: decided on the device lands up to ``max_lag`` (2) steps late, and a skip looks
-        #: at its batch (references only: the batches stay where they are).
-        self._held: dict[int, Any] = {}
-        self._fingerprints = True  # one batch per step: a skipped batch is printed
-        self._ranks = 1
+        self.batches = StepBatches()
         self._before: SkippedBatch | None = None  # the step's batch, skipped before
         self._elsewhere: frozenset[int] = frozenset()  # see start
 
@@ -445,10 +437,10 @@ class LightningRecovery:
         self.gate.across_ranks, self.gate.device = sharded, root
         # FSDP1's state_dict gathers each parameter whole: its slices are snapshot in place
         self.snapshots.in_place = bool(slices)
-        self._ranks = trainer.world_size
+        self.batches.ranks = trainer.world_size
         if trainer.world_size > 1:  # each rank's files of its own, in a directory they share
             self.snapshots.rank = trainer.global_rank
-        self._fingerprints = trainer.accumulate_grad_batches == 1
+        self.batches.fingerprints = trainer.accumulate_grad_batches == 1
         if self.gate.replay:
             self.gate.replay = self._can_replay(trainer, module)
         self.gate.install(trainer.optimizers)
@@ -458,12 +450,11 @@ class LightningRecovery:
     def new_step(self, step: int, epoch: int, index: int, batch: Any) -> None:
         """Step ``step`` begins on ``batch``, batch ``index`` of epoch ``epoch``: skipped
         again when it was skipped before and comes back where it was."""
-        self._held = {s: b for s, b in self._held.items() if s >= step - 2}
-        self._held[step] = batch
-        self.epoch, self._index, self._batch = epoch, index, batch
+        self.epoch = epoch
+        self.batches.begin(step, epoch, index, batch)
         self.buffers.keep()
         before = self.recoverer.skip_again(epoch, index)
-        if before is not None and not self._same_batch(before.batch.fingerprint):
+        if before is not None and not self.batches.is_printed(before.batch.fingerprint):
             self.recoverer.not_the_same(step, epoch, before)
             before = None
         ahead = self.recoverer.ahead(step) if before is None else None
@@ -528,10 +519,11 @@ class LightningRecovery:
             self.recoverer.skipped_again(step, self.epoch, self._before)
             return
         if replayed == "forced":  # skipped ahead after a roll back
-            self.recoverer.skipped_ahead(step, why, self._name(step))
+            self.recoverer.skipped_ahead(step, why, self.batches.name(step))
             return
-        batch = self._name(step)
-        bad_data = self._inputs_nonfinite(step)
+        batch = self.batches.name(step)
+        # a NaN or Inf in the inputs explains a non-finite loss whatever the weights
+        bad_data = self.gate.nonfinite_loss_at == step and self.batches.inputs_nonfinite(step)
         if bad_data:
             why = f"{why}; the batch's inputs hold NaN or Inf"
         self.act(self.recoverer.skipped(step, self.epoch, why, batch, replayed, bad_data=bad_data))
@@ -541,35 +533,7 @@ class LightningRecovery:
             self.buffers.put_back()
 
     def _transient(self, step: int, why: str) -> None:
-        self.recoverer.transient(step, self.epoch, why, self._name(step))
-
-    def _name(self, step: int) -> BatchName | None:
-        """The batch of ``step``, when it is the step in progress (a verdict decided on the
-        device lands a step or so later: its batch is gone by then)."""
-        if step != self.gate.step or self._batch is None:
-            return None
-        printed = fingerprint(self._batch) if self._fingerprints else None
-        return BatchName(self.epoch, self._index, printed)
-
-    def _inputs_nonfinite(self, step: int) -> bool:
-        """Whether the batch of ``step`` holds a NaN or an Inf among its inputs, which
-        explains its skip whatever the weights (see ``Ladder.skipped``). Only on one rank:
-        under DDP each rank holds a shard of its own, and every rank's ladder must climb
-        alike. False where the batch is no longer at hand. On an accelerator this read
-        waits for the device, on a skipped step alone."""
-        if self._ranks > 1 or self.gate.nonfinite_loss_at != step:
-            return False  # a finite loss: finite inputs, or ones that did no harm
-        batch = self._held.get(step)
-        return batch is not None and not inputs_finite(batch)
-
-    def _same_batch(self, printed: str | None) -> bool:
-        """Whether the batch in progress is the one printed ``printed`` before. Under DDP,
-        where each rank has its own shard and the checkpoint holds rank 0's prints, the
-        position alone decides, alike on every rank."""
-        if printed is None or self._ranks > 1 or not self._fingerprints:
-            return True
-        now = fingerprint(self._batch)
-        return now == printed
+        self.recoverer.transient(step, self.epoch, why, self.batches.name(step))
 
     def _can_replay(self, trainer: Any, module: Any) -> bool:
         """Whether a step can be computed again (its closure holds the whole step): not
