@@ -3,18 +3,19 @@ assigns before the recovery ladder's verdict.
 
 A training forward pass moves more than the weights: a ``BatchNormalization``'s moving
 statistics and a ``Dropout``'s seed generator are assigned before the optimizer's update,
-so before the gate judges the step. A step the gate skips must put them back, or a NaN
-batch leaves NaN moving statistics (every later evaluation is NaN) and a skipped step
-still moves the dropout masks of the steps after it. A replay
+so before the gate judges the step, and so is the mean loss Keras shows. A step the gate
+skips must put them back, or a NaN batch leaves NaN moving statistics (every later
+evaluation is NaN), a skipped step still moves the dropout masks of the steps after it,
+and the progress bar shows ``loss: nan`` to the epoch's end. A replay
 (``Recovery(replay=True)``) must start from them, and computes with the step's own batch.
 
 So each variable of the model's that is not trained keeps its value from before the
 step's first assignment to it (a read of a variable the step writes anyway), and the
 batch is the one the step's ``compute_loss`` saw. What it costs a healthy step: one read
-of each such variable the step assigns (none for a model without ``BatchNormalization``
-or ``Dropout``). On torch, whose train step runs eagerly and assigns in place, the values
-are copied, and each step keeps torch's own random generators' state as well (a
-``Dropout`` without a seed draws from them, not from a variable of the model's).
+of each such variable the step assigns, and of the mean loss's two scalars. On torch,
+whose train step runs eagerly and assigns in place, the values are copied, and each step
+keeps torch's own random generators' state as well (a ``Dropout`` without a seed draws
+from them, not from a variable of the model's).
 """
 
 from __future__ import annotations
@@ -70,11 +71,17 @@ class StepWatch:
         self._generators: Any = None  # torch: its generators' state before the step
 
     def install(self, patches: Patches) -> None:
-        """Watch the assignments to the model's variables that are not trained; on torch,
+        """Watch the assignments to the model's variables that are not trained, and the
+        additions to the mean loss Keras shows (its ``loss`` metric adds each step's loss
+        in ``compute_loss``, before any verdict: a skipped NaN step would show ``loss:
+        nan`` for the rest of the epoch, where the step was never trained on); on torch,
         keep the state of its random generators at the start of each step."""
         watched = {id(v): v for v in self.model.non_trainable_variables}  # each once
         for variable in watched.values():
             patches.put(variable, "assign", self._watch(variable, variable.assign))
+        tracker = getattr(self.model, "_loss_tracker", None)  # Keras' own Mean, if any
+        for variable in tracker.variables if tracker is not None else ():
+            patches.put(variable, "assign_add", self._watch(variable, variable.assign_add))
         if keras.backend.backend() == "torch":
             patches.put(self.model, "train_step", self._keep_generators(self.model.train_step))
 
