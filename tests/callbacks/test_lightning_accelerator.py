@@ -397,7 +397,7 @@ def test_a_replay_on_an_accelerator_judges_on_the_host_and_says_so():
     acts = [(f.step, f.where) for f in sink.findings if f.detector == RECOVERY]
     assert acts == [(20, "replay"), (30, "skip")]
     skip = next(f.message for f in sink.findings if f.where == "skip")
-    assert "batch 30 of epoch 0 (fingerprint " in skip and "judged bad again" in skip
+    assert "batch 30 of epoch 0, fingerprint " in skip and "judged bad again" in skip
     # the host's verdict: the loss and the gradient norm, read each step; besides, only
     # the steps judged bad wait (for the replay's verdict, and the batch's fingerprint)
     syncs = sim.train_syncs()

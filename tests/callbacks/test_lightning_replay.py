@@ -88,7 +88,7 @@ def test_a_bad_batch_is_bad_again_skipped_and_named_with_its_fingerprint():
     assert _acts(sink) == [(20, "skip")]
     [skip] = [f for f in sink.findings if f.where == "skip"]
     printed = fingerprint(data[20])
-    assert f"(batch 20 of epoch 0 (fingerprint {printed}))" in skip.message
+    assert f"(batch 20 of epoch 0, fingerprint {printed})" in skip.message
     assert "judged bad again: the batch (or the numerics), not the machine" in skip.message
     [kept] = callback.recoverer.skipped_data.batches
     assert (kept.step, kept.batch.index, kept.batch.fingerprint) == (20, 20, printed)

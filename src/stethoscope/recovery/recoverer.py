@@ -110,7 +110,7 @@ class Recoverer:
         """A run resumed at step ``step`` cannot know the ``batches`` the run it resumes
         skipped past its checkpoint when they come back (``how`` the data is ordered):
         they are not skipped again, and it says so."""
-        named = ", ".join(str(b.batch) for b in batches[:3]) + (", ..." if len(batches) > 3 else "")
+        named = "; ".join(str(b.batch) for b in batches[:3]) + ("; ..." if len(batches) > 3 else "")
         which = "1 batch" if len(batches) == 1 else f"{len(batches)} batches"
         said = (
             f"The run this one resumes skipped {which} past step {step} ({named}), not "

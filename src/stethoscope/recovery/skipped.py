@@ -24,7 +24,7 @@ class BatchName:
 
     def __str__(self) -> str:
         named = f"batch {self.index} of epoch {self.epoch}"
-        return named + (f" (fingerprint {self.fingerprint})" if self.fingerprint else "")
+        return named + (f", fingerprint {self.fingerprint}" if self.fingerprint else "")
 
 
 @dataclass(frozen=True)
