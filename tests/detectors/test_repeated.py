@@ -5,6 +5,7 @@ run sees twice or never, against shuffled, sequential and full-batch training.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -213,6 +214,9 @@ def test_validation_samples_the_model_trains_on_are_named():
     assert "32 of the 64 validation samples" in found.message
     assert "about 50% of the training set" in found.message
     assert_sentence(found, "split the data once", names=["overlaps the training data"])
+    # the epoch summary's advice is the overlap's, not the loader's
+    assert d.advice_for(found) == "split the data once; no sample in both splits"
+    assert d.advice_for(replace(found, where="training data")) == d.advice
 
 
 def test_a_validation_set_of_other_samples_is_no_overlap():

@@ -108,6 +108,12 @@ class Detector:
         usual fix depends on the training (clipping, say) words it from :attr:`setup`."""
         return self.advice
 
+    def advice_for(self, finding: Finding) -> str:
+        """The few words of advice for the summary row whose worst finding is ``finding``:
+        :meth:`current_advice`, unless the detector names problems of more than one kind
+        (where the finding's ``where`` says which)."""
+        return self.current_advice()
+
     def applies(self) -> bool:
         """Whether the rule applies to this run at all, from :attr:`setup` alone (so every
         rank of a distributed run answers alike): a precision rule in a float32 run does

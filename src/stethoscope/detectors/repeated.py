@@ -14,6 +14,9 @@ from stethoscope.observation import Observation
 
 __all__ = ["RepeatedData"]
 
+#: Where a finding of the validation data overlapping the training data points.
+VALIDATION_DATA = "validation data"
+
 
 def batch_key(prints: np.ndarray) -> str:
     """A short key of a batch: its samples' prints, in order (equal batches, equal keys)."""
@@ -63,11 +66,18 @@ class RepeatedData(Detector):
     runs_on = frozenset({"prints", "val_prints"})
     base_interval = 16
     advice = "reshuffle every epoch; resume the loader's position"
+    #: The advice for the validation data overlapping the training data.
+    overlap_advice = "split the data once; no sample in both splits"
     blind_to = "no input tensor could be read from the batches"
     #: Training prints kept to compare validations against.
     KEEP = 16384
     #: The share of a validation's samples found in training above which it overlaps.
     OVERLAP = 0.05
+
+    def advice_for(self, finding: Finding) -> str:
+        if finding.where == VALIDATION_DATA:
+            return self.overlap_advice
+        return self.current_advice()
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,7 +164,7 @@ class RepeatedData(Detector):
             "augmenting it, and remove duplicates across the splits.",
             value=share,
             threshold=self.OVERLAP,
-            where="validation data",
+            where=VALIDATION_DATA,
         )
 
     # -- the mistakes --------------------------------------------------------------

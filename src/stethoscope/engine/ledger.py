@@ -218,7 +218,7 @@ class Ledger:
         detector: Detector, stats: dict[str, Any], interval: int, stopped_by: Finding | None
     ) -> SummaryRow:
         worst: Finding = stats["worst"]
-        verdict = detector.current_advice()
+        verdict = detector.advice_for(worst)
         if stopped_by is not None and stopped_by.detector == detector.name:
             verdict = f"stopped training at step {stopped_by.step}; {verdict}"
         return SummaryRow(
