@@ -74,11 +74,6 @@ class RepeatedData(Detector):
     #: The share of a validation's samples found in training above which it overlaps.
     OVERLAP = 0.05
 
-    def advice_for(self, finding: Finding) -> str:
-        if finding.where == VALIDATION_DATA:
-            return self.overlap_advice
-        return self.current_advice()
-
     def __init__(self) -> None:
         super().__init__()
         #: The next observation is a resumed run's first (not part of the state).
@@ -112,6 +107,11 @@ class RepeatedData(Detector):
 
     def finished(self, step: int) -> bool:
         return len(self.state["warned"]) == 4
+
+    def advice_for(self, finding: Finding) -> str:
+        if finding.where == VALIDATION_DATA:
+            return self.overlap_advice
+        return self.current_advice()
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
