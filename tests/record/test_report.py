@@ -338,6 +338,42 @@ def test_browser_path_is_honoured(tmp_path, monkeypatch):
     assert report.find_browser() != str(tmp_path / "nothing")
 
 
+def test_a_browser_path_that_names_nothing_is_no_browser_whoever_finds_it(tmp_path, monkeypatch):
+    # kaleido's own finder reads BROWSER_PATH too and hands it back unchecked: here it is
+    # the only finder left (nothing on PATH), as on a machine without Chromium
+    pytest.importorskip("choreographer")
+    from choreographer.browsers.chromium import Chromium
+
+    nothing = str(tmp_path / "nothing")
+    monkeypatch.setenv("BROWSER_PATH", nothing)
+    monkeypatch.setattr(report.shutil, "which", lambda name: None)
+    monkeypatch.setattr(Chromium, "find_browser", staticmethod(lambda **kw: nothing))
+    assert report.find_browser() is None
+
+
+def test_one_sample_is_said_in_one_line_instead_of_a_chart():
+    one = LayerSeries("fp8_weight_e4m3", ("w",), np.array([0]), np.array([[0.1]]))
+    two = LayerSeries("fp8_weight_e4m3", ("w",), np.array([0, 16]), np.array([[0.1], [0.2]]))
+    from stethoscope.record.precision_figures import fp8_figure
+
+    said = fp8_figure(one, None)
+    assert isinstance(said, str) and "step 0 only" in said and "\n" not in said
+    assert not isinstance(fp8_figure(two, None), str)
+    assert not isinstance(fp8_figure(one, two), str)  # the panel of two steps is drawn
+    at3, none = np.array([3]), np.array([], np.int64)
+    loss = loss_figure(Curve(at3, np.array([1.0]), at3 * 0), Curve(none, none * 1.0, none), [])
+    assert isinstance(loss, str) and "step 3 only" in loss
+
+
+def test_a_finished_record_leaves_no_log_beside_it_after_a_report(tmp_path):
+    directory = tmp_path / "run"
+    make_record(directory, steps=50, nan_at=None)
+    report.write_report(directory)
+    with RunRecord(directory) as record:
+        assert record.meta["status"] == "finished"
+    assert sorted(p.name for p in directory.iterdir()) == ["record.sqlite", "report.html"]
+
+
 # -- the command ------------------------------------------------------------------------
 def test_the_command_prints_what_it_wrote(run, tmp_path, capsys):
     out = tmp_path / "x.html"
@@ -379,12 +415,19 @@ def test_an_unreadable_record_is_one_sentence_and_exit_2(tmp_path, capsys, make,
     assert not list(tmp_path.rglob("report.html"))
 
 
-def test_an_output_that_cannot_be_written_is_one_sentence_and_exit_2(run, tmp_path, capsys):
+@pytest.mark.parametrize("browser", ["found", "none"])
+def test_an_output_that_cannot_be_written_is_one_sentence_and_exit_2(
+    run, tmp_path, capsys, monkeypatch, browser
+):
+    # the path is the user's to mend whether or not a browser is installed: checked first
+    if browser == "none":
+        monkeypatch.setattr(report, "find_browser", lambda: None)
     afile = tmp_path / "afile"
     afile.write_text("")
     for args in (
         ["-o", str(afile / "x.html")],
         ["-o", str(tmp_path / "r.html"), "--png", str(afile)],
+        ["-o", str(tmp_path / "r.html"), "--png", str(afile / "under")],
     ):
         assert main(["report", str(run), *args]) == 2
         err = capsys.readouterr().err

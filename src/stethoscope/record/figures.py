@@ -66,6 +66,8 @@ def loss_figure(losses: Curve, validation: Curve, findings: Sequence[Finding]) -
     sampler's escalations shaded and the non-finite losses as red crosses at the top."""
     if not len(losses.steps):
         return "No training loss was recorded yet (the run has not written a step)."
+    if few := pl.too_few("The training loss", losses.steps):
+        return few
     steps, values = losses.steps, losses.values
     finite = np.isfinite(values)
     shown = pl.envelope(values, LOSS_POINTS)
@@ -319,6 +321,8 @@ def update_ratio_figure(
     out), the healthy band shaded: a line each on a log axis, or a heat map for many."""
     if not pl.present(series):
         return "No update ratios were recorded (they need two consecutive weight reads)."
+    if few := pl.too_few("The update ratio", series.steps):
+        return few
     everything = len(series.names)
     series = _only(series, matrices)
     low, high = HEALTHY_UPDATE_RATIO

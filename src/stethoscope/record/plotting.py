@@ -70,6 +70,15 @@ def present(series: LayerSeries | None) -> bool:
     return series is not None and bool(series.names) and len(series.steps) > 0
 
 
+def too_few(what: str, steps: np.ndarray) -> str | None:
+    """The sentence that stands in a chart's place when it would show one step (a point
+    on an axis of nothing), or None when there are two or more to draw."""
+    distinct = np.unique(steps)
+    if len(distinct) >= 2:
+        return None
+    return f"{what} was measured at step {int(distinct[0])} only: too little for a chart yet."
+
+
 def hover_text(text: str, width: int = 90) -> str:
     """Plain text for a hover label: escaped and wrapped."""
     return "<br>".join(html.escape(line, quote=False) for line in textwrap.wrap(text, width))
@@ -187,6 +196,11 @@ def share_panels(panels: list[Panel], *, title: str, empty: str, lines: int) -> 
     present_ = [p for p in panels if present(p.series)]
     if not present_:
         return empty
+    # a panel of one step is a point on an axis of nothing: left out, said if all are
+    drawable = [p for p in present_ if too_few(p.label, p.series.steps) is None]
+    if not drawable:
+        return too_few(title, np.concatenate([p.series.steps for p in present_]))
+    present_ = drawable
     heights = [len(p.series.names) if len(p.series.names) > lines else 12 for p in present_]
     fig = make_subplots(
         len(present_),

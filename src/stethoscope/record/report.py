@@ -11,6 +11,7 @@ plotly (and kaleido) are imported here and in ``figures`` only, when a report is
 
 from __future__ import annotations
 
+import errno
 import html
 import json
 import os
@@ -260,11 +261,15 @@ def distribution_quantiles(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
 
 # -- PNG --------------------------------------------------------------------------------
+def _runnable(path: str | None) -> bool:
+    return path is not None and Path(path).is_file() and os.access(path, os.X_OK)
+
+
 def find_browser() -> str | None:
     """A Chrome or Chromium for kaleido: ``BROWSER_PATH`` if it names one, the first of
     the usual names on ``PATH``, or the one kaleido downloaded (``kaleido_get_chrome``)."""
     env = os.environ.get("BROWSER_PATH")
-    if env and Path(env).is_file() and os.access(env, os.X_OK):
+    if env and _runnable(env):
         return env
     for name in _BROWSERS:
         if path := shutil.which(name):
@@ -272,9 +277,22 @@ def find_browser() -> str | None:
     try:
         from choreographer.browsers.chromium import Chromium
 
-        return Chromium.find_browser(skip_local=False)
+        found = Chromium.find_browser(skip_local=False)
     except Exception:  # an older or newer choreographer: no further guess
         return None
+    # choreographer reads BROWSER_PATH too and hands it back unchecked: a path that
+    # names no program is no browser, whoever found it
+    return str(found) if found and _runnable(str(found)) else None
+
+
+def _check_folder(directory: Path) -> None:
+    """Raise the error ``mkdir`` would, before anything is drawn: a folder that is a
+    file, or lies under one, is the user's path to mend, not a missing browser."""
+    for place in (directory, *directory.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(place))
+            return
 
 
 def write_pngs(figs: dict[str, go.Figure], directory: str | os.PathLike[str]) -> list[Path]:
@@ -284,6 +302,8 @@ def write_pngs(figs: dict[str, go.Figure], directory: str | os.PathLike[str]) ->
         RuntimeError: No Chrome or Chromium was found, kaleido is missing, or the
             browser failed to draw them.
     """
+    target = Path(directory)
+    _check_folder(target)
     browser = find_browser()
     if browser is None:
         raise RuntimeError(_NO_BROWSER)
@@ -293,7 +313,6 @@ def write_pngs(figs: dict[str, go.Figure], directory: str | os.PathLike[str]) ->
         raise RuntimeError(
             'PNG figures need kaleido, which is not installed: pip install "stethoscope[report]".'
         ) from None
-    target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     paths = [target / f"{name}.png" for name in figs]
     specs = [

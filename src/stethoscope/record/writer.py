@@ -13,6 +13,7 @@ steps with findings stay whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -456,6 +457,11 @@ class RunRecorder(Sink):
             con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
             pass  # the flush above warned already; the record stays readable as it is
+        # a finished record is one file: out of WAL mode, the log and its index are
+        # removed, and a later reader (the report, read-only) makes no new ones. A reader
+        # still open (a live view) keeps them; they go when a resumed run closes.
+        with contextlib.suppress(sqlite3.Error):
+            con.execute("PRAGMA journal_mode=DELETE")
         con.close()
         self._con = None
 
