@@ -43,6 +43,7 @@ STABLE_NAMES = (
     "broadcast_loss",
     "collapsed_lr",
     "eval_mode",
+    "validation_mode",
     "unzeroed_gradients",
     "loss_divided_twice",
     "all_zero",
@@ -84,6 +85,7 @@ SHORT_MEMORY = {
     "straggler",  # the ratios of its last ``window`` samples
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
     "eval_mode",  # a streak of steps in eval mode
+    "validation_mode",  # whether the first validation was judged: none in these runs
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
     "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
     "broadcast_loss",  # a streak of steps whose loss broadcast
@@ -153,6 +155,7 @@ def obs(
     skipped: int = 0,
     fp8_lost: float = 0.0,
     half: bool = False,
+    training_calls: tuple[str, ...] | None = None,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     precision (layer1's output in float16, its parameters too if ``half``; a loss scaler),
@@ -194,6 +197,7 @@ def obs(
         labels=np.asarray(labels if labels is not None else rng.integers(0, 4, 32)),
         val_loss=None if val is None else val[0],
         train_loss=None if val is None else val[1],
+        val_training_calls=training_calls,
         eval_modules=eval_modules,
         stale_grads=stale,
         sample_prints=prints(step, stuck=stuck),
@@ -331,6 +335,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,
+                training_calls=("F.dropout(training=True) in layer0",) if i == 109 else None,
                 slow=2 if 20 <= i < 40 else None,
                 diverged=3,
             )

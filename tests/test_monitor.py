@@ -189,7 +189,7 @@ def test_an_epochs_first_step_measures_what_detectors_compare_epochs_by():
     assert m.plan(25) == {"loss", "prints"}
     assert m.plan(26) == {"loss"}  # its observation never came: forgotten
     # a validation's prints run it too, whatever it needs on a training step
-    m.observe_validation(40, 2, None, prints=np.arange(64.0))
+    m.observe_validation(40, 2, None, val_prints=np.arange(64.0))
     assert m.detectors[0].state["epoch"] == 1  # judged (no training batch moved it)
     assert m.reads("val_prints") and not m.reads("grads")
     done = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=False)

@@ -432,7 +432,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
             self._workers.epoch_ended(step, epoch, val)
         elif self._probe is not None:
             prints = self._probe.validation_prints()
-            self._act(self.monitor.observe_validation(step, epoch, val, prints=prints))
+            self._act(self.monitor.observe_validation(step, epoch, val, val_prints=prints))
         self._end_epoch(epoch)
 
     # -- decisions ------------------------------------------------------------------------

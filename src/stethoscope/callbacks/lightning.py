@@ -20,7 +20,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
     ) from exc
 
 from stethoscope.callbacks._base import StepClock, StethoscopeBase
-from stethoscope.callbacks._lightning.batch import BatchParts, ValidationPrints
+from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_clock_for
 from stethoscope.callbacks._lightning.forward import ForwardProbe
@@ -45,6 +45,7 @@ from stethoscope.callbacks._lightning.reductions import (
     watch_parameters,
 )
 from stethoscope.callbacks._lightning.shards import ShardCombiner
+from stethoscope.callbacks._lightning.validation import ValidationMeasures
 from stethoscope.callbacks._lightning.zero import accumulating
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
@@ -169,8 +170,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._reductions: ReductionSet | None = None
         self._measures = StepMeasures(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
-        self._val_prints: ValidationPrints | None = None
-        self._printing_val = False  # a detector reads the validation's prints
+        #: What is measured of a validation besides its loss.
+        self._validation: ValidationMeasures | None = None
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
@@ -193,7 +194,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._clock = step_clock_for(trainer.strategy.root_device)
         # DDP averages the gradients over every rank's batch
         self._batch = batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._val_prints = ValidationPrints(batch.inputs)
+        self._validation = ValidationMeasures(batch.inputs, self.monitor.reads)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
@@ -337,13 +338,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
-        # a single process judges its validation's prints (the ranks pool their losses)
-        self._printing_val = (
-            trainer.state.fn == "fit"
-            and self._ranks is None
-            and self._val_prints is not None
-            and self.monitor.reads("val_prints")
-        )
+        if self._validation is not None:
+            self._validation.start(trainer, pl_module, single=self._ranks is None)
         if self._ranks is not None:
             self._ranks.timing.pause()
 
@@ -356,8 +352,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._printing_val and not trainer.sanity_checking and dataloader_idx == 0:
-            self._val_prints.add(batch)
+        if self._validation is not None:
+            self._validation.batch_start(trainer, batch, dataloader_idx)
 
     def on_validation_batch_end(
         self,
@@ -370,6 +366,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
     ) -> None:
         if not trainer.sanity_checking and dataloader_idx == 0:
             self._val_losses.add(outputs)
+        if self._validation is not None:
+            self._validation.batch_end()
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -379,12 +377,11 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self._ranks is not None:  # every rank validates here
             self._ranks.validated(trainer, step, val)
             return
-        prints = self._val_prints.take() if self._printing_val else None
-        if val is None and prints is None:
+        measured = self._validation.take() if self._validation is not None else {}
+        if val is None and all(v is None for v in measured.values()):
             return
         self._drain(trainer, wait=True)
-        epoch = trainer.current_epoch
-        self._act(self.monitor.observe_validation(step, epoch, val, prints=prints))
+        self._act(self.monitor.observe_validation(step, trainer.current_epoch, val, **measured))
 
     # -- per epoch / end ------------------------------------------------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -405,6 +402,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._hooks.restore()
+        if self._validation is not None:
+            self._validation.close()  # a validation batch that raised
         if self._forward is not None:
             self._forward.detach()  # never leave a hook on the user's model
         if self._reductions is not None:

@@ -35,6 +35,7 @@ from stethoscope.detectors.precision import (
     RoundedUpdates,
 )
 from stethoscope.detectors.repeated import RepeatedData
+from stethoscope.detectors.validation_mode import ValidationMode
 from stethoscope.detectors.weights import AllZero, FrozenWeights, LargeUpdates, SmallUpdates
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "UnshuffledData",
     "UnstableLoss",
     "UnzeroedGradients",
+    "ValidationMode",
     "VanishingGradients",
     "default_detectors",
 ]
@@ -107,6 +109,7 @@ DETECTORS: dict[str, type[Detector]] = {
         LogitsMismatch,
         BroadcastLoss,
         EvalMode,
+        ValidationMode,
         UnzeroedGradients,
         LossDividedTwice,
         RoundedUpdates,

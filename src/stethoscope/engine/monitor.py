@@ -8,8 +8,6 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from stethoscope.detectors import Detector
 from stethoscope.engine.budget import OverheadBudget
 from stethoscope.engine.held import Held
@@ -224,20 +222,16 @@ class Monitor:
         return self.judge.losses.shared()
 
     def observe_validation(
-        self,
-        step: int,
-        epoch: int,
-        val_loss: float | None,
-        *,
-        prints: np.ndarray | None = None,
+        self, step: int, epoch: int, val_loss: float | None, **measured: Any
     ) -> Decision:
         """Judge a validation loss against the mean training loss since the last one (a
         single process; the ranks of a distributed run pool theirs where they meet), and
-        the ``prints`` of its samples (the ``val_prints`` statistic), if measured."""
-        if val_loss is None and prints is None:
+        what else was ``measured`` of the validation, by field: its samples' prints
+        (``val_prints``), the calls that behaved as in training (``val_training_calls``)."""
+        if val_loss is None and all(v is None for v in measured.values()):
             return NOTHING
         self.catch_up()  # the training losses that waited belong to this window
-        obs = Observation(step=step, epoch=epoch, rank=self.rank, val_prints=prints)
+        obs = Observation(step=step, epoch=epoch, rank=self.rank, **measured)
         if val_loss is not None:
             obs.val_loss = val_loss
             obs.train_loss = self.judge.losses.mean()

@@ -342,6 +342,22 @@ STATISTICS: dict[str, Statistic] = {
             across_replicas=AcrossReplicas.NONE,
         ),
         Statistic(
+            "val_modes",
+            "The calls that behaved as in training during a validation's first batch.",
+            (
+                Field(
+                    "val_training_calls",
+                    "tuple[str, ...] | None",
+                    "Each call that dropped elements or used (and updated) a batch's "
+                    "statistics during the first batch of the run's first validation, "
+                    'with the module that made it: ``"F.dropout(training=True) in '
+                    'net.3"`` (empty: none; set only on that validation).',
+                ),
+            ),
+            cadence=Cadence.EVENT,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+        Statistic(
             "stale_grads",
             "How many parameters still held a gradient from before the step when its first "
             "backward pass began.",
