@@ -57,8 +57,8 @@ def test_a_quiet_steps_observation_equals_one_built_field_by_field():
 
 def test_the_derived_sets():
     assert {"loss"} == EVERY_STEP
-    assert {"val", "val_prints"} == EVENT
-    assert {"replicas", "ranks"} == GATHERED
+    assert {"val", "val_prints", "val_modes"} == EVENT
+    assert {"replicas", "replica_grads", "ranks"} == GATHERED
     assert {
         "grads",
         "weights",

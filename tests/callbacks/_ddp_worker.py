@@ -43,7 +43,9 @@ class RankFault(TinyMLP):
     """TinyMLP whose ``rank_fault`` happens on rank :data:`FAULTY` only: ``nan`` (its loss
     is NaN at step ``onset``), ``flaky`` (the same, on the step's first computation
     only: a replay computes it clean), ``perturb`` (its ``net.2.weight`` moves after the optimizer
-    step at ``onset``) or ``sleep`` (50 ms more per step in its forward pass)."""
+    step at ``onset``), ``grad_edit`` (its ``net.2.weight`` gradient halved after the
+    all-reduce, from ``onset``: clipping or scaling on one rank) or ``sleep`` (50 ms more
+    per step in its forward pass)."""
 
     def __init__(self, *, rank_fault: str = "none", **kw: Any) -> None:
         super().__init__(**kw)
@@ -64,6 +66,12 @@ class RankFault(TinyMLP):
         if self.rank_fault == "sleep" and self._mine():
             time.sleep(0.05)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        if self.rank_fault == "grad_edit" and self._mine() and self.global_step >= self.onset:
+            with torch.no_grad():
+                self.net[2].weight.grad.mul_(0.5)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -111,6 +119,7 @@ SCENARIOS: dict[str, tuple[dict, dict, int, dict, bool]] = {
         False,
     ),
     "perturb": ({"rank_fault": "perturb", "onset": 20}, {}, 64, {}, False),
+    "grad_edit": ({"rank_fault": "grad_edit", "onset": 20}, {}, 64, {}, False),
     "sleep": ({"rank_fault": "sleep"}, {}, 24, {}, False),
     # BatchNorm buffers DDP does not re-broadcast: each rank's running statistics drift
     "buffers": ({"norm": True}, {}, 24, {"broadcast_buffers": False}, False),

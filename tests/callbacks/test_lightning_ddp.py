@@ -27,6 +27,7 @@ SCENARIOS = (
     "nan",
     "nan_raise",
     "perturb",
+    "grad_edit",
     "sleep",
     "buffers",
     "recover",
@@ -101,6 +102,21 @@ def test_perturbed_replica_names_the_first_differing_parameter_and_stops_every_r
     for r in ranks(runs, "perturb"):
         assert r["global_step"] == 21  # stopped at step 20, on both ranks
         assert r["stopped_by"]["detector"] == "replica_divergence"
+
+
+def test_replicas_that_diverge_say_whether_their_gradients_agreed(runs):
+    # perturb: the weights moved on rank 1 after the step, with the same gradients
+    (weights,) = [f for f in findings(runs, "perturb") if f["severity"] == "error"]
+    assert "gradients agreed as the step used them" in weights["message"]
+    assert "not all-reduced" not in weights["message"]
+    # grad_edit: rank 1's gradient changed after the all-reduce (clipping on one rank)
+    errors = [f for f in findings(runs, "grad_edit") if f["severity"] == "error"]
+    assert [(f["detector"], f["where"], f["rank"], f["step"]) for f in errors] == [
+        ("replica_divergence", "net.2.weight", 1, 20)
+    ]
+    message = errors[0]["message"]
+    assert "gradients already differed as the step used them (1 of 6 parameters, " in message
+    assert "first net.2.weight): they were not all-reduced alike" in message
 
 
 def test_a_sleeping_rank_is_a_straggler_and_training_goes_on(runs):

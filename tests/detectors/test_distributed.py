@@ -57,6 +57,25 @@ def test_a_differing_parameter_is_an_error_naming_it_and_the_rank(
     assert f.value == len({i for _, i in changes})
 
 
+@pytest.mark.parametrize(
+    ("grads", "says", "not_says"),
+    [
+        (None, "changes the weights on one rank only", "gradients"),
+        ("same", "gradients agreed as the step used them", "not all-reduced"),
+        ("differ", "(1 of 4 parameters, first net.2.weight): they were not all-reduced", "agreed"),
+    ],
+    ids=["unknown", "gradients-agree", "gradients-differ"],
+)
+def test_the_cause_follows_whether_the_gradients_agreed(grads, says, not_says):
+    obs = replicas(10, changes=[(1, 2)])
+    if grads is not None:
+        obs.replica_grad_sums = np.tile(np.arange(4, dtype=np.int64), (2, 1))
+        if grads == "differ":
+            obs.replica_grad_sums[1, 2] += 7
+    (f,) = ReplicaDivergence().update(obs)
+    assert says in f.message and not_says not in f.message
+
+
 def test_a_buffer_alone_is_a_warning_and_a_parameter_wins_over_it():
     d = ReplicaDivergence()
     (f,) = d.update(replicas(0, changes=[(1, 4)]))

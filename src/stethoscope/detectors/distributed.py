@@ -39,6 +39,7 @@ class ReplicaDivergence(Detector):
 
     name = "replica_divergence"
     needs = frozenset({"replicas"})
+    wants = frozenset({"replica_grads"})
     base_interval = 32  # it reads every weight, like the update snapshot; drift persists
     advice = "find the rank-local change to the weights; restart from a checkpoint"
 
@@ -74,10 +75,8 @@ class ReplicaDivergence(Detector):
                     obs,
                     "error",
                     f"The replicas diverged: {where} ({count} of {n} tensors differ{since}), "
-                    "so the ranks now train different models; look for code that changes "
-                    "the weights on one rank only (an in-place edit under a rank check, a "
-                    "parameter updated outside the optimizer, a non-deterministic kernel "
-                    "or faulty hardware) and restart from a checkpoint saved before.",
+                    f"so the ranks now train different models; {_cause(obs, params)}, and "
+                    "restart from a checkpoint saved before.",
                     value=float(count),
                     where=name,
                     rank=odd[0],
@@ -96,6 +95,36 @@ class ReplicaDivergence(Detector):
                 rank=odd[0],
             )
         ]
+
+
+def _cause(obs: Observation, params: np.ndarray) -> str:
+    """Where to look, from whether the ranks' gradients agreed as the step used them
+    (``replica_grad_sums``, under DDP): gradients that differ were never all-reduced
+    alike; gradients that agree leave the weights' own update on one rank."""
+    grads = obs.replica_grad_sums
+    rank_local = (
+        "look for code that changes the weights on one rank only (an in-place edit under a "
+        "rank check, a parameter updated outside the optimizer, a non-deterministic kernel "
+        "or faulty hardware)"
+    )
+    if grads is None:
+        return rank_local
+    grads = np.asarray(grads)
+    if grads.ndim != 2 or grads.shape[0] < 2:
+        return rank_local
+    differ = (grads != grads[0]).any(axis=0)
+    if not differ.any():
+        return "the ranks' gradients agreed as the step used them, so " + rank_local
+    names = [obs.replica_names[i] for i in np.flatnonzero(differ)]
+    first = names[0]
+    return (
+        f"the ranks' gradients already differed as the step used them ({len(names)} of "
+        f"{len(differ)} parameters, first {first}): they were not all-reduced alike; look "
+        "for a forward or backward that bypassed the DDP wrapper (a call of its .module, "
+        "of a submodule or of a second model outside it), a step taken inside no_sync, a "
+        "gradient changed on some ranks after the all-reduce (clipping or scaling under a "
+        "rank check, an edit of .grad), or a communication hook that loses precision"
+    )
 
 
 def _odd_ranks(column: np.ndarray) -> tuple[list[int], str]:

@@ -128,12 +128,15 @@ class RankMeeting:
 
     def gathers(self, step: int) -> frozenset[str]:
         """The statistics gathered from every rank at ``step``'s meeting: those the
-        detectors due there need."""
+        detectors due there need or want."""
         if self.monitor.world_size == 1:
             return frozenset()
         due = self.monitor.due(step)
         return frozenset(
-            p for d in self.monitor.detectors if d.name in due for p in d.needs & GATHERED
+            p
+            for d in self.monitor.detectors
+            if d.name in due
+            for p in (d.needs | d.wants) & GATHERED
         )
 
     def meet(self, step: int, epoch: int, shared: Mapping[str, Any] | None = None) -> Decision:

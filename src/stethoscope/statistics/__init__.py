@@ -473,6 +473,23 @@ STATISTICS: dict[str, Statistic] = {
             across_replicas=AcrossReplicas.NONE,
         ),
         Statistic(
+            "replica_grads",
+            "An exact checksum of every replica's gradients as the step used them, per rank.",
+            (
+                Field(
+                    "replica_grad_sums",
+                    _ARRAY,
+                    "Checksum of each parameter's gradient (of ``replica_names``' parameters, "
+                    "0 for none) on each rank after the step, shape ``(world_size, "
+                    "parameters)``: under DDP's all-reduce every rank holds the same.",
+                    dtype="int64",
+                ),
+            ),
+            cadence=Cadence.MEETING,
+            across_ranks=AcrossRanks.GATHERED,
+            across_replicas=AcrossReplicas.NONE,
+        ),
+        Statistic(
             "ranks",
             "How long each rank spent alone per batch.",
             (

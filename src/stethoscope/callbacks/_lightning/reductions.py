@@ -318,8 +318,12 @@ class ReplicaChecksums:
         *,
         sharded: bool = False,
         groups: Sequence[Any] | None = None,
+        grads: bool = False,
     ) -> None:
         self.tensors = [t for _, t in named]
+        #: Whether each rank holds every parameter's whole gradient, as DDP's all-reduce
+        #: leaves it: then the gradients the step used are compared too.
+        self.grads = grads
         self.names = tuple(n for n, _ in named)
         self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
         self.sharded = sharded
@@ -336,7 +340,7 @@ class ReplicaChecksums:
         sharding every parameter, FSDP1's FULL_SHARD, ZeRO stage 3)."""
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             buffers = [] if model.broadcast_buffers else list(module.named_buffers())
-            return cls(list(module.named_parameters()) + buffers, len(buffers))
+            return cls(list(module.named_parameters()) + buffers, len(buffers), grads=True)
         if zero_stage(model) in (0, 1, 2):  # the updated slices are gathered to every rank
             return cls(list(module.named_parameters()), 0)
         hybrid = flat_replicas(model)  # FSDP1's replicas, each sharded over a group
@@ -353,11 +357,17 @@ class ReplicaChecksums:
             sums = summed_over_groups(self.groups, checksums(self.tensors))
         else:
             sums = checksums(self.tensors)
-        return {
+        shared = {
             "replica_sums": sums.cpu().numpy(),
             "replica_names": self.names,
             "replica_buffer": self.buffer,
         }
+        if self.grads:  # after the step: the gradients it used, until the next zero_grad
+            params = self.tensors[: len(self.tensors) - int(self.buffer.sum())]
+            grads = [p.grad if p.grad is not None else p.new_zeros(()) for p in params]
+            sums = checksums(grads)
+            shared["replica_grad_sums"] = sums.cpu().numpy()
+        return shared
 
 
 class RankTiming:
