@@ -14,7 +14,7 @@ import numpy as np
 from keras import ops
 
 from stethoscope.number_formats import sum_tolerance
-from stethoscope.prints import PRINT_PRIME, PRINT_WIDTH, print_weights
+from stethoscope.prints import PRINT_PRIME, print_plan, print_tensors, print_weights
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "half_square",
     "input_stats",
     "inputs_finite",
+    "is_dense",
     "is_float",
     "is_symbolic",
     "label_histogram",
@@ -70,13 +71,53 @@ def is_float(t: Any) -> bool:
     return "float" in keras.backend.standardize_dtype(t.dtype)
 
 
+#: The classes of sparse and ragged tensors (TensorFlow's, JAX's), known by name: no
+#: import of a framework the user did not ask for.
+_NOT_DENSE = frozenset({"SparseTensor", "RaggedTensor", "IndexedSlices", "BCOO", "BCSR"})
+
+
+def is_dense(t: Any) -> bool:
+    """Whether ``t`` is a dense tensor: a sparse or ragged one has no rows to read by
+    position (its dense ops take another API); None is none."""
+    if t is None or any(c.__name__ in _NOT_DENSE for c in type(t).__mro__):
+        return False
+    if isinstance(t, keras.KerasTensor):
+        return not (t.sparse or t.ragged)
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
+    return True
+
+
+def _stored(t: Any) -> Any:
+    """The values a tensor stores, as a dense tensor: a sparse one's values, a ragged
+    one's flat values, a dense one itself (None: none to read)."""
+    if is_dense(t):
+        return t
+    for name in ("flat_values", "values", "data"):  # ragged, sparse (TensorFlow), BCOO
+        values = getattr(t, name, None)
+        if values is not None and not callable(values) and is_dense(values):
+            return values
+    return None
+
+
 def inputs_finite(x: Any) -> Any:
-    """Whether every floating value of the inputs ``x`` (nested as a batch's may be) is
-    finite: a boolean tensor, True without a floating input."""
+    """Whether every floating (or complex) value of the inputs ``x`` (nested as a batch's
+    may be; a sparse or ragged tensor's stored values) is finite: a boolean tensor, True
+    without a floating input."""
     verdict = ops.convert_to_tensor(True)
     for t in keras.tree.flatten(x):
-        if t is not None and is_float(t):
-            verdict = ops.logical_and(verdict, ops.all(ops.isfinite(t)))
+        t = _stored(t)
+        if t is None:
+            continue
+        if "complex" in keras.backend.standardize_dtype(t.dtype):
+            finite = ops.logical_and(ops.isfinite(ops.real(t)), ops.isfinite(ops.imag(t)))
+        elif is_float(t):
+            finite = ops.isfinite(t)
+        else:
+            continue
+        verdict = ops.logical_and(verdict, ops.all(finite))
     return verdict
 
 
@@ -221,8 +262,8 @@ def input_stats(x: Any, max_features: int, scaling: tuple[Any, ...] = ()) -> tup
     """The per-feature mean square of the first float tensor of ``x`` (through the
     ``scaling`` layers first: the class's ``call``, past any wrapper of the probe's),
     padded with NaN to ``max_features`` (wider inputs: one number), and ``[features,
-    samples]``; None when ``x`` holds no float tensor."""
-    t = next((t for t in keras.tree.flatten(x) if t is not None and is_float(t)), None)
+    samples]``; None when ``x`` holds no dense float tensor (a sparse one is skipped)."""
+    t = next((t for t in keras.tree.flatten(x) if is_dense(t) and is_float(t)), None)
     if t is None or len(t.shape) < 1:
         return None
     t = ops.stop_gradient(t)
@@ -245,9 +286,10 @@ def label_histogram(y: Any) -> Any | None:
     """The class counts of the first tensor of ``y`` (integer labels, or rows of
     probabilities, their argmax): bins ``0 .. MAX_CLASSES - 1`` the classes, then
     negative targets (ignored ones), then labels past ``MAX_CLASSES``, then a validity
-    flag (0.0: a float target that is not rows of probabilities). None: no class labels."""
+    flag (0.0: a float target that is not rows of probabilities). None: no class labels
+    (a sparse target, or rows wider than ``MAX_CLASSES``: not judged)."""
     t = next((t for t in keras.tree.flatten(y) if t is not None), None)
-    if t is None:
+    if not is_dense(t):
         return None
     if len(t.shape) == 2 and t.shape[-1] == 1:
         t = ops.reshape(t, (-1,))
@@ -255,7 +297,7 @@ def label_histogram(y: Any) -> Any | None:
     valid = ops.convert_to_tensor(1.0, "float32")
     if len(t.shape) == 1 and "int" in dtype:
         labels = ops.cast(t, "int32")
-    elif len(t.shape) == 2 and is_float(t) and t.shape[-1] is not None and t.shape[-1] >= 2:
+    elif len(t.shape) == 2 and is_float(t) and 2 <= (t.shape[-1] or 0) <= MAX_CLASSES:
         rows_ok = ops.logical_and(
             ops.all(ops.less(ops.abs(ops.sum(t, axis=1) - 1.0), 1e-3)),
             ops.all(ops.greater_equal(t, 0)),
@@ -307,48 +349,88 @@ def magnitude_histogram(t: Any) -> Any:
 
 
 def sample_prints(x: Any, max_prints: int) -> Any | None:
-    """The ``prints`` statistic of the first tensor of ``x``: two numbers for each of its
-    first ``max_prints`` samples, flattened in pairs and padded with NaN to ``2 *
-    max_prints``, exact integers below 2**24 (see
-    :func:`~stethoscope.prints.print_weights`; the Lightning adapter prints a sample
-    alike). None: no tensor, or a backend other than TensorFlow (a float's bit pattern
-    is read with ``tf.bitcast``, which ``keras.ops`` lacks)."""
-    t = next((t for t in keras.tree.flatten(x) if t is not None), None)
-    if t is None or len(t.shape) < 1 or keras.backend.backend() != "tensorflow":
+    """The ``prints`` statistic of the inputs ``x`` (nested as a batch's may be): two
+    numbers for each of its first samples (at most ``max_prints``), flattened in pairs and
+    padded with NaN to ``2 * max_prints``, exact integers below 2**24. The samples, the
+    tensors and the elements read are those of :func:`~stethoscope.prints.print_plan`
+    and :func:`~stethoscope.prints.print_tensors`, as the Lightning adapter reads them:
+    a sample prints alike in either. None: no dense tensor of samples, a row of unknown
+    width (its weights are drawn on the host), or a backend other than TensorFlow (a
+    float's bit pattern is read with ``tf.bitcast``, which ``keras.ops`` lacks)."""
+    if keras.backend.backend() != "tensorflow":
         return None
     import tensorflow as tf
 
-    t = tf.stop_gradient(tf.convert_to_tensor(t))[:max_prints]
-    width = math.prod(t.shape[1:])
-    if width is None or t.dtype.is_complex or t.dtype == tf.string:
+    tensors = [tf.convert_to_tensor(t) for t in keras.tree.flatten(x) if is_dense(t)]
+    tensors = [t for t in tensors if t.shape.rank is not None and _bits(t.dtype) is not None]
+    tensors = [tensors[i] for i in print_tensors([t.shape.as_list() for t in tensors])]
+    shapes = [t.shape.as_list() for t in tensors]
+    if not tensors or any(d is None for shape in shapes for d in shape[1:]):
         return None
-    flat = tf.reshape(t, (-1, width))
-    if width > PRINT_WIDTH:  # evenly spaced elements of a huge sample
-        flat = flat[:, :: -(-width // PRINT_WIDTH)]
-    size = t.dtype.size
-    if t.dtype == tf.bool:
+    widths = [
+        math.prod(shape[1:]) * (2 if t.dtype.is_complex else 1)
+        for t, shape in zip(tensors, shapes, strict=True)
+    ]
+    samples = max_prints if shapes[0][0] is None else min(shapes[0][0], max_prints)
+    strides, count = print_plan(widths, samples)
+    if count < 1:
+        return None
+    total = None
+    for t, width, stride in zip(tensors, widths, strides, strict=True):
+        pairs = _tensor_sums(tf.stop_gradient(t)[:count], width, stride)
+        pad = tf.fill([2 * max_prints], tf.constant(np.nan, tf.float64))
+        pairs = tf.concat([tf.reshape(pairs, (-1,)), pad], axis=0)[: 2 * max_prints]
+        total = pairs if total is None else total + pairs  # NaN past a tensor's samples
+    return tf.cast(tf.math.floormod(total, PRINT_PRIME), tf.float32)
+
+
+def _bits(dtype: Any) -> Any | None:
+    """The integer type a TensorFlow dtype's elements are read as (a complex one's
+    parts): None for one with no bit pattern to read (strings, resources)."""
+    import tensorflow as tf
+
+    if dtype.is_complex:
+        dtype = dtype.real_dtype
+    if dtype == tf.bool or (dtype.is_integer and not dtype.is_quantized):
+        return dtype
+    floats = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32}
+    return tf.int64 if dtype == tf.float64 else floats.get(dtype)
+
+
+def _tensor_sums(rows: Any, width: int, stride: int) -> Any:
+    """The two sums of each sample's print in one tensor, modulo ``PRINT_PRIME``, as
+    float64 (exact: see ``print_weights``): every ``stride``-th element of its
+    ``width``."""
+    import tensorflow as tf
+
+    if rows.dtype.is_complex:  # its parts, interleaved as torch.view_as_real lays them
+        rows = tf.stack([tf.math.real(rows), tf.math.imag(rows)], axis=-1)
+    flat = tf.reshape(rows, (-1, width))
+    if stride > 1:  # evenly spaced elements of a wide sample
+        flat = flat[:, ::stride]
+    size = rows.dtype.size
+    if rows.dtype == tf.bool:
         flat = tf.cast(flat, tf.uint8)
-    elif not t.dtype.is_integer:
-        flat = tf.bitcast(flat, {2: tf.int16, 4: tf.int32, 8: tf.int64}[size])
+    elif rows.dtype.is_floating:
+        flat = tf.bitcast(flat, _bits(rows.dtype))
     bits = tf.cast(flat, tf.int64)
-    # 16-bit chunks (a byte is one chunk): exact products and sums, see print_weights
+    # 16-bit chunks (a byte is one chunk, its bits as unsigned): exact products and sums
+    mask = 0xFFFF if size > 1 else 0xFF
     chunks = [
-        tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16 * k), 0xFFFF)
+        tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16 * k), mask)
         for k in range(max(size // 2, 1))
     ]
     stacked = tf.concat(chunks, axis=1)
     weights = tf.constant(print_weights(int(stacked.shape[1])))
     sums = tf.stack([tf.reduce_sum(stacked * weights[i], axis=1) for i in range(2)], axis=1)
-    pairs = tf.reshape(tf.cast(tf.math.floormod(sums, PRINT_PRIME), tf.float32), (-1,))
-    pad = tf.fill([2 * max_prints], tf.constant(np.nan, tf.float32))
-    return tf.concat([pairs, pad], axis=0)[: 2 * max_prints]
+    return tf.cast(tf.math.floormod(sums, PRINT_PRIME), tf.float64)
 
 
 def probability_rows(y_pred: Any) -> Any | None:
     """``[1.0 or 0.0, columns]``: whether every row of the first float tensor of
     ``y_pred`` is probabilities (several columns, the last axis: non-negative and summing
     to 1; one column: within [0, 1]), and its columns. None: no float tensor."""
-    t = next((t for t in keras.tree.flatten(y_pred) if t is not None and is_float(t)), None)
+    t = next((t for t in keras.tree.flatten(y_pred) if is_dense(t) and is_float(t)), None)
     if t is None or len(t.shape) < 1:
         return None
     width = t.shape[-1] if len(t.shape) >= 2 else 1

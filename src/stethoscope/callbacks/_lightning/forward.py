@@ -15,6 +15,21 @@ __all__ = ["SATURATING", "ForwardProbe"]
 SATURATING: dict[type[torch.nn.Module], str] = {torch.nn.Tanh: "tanh", torch.nn.Sigmoid: "sigmoid"}
 
 
+#: The floating types a norm is taken in directly.
+_NORMED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dense_float(x: Any) -> bool:
+    """Whether ``x`` is a dense floating tensor: a sparse or nested output is skipped (its
+    values need another API, and a nested one has no norm)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and not x.is_nested
+        and x.layout == torch.strided
+    )
+
+
 class ForwardProbe:
     """Forward hooks attached for one step only, then removed.
 
@@ -70,15 +85,19 @@ class ForwardProbe:
         def hook(mod: torch.nn.Module, args: tuple, out: Any) -> None:
             key = f"act|{name}"
             x = out if kind == "layer" else (args[0] if args else None)
-            if key in self._seen or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            if key in self._seen or not _dense_float(x) or not x.numel():  # no peak in none
                 return
             self._seen.add(key)
             with torch.no_grad():
                 x = x.detach()
                 n = max(x.numel(), 1)
-                # fused norms: no temporaries the size of the activation
-                rms = torch.linalg.vector_norm(x, dtype=torch.float32) / n**0.5
-                peak = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+                # fused norms: no temporaries the size of the activation, in float32 at
+                # least (a norm is never taken in a type narrower than its input's)
+                wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+                if x.dtype not in _NORMED:  # float8: no norm of its own
+                    x = x.to(wide)
+                rms = (torch.linalg.vector_norm(x, dtype=wide) / n**0.5).float()
+                peak = torch.linalg.vector_norm(x, float("inf"), dtype=wide).float()
                 if kind == "layer":
                     sat = torch.full((), float("nan"), device=x.device)
                 else:
@@ -105,7 +124,7 @@ class ForwardProbe:
                     if isinstance(t, torch.Tensor)
                 ]
             )
-            tensors = [t for t in tensors if t.is_floating_point()]
+            tensors = [t for t in tensors if _dense_float(t)]
             if not tensors:
                 return
             self._seen.add(key)

@@ -34,9 +34,10 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
     1; one column: within [0, 1]), else 0.0; then, with integer class labels for its rows
     (negative ones ignored), the loss with the output taken as logits, as
     log-probabilities and as probabilities (NaN: no labels, or not that many rows). Then
-    the columns. None: no float tensor."""
+    the columns. None: no dense float tensor (a sparse or nested output has no rows to
+    read)."""
     t = output_tensor(output)
-    if t is None or not t.is_floating_point() or t.dim() < 1 or not t.numel():
+    if t is None or not _dense(t) or not t.is_floating_point() or t.dim() < 1 or not t.numel():
         return None
     with torch.no_grad():
         t = t.detach()
@@ -58,7 +59,7 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
     without matching labels. Each reads the labels' entries of the rows, gathered, and a
     log-sum-exp per row: no selection whose size depends on the labels (on a GPU that
     would wait for the device), and no log of every entry."""
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+    if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_floating_point():
         return None
     y = labels.detach().reshape(-1)
     if y.numel() != rows.shape[0] or y.dtype == torch.bool:
@@ -72,3 +73,9 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
     as_log_probs = -(picked * weight).sum() / count
     as_probs = -(torch.log(picked.clamp_min(1e-30)) * weight).sum() / count
     return torch.stack([as_logits, as_log_probs, as_probs])
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor, whose rows a reshape reads (a sparse or nested
+    one's it cannot)."""
+    return not t.is_nested and t.layout == torch.strided
