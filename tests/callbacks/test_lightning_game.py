@@ -19,12 +19,12 @@ class GAN(L.LightningModule):
     """A small GAN on a mixture of four 2-D Gaussians; ``nan_at``: a NaN in the real
     batch of that step (a fault the game does not excuse)."""
 
-    def __init__(self, nan_at: int = -1) -> None:
+    def __init__(self, nan_at: int = -1, jump_at: int = -1) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
         self.D = nn.Sequential(nn.Linear(2, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
-        self.nan_at = nan_at
+        self.nan_at, self.jump_at = nan_at, jump_at
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (x,) = batch
@@ -36,6 +36,8 @@ class GAN(L.LightningModule):
         real, fake_label = torch.ones(len(x), 1), torch.zeros(len(x), 1)
         fake = self.G(torch.randn(len(x), 8))
         d_loss = bce(self.D(x), real) + bce(self.D(fake.detach()), fake_label)
+        if batch_idx == self.jump_at:  # the discriminator's gradient 30x on one batch
+            d_loss = 30 * d_loss
         opt_d.zero_grad()
         self.manual_backward(d_loss)
         opt_d.step()
@@ -95,3 +97,15 @@ def test_a_nan_in_a_gan_is_still_caught():
     with pytest.warns(RuntimeWarning, match="several optimizers by hand"):
         _train(GAN(nan_at=20), sink, epochs=1)
     assert sink.by_detector("nonfinite_loss") or sink.by_detector("nonfinite_gradients")
+
+
+def test_a_discriminators_lone_jump_is_the_game_not_an_explosion():
+    """A discriminator's gradient swings with the generator's moves (a DCGAN's, measured:
+    11x its recent median from one batch to the next on a healthy run); here one batch
+    makes it 30x. Outside a game, such a jump is a warning (test_gradients)."""
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    with pytest.warns(RuntimeWarning, match="several optimizers by hand"):
+        _train(GAN(jump_at=40), sink, epochs=1)  # batch 40: step 80, a sampled one
+    assert sink.by_detector("exploding_gradients") == []
+    assert [f for f in sink.findings if f.severity != "info"] == []

@@ -160,5 +160,7 @@ def test_a_parameter_fsdp1_left_this_rank_nothing_of_counts_alike_on_every_rank(
     assert probe.unit_rows([0, 1]).tolist() == pytest.approx([12**0.5, 12**0.5, 0, 0, 0, 0])
     # the stale gradients are read per parameter, one part per parameter on every rank
     measures = StepMeasures(step=0, epoch=0, plan=frozenset({"stale_grads"}))
-    StaleGrads(probe).before_backward(measures, torch.zeros(()))
+    stale = StaleGrads(probe)
+    stale.each_backward(measures, torch.zeros(()))
+    stale.before_step(measures, [0, 1])
     assert measures.take().values.numel() == 2

@@ -387,7 +387,10 @@ def frozen_obs(
     ],
 )
 def test_frozen_weights_fires_at_the_expected_steps(frozen, expected):
-    found = run(FrozenWeights(), [frozen_obs(t, fz) for t, fz in enumerate(frozen)])
+    # a step where nothing moves runs at a learning rate of 0 (a warm-up's start, a
+    # schedule's end, every group at 0): at 1e-3 it is the rule below's
+    seq = [frozen_obs(t, fz, lr=0.0 if len(fz) == 4 else 1e-3) for t, fz in enumerate(frozen)]
+    found = run(FrozenWeights(), seq)
     assert [(f.step, f.where, f.value) for f in found] == expected
     for f in found:
         assert (f.detector, f.severity.value) == ("frozen_weights", "warning")
@@ -487,6 +490,110 @@ def test_frozen_weights_bad_arguments():
     with pytest.raises(ValueError, match=re.escape("patience=0")) as info:
         FrozenWeights(patience=0)
     assert "frozen_weights" in str(info.value)
+
+
+def stepped_nothing(
+    step: int,
+    *,
+    idle: tuple[str, ...] = ("head.weight (requires_grad=False)",),
+    unoptimized: tuple[str, ...] = ("backbone.weight", "backbone.bias"),
+) -> Observation:
+    """A step whose optimizer stepped no parameter with a gradient: no norm at all, what it
+    holds instead (``idle``), and the parameters in no optimizer that got gradients."""
+    empty = np.zeros(0)
+    obs = Observation(step=step, lr=1e-3, loss=1.4, weight_norm=empty, update_norm=empty)
+    obs.prev_weight_norm, obs.idle_held, obs.unoptimized = empty, idle, unoptimized
+    return obs
+
+
+def test_frozen_weights_nothing_trains_is_an_error_at_once_naming_both_sides():
+    found = run(FrozenWeights(), [stepped_nothing(t) for t in range(5)])
+    assert [(f.step, f.severity.value, f.where, f.value) for f in found] == [
+        (0, "error", "backbone.weight", 2.0)
+    ]  # once, and the parameters in no optimizer are not named again
+    (f,) = found
+    assert f.message.startswith("Nothing trains: the optimizer stepped no parameter")
+    assert "it holds only head.weight (requires_grad=False), while the 2" in f.message
+    assert "(backbone.weight, backbone.bias) are in no optimizer" in f.message
+    assert_sentence(f, "filter(lambda p: p.requires_grad", names=("backbone.weight",))
+
+
+@pytest.mark.parametrize(
+    "obs",
+    [
+        pytest.param(stepped_nothing(0, unoptimized=()), id="nothing-gets-a-gradient-elsewhere"),
+        pytest.param(stepped_nothing(0, idle=()), id="no-optimizer-stepped"),
+    ],
+)
+def test_frozen_weights_nothing_trains_needs_both_sides(obs):
+    found = run(FrozenWeights(), [obs])
+    # a batch skipped on purpose (training_step returned None) gives no gradient anywhere
+    assert [f.severity.value for f in found] == (["warning"] if obs.unoptimized else [])
+
+
+def unmoved_obs(
+    step: int,
+    *,
+    grads=GRAD_SHAPE,
+    lr: float | None = 1e-2,
+    loss: float = 1.4,
+    dtypes: tuple[str, ...] = (),
+) -> Observation:
+    """Every parameter measured, none moved at all."""
+    obs = make_obs(step, lr=lr, loss=loss, grads=grads, weights=WEIGHTS, updates=np.zeros(4))
+    obs.dtypes = dtypes
+    return obs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "adaptive", "said"),
+    [
+        pytest.param({"grads": np.zeros(4)}, False, "their gradients are exactly zero", id="zero"),
+        pytest.param({}, False, "although their gradients are not zero", id="sgd-not-applied"),
+        pytest.param({"lr": 1e-3}, True, "although their gradients", id="adam-not-applied"),
+    ],
+)
+def test_frozen_weights_nothing_moving_at_a_learning_rate_is_not_a_small_one(
+    kwargs, adaptive, said
+):
+    seq = [unmoved_obs(t, **kwargs) for t in range(6)]
+    frozen, small = FrozenWeights(), SmallUpdates(far_steps=1, min_steps=1, patience=1)
+    for d in (frozen, small):
+        d.setup = TrainingSetup(framework="lightning", adaptive=adaptive)
+    found = run(frozen, seq)
+    assert [(f.step, f.severity.value, f.where) for f in found] == [(2, "warning", "layer0.weight")]
+    assert said in found[0].message and "larger learning rate" not in found[0].message[:80]
+    assert found[0].message.startswith("The optimizer moved none of the 4 parameters")
+    assert run(small, seq) == []  # was: "raise the learning rate (try 10-100x)"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"lr": 0.0}, id="lr-0"),
+        pytest.param({"lr": None}, id="lr-unknown"),
+        pytest.param({"lr": 1e-12}, id="so-small-that-float32-rounds-it-away"),
+        pytest.param({"loss": 0.0}, id="a-loss-of-0"),
+        pytest.param({"dtypes": ("bfloat16",) * 4}, id="16-bit-weights-round"),
+    ],
+)
+def test_frozen_weights_nothing_moving_is_left_to_the_other_rules(kwargs):
+    assert run(FrozenWeights(), [unmoved_obs(t, **kwargs) for t in range(6)]) == []
+
+
+def test_small_updates_still_judges_a_learning_rate_float32_rounds_away():
+    seq = [unmoved_obs(t, lr=1e-12) for t in range(12)]
+    (f,) = run(SmallUpdates(), seq)
+    assert "raise the learning rate" in f.message
+
+
+@pytest.mark.parametrize("detector", [LargeUpdates, SmallUpdates])
+def test_update_ratios_sit_out_a_line_search_and_say_why(detector):
+    d = detector()
+    assert d.applies() and d.not_applying_because() == ""
+    d.setup = TrainingSetup(framework="lightning", line_search="LBFGS")
+    assert not d.applies()
+    assert d.not_applying_because().startswith("LBFGS takes each step as a search")
 
 
 # -- poor_initialization --------------------------------------------------------------------------

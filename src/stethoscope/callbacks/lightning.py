@@ -24,6 +24,7 @@ from stethoscope.callbacks._lightning.batch import BatchParts
 from stethoscope.callbacks._lightning.context import describe_run, run_context
 from stethoscope.callbacks._lightning.device_clock import DeviceStepClock, step_clock_for
 from stethoscope.callbacks._lightning.forward import ForwardProbe
+from stethoscope.callbacks._lightning.game import GameWatch
 from stethoscope.callbacks._lightning.hooks import HookSwitch
 from stethoscope.callbacks._lightning.learning_rate import TakenRate
 from stethoscope.callbacks._lightning.logged import headline, log_metrics
@@ -94,8 +95,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             data detectors (default: the batch itself when it is a tensor, ``batch[0]``
             of a tuple, or the ``x`` / ``input(s)`` / ``features`` / ``image(s)`` /
             ``pixel_values`` key of a dict).
-        labels_from: ``batch -> tensor`` giving the class labels (default:
-            ``batch[1]``, or the ``labels`` / ``y`` / ``target(s)`` key).
+        labels_from: ``batch -> tensor`` giving the class labels (default: ``batch[1]`` of
+            a pair, or the ``labels`` / ``y`` / ``target(s)`` key; a longer tuple: none).
         val_loss_key: The logged metric holding the validation loss, when
             ``validation_step`` does not return it (default: the first of
             ``val_loss``, ``val/loss``, ``validation_loss`` that is logged).
@@ -171,7 +172,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._measures = StepMeasures(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
         #: What is measured of a validation besides its loss.
-        self._validation: ValidationMeasures | None = None
+        self._validation = ValidationMeasures(self.monitor.reads)
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
@@ -184,6 +185,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._batch: BatchParts | None = None
         #: Under sharded parameters: combines the ranks' measures of their shards.
         self._combiner: ShardCombiner | None = None
+        #: With several optimizers: whether they play a game, until it is found.
+        self._game: GameWatch | None = None
 
     # -- set-up -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -194,7 +197,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._clock = step_clock_for(trainer.strategy.root_device)
         # DDP averages the gradients over every rank's batch
         self._batch = batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._validation = ValidationMeasures(batch.inputs, self.monitor.reads)
+        self._validation = ValidationMeasures(self.monitor.reads, batch.inputs)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
@@ -225,6 +228,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._printer = context.printer
         self.monitor.start(context)
+        if len(trainer.optimizers) > 1:  # manual optimization: a game, or layer by layer
+            self._game = GameWatch(trainer.optimizers)
         if self.recoverer is not None:
             self._remember_skipped(trainer.strategy.broadcast if trainer.world_size > 1 else None)
             self._recovery = LightningRecovery(self.recoverer, self._act)
@@ -312,6 +317,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._drain(trainer, wait=False)
         if self._recovery is not None and trainer.global_step != measures.step:
             self._recovery.after_step(trainer, pl_module, measures.step)
+        if self._game is not None and self._game.batch_done():
+            self.monitor.plays_a_game()
+            self._game = None
         if self._ranks is not None:
             self._ranks.batch_done(trainer, measures.step)
 
@@ -322,10 +330,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._recovery.saw_loss(trainer, pl_module, loss)  # the step again: the gate's
             return
         measures = self._measures
-        if measures.sampled and not measures.backward:
-            measures.backward = True
-            for r in self._reductions.run(measures.plan):
-                r.before_backward(measures, loss)
+        if measures.sampled:
+            self._reductions.backward_begins(measures, loss)
         if self._ranks is not None:
             self._ranks.timing.before_backward()
         if self._recovery is not None:
@@ -338,8 +344,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
-        if self._validation is not None:
-            self._validation.start(trainer, pl_module, single=self._ranks is None)
+        self._validation.start(trainer, pl_module, single=self._ranks is None)
         if self._ranks is not None:
             self._ranks.timing.pause()
 
@@ -352,8 +357,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if self._validation is not None:
-            self._validation.batch_start(trainer, batch, dataloader_idx)
+        self._validation.batch_start(trainer, batch, dataloader_idx)
 
     def on_validation_batch_end(
         self,
@@ -366,8 +370,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
     ) -> None:
         if not trainer.sanity_checking and dataloader_idx == 0:
             self._val_losses.add(outputs)
-        if self._validation is not None:
-            self._validation.batch_end()
+        self._validation.batch_end()
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -377,7 +380,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         if self._ranks is not None:  # every rank validates here
             self._ranks.validated(trainer, step, val)
             return
-        measured = self._validation.take() if self._validation is not None else {}
+        measured = self._validation.take()
         if val is None and all(v is None for v in measured.values()):
             return
         self._drain(trainer, wait=True)
@@ -402,12 +405,14 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._hooks.restore()
-        if self._validation is not None:
-            self._validation.close()  # a validation batch that raised
+        self._validation.close()  # a validation batch that raised
         if self._forward is not None:
             self._forward.detach()  # never leave a hook on the user's model
         if self._reductions is not None:
             self._reductions.close()
+        if self._game is not None:
+            self._game.close()  # nor a hook on the user's optimizers
+            self._game = None
         if self._recovery is not None:
             self._recovery.close()  # nor a wrapper on the user's optimizers
             self._recovery = None

@@ -120,6 +120,13 @@ class Detector:
         not. One that does not is never run, and its statistics never planned."""
         return True
 
+    def not_applying_because(self) -> str:
+        """Why the rule does not :meth:`apply <applies>` to this run, in a few words the
+        monitor tells the user once, where the run has what the rule is about but the rule
+        cannot judge it (a closure optimizer's updates); empty: nothing to tell (a
+        precision rule in a float32 run)."""
+        return ""
+
     @classmethod
     def can_finish(cls) -> bool:
         """Whether :meth:`finished` can ever be true for this class (it, or

@@ -209,11 +209,15 @@ class UnzeroedGradients(_Persistent):
     gradient before it, so the updates grow and point where the run has been.
 
     Rule: on ``patience`` sampled steps in a row, at least ``fraction`` of the parameters
-    the optimizers stepped still held a non-zero gradient from before the step when its
-    first backward pass began: a warning, once. Zeroing (``zero_grad()``, to None or to
-    zeros) leaves none; accumulating gradients over micro-batches on purpose zeroes at
-    the start of each step, and so does a game whose players each zero their own before
-    their backward pass (the first one finds the first player's zeroed).
+    the optimizers stepped still held a non-zero gradient from before the step at every
+    backward pass of the step before their optimizer stepped them: a warning, once.
+    Zeroing (``zero_grad()``, to None or to zeros) leaves none; accumulating gradients
+    over micro-batches on purpose zeroes before the step's first backward pass; LBFGS
+    zeroes before each call of its closure; each player of a game zeroes its own before
+    its own backward pass, however many backward passes of the others come first.
+    Parameters no optimizer stepped in the step are not counted, whatever gradient they
+    still hold: a layer trained earlier in layer-wise training, or one in no optimizer
+    (``frozen_weights``' finding).
 
     Sources: manual optimization (or a custom loop) without ``zero_grad``; Keras' ``fit``
     takes each step's gradients afresh from the tape, so there the mistake cannot be made.
@@ -246,8 +250,8 @@ class UnzeroedGradients(_Persistent):
                 obs,
                 "warning",
                 f"Gradients are never zeroed: {stale:.0f} of the {stepped} parameters "
-                "stepped still held a gradient from before the step when its backward pass "
-                f"began, on {st['streak']} sampled steps in a row (to step {obs.step}), so "
+                "stepped still held a gradient from before the step at each of its backward "
+                f"passes, on {st['streak']} sampled steps in a row (to step {obs.step}), so "
                 "each step applies the running sum of every gradient so far; call "
                 "optimizer.zero_grad() every step (in manual optimization, before "
                 "self.manual_backward).",

@@ -6,28 +6,17 @@ import math
 
 import numpy as np
 
-from stethoscope.advice import epsilon_advice, epsilon_cause, unoptimized_advice
+from stethoscope.advice import (
+    epsilon_advice,
+    epsilon_cause,
+)
 from stethoscope.detectors._stats import is_finite, median
+from stethoscope.detectors._updates import line_search_note, unmoved_cause, update_ratios
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
-from stethoscope.number_formats import HALF
 from stethoscope.observation import Observation
 
-__all__ = ["AllZero", "FrozenWeights", "LargeUpdates", "SmallUpdates"]
-
-
-def _update_ratios(obs: Observation) -> tuple[np.ndarray, np.ndarray]:
-    """||Δw|| / ||w|| of each weight matrix with non-zero weights, and their indices.
-
-    ``w`` is the weight before the step when the adapter measured it (else after):
-    a step that moves a weight of norm 0.1 by 1 is a ratio of 10, not of ~1.
-    """
-    mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else np.arange(len(obs.names))
-    base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
-    w = base[mats]
-    keep = np.isfinite(w) & (w > 0) & np.isfinite(obs.update_norm[mats])
-    idx = mats[keep]
-    return obs.update_norm[idx] / base[idx], idx
+__all__ = ["AllZero", "LargeUpdates", "SmallUpdates"]
 
 
 class LargeUpdates(Detector):
@@ -40,6 +29,9 @@ class LargeUpdates(Detector):
     sit near 1e-3 (CS231n) and decay from ~5e-3 to ~3e-4 as they converge; Adam's
     very first step moves every weight by about the learning rate, which is why
     one step alone is not enough.
+
+    It sits out a line search (LBFGS: ``TrainingSetup.line_search``), whose step is as
+    long as the search finds, and says so once.
 
     Sources: SageMaker Debugger ``weight_update_ratio`` (large: > 10, the error
     here); DeepDiagnosis (lr·||g||/||W|| above 1e-3 x 100 hints at the learning rate).
@@ -70,11 +62,17 @@ class LargeUpdates(Detector):
         self.patience = patience
         super().__init__()
 
+    def applies(self) -> bool:
+        return not self.setup.line_search
+
+    def not_applying_because(self) -> str:
+        return line_search_note(self.setup) if self.setup.line_search else ""
+
     def _initial_state(self) -> dict:
         return {"streak": 0}
 
     def _update(self, obs: Observation) -> list[Finding]:
-        ratios, idx = _update_ratios(obs)
+        ratios, idx = update_ratios(obs)
         if len(ratios) == 0:
             return []
         worst = int(np.argmax(ratios))
@@ -128,7 +126,11 @@ class SmallUpdates(Detector):
     highest seen so far, since a schedule annealing towards 0 (cosine, step
     decay) shrinks updates on purpose, and (3) the learning rate has not risen
     since the condition began: a warm-up from 0, however long, restarts the
-    clock at each rise.
+    clock at each rise. A step whose gradients are all exactly zero, or whose
+    updates are exactly zero at a learning rate that float32 could not round away,
+    is not a small learning rate's: that is ``all_zero``'s and ``frozen_weights``'
+    finding, and this rule skips it. It sits out a line search (LBFGS), as
+    ``large_updates`` does.
 
     Sources: SageMaker Debugger ``weight_update_ratio`` (small: < 1e-8);
     DeepDiagnosis (lr·||g||/||W|| below 1e-3 / 100 = 1e-5 hints at the learning
@@ -145,6 +147,7 @@ class SmallUpdates(Detector):
 
     name = "small_updates"
     needs = frozenset({"weights", "updates"})
+    wants = frozenset({"grads"})  # whether a gradient reached the parameters stepped
     base_interval = 32  # slow faults; the snapshot they need is the costliest probe
     advice = "raise the LR; check the scheduler and frozen params"
 
@@ -177,6 +180,12 @@ class SmallUpdates(Detector):
         self.far_threshold, self.far_steps = float(far_threshold), far_steps
         super().__init__()
 
+    def applies(self) -> bool:
+        return not self.setup.line_search
+
+    def not_applying_because(self) -> str:
+        return line_search_note(self.setup) if self.setup.line_search else ""
+
     def _initial_state(self) -> dict:
         return {
             "since": None,
@@ -194,8 +203,10 @@ class SmallUpdates(Detector):
             st["initial_loss"] = abs(float(obs.loss))
         if is_finite(obs.lr):
             st["max_lr"] = max(st["max_lr"] or 0.0, float(obs.lr))
-        ratios, _ = _update_ratios(obs)
+        ratios, _ = update_ratios(obs)
         ratio = median(ratios.tolist()) if len(ratios) else math.nan  # a few: sorted() wins
+        if unmoved_cause(obs, self.setup.adaptive) is not None:
+            ratio = math.nan  # no learning rate would move them: not this rule's finding
         annealed = is_finite(obs.lr) and obs.lr < 0.5 * st["max_lr"]
         converged = (
             is_finite(obs.loss)
@@ -233,119 +244,6 @@ class SmallUpdates(Detector):
                 threshold=self.threshold,
             )
         ]
-
-
-#: The median update ratio of the parameters that moved, below which nothing really moved.
-_MOVED = 1e-6
-
-
-class FrozenWeights(Detector):
-    """Parameters that require grad but never change while the others do.
-
-    Rule: a parameter that requires grad but is in no optimizer is a warning at
-    once. A parameter whose update is exactly zero on ``patience`` sampled steps
-    in a row, while the others changed (their median update is at least 1e-6
-    of their norm), is a warning too (a param group with learning rate 0, an
-    optimizer built before the layer was replaced). When everything barely
-    moves, float32 rounds an update of 1e-9 to exactly zero: that is
-    ``small_updates``' finding, not this one.
-    Parameters with ``requires_grad=False`` are frozen on purpose and never
-    watched; a parameter whose gradient is zero, or under 1e-6 of its norm, is
-    not frozen but starved (see ``all_zero``, ``dead_relu``, ``vanishing_gradients``).
-    A parameter held in 16 bits that does not move under a non-zero learning rate has
-    its updates rounded away (``rounded_updates``' finding, not this one).
-
-    Sources: SageMaker Debugger ``unchanged_tensor`` (allclose over 3 steps);
-    here the comparison is exact, since any optimizer step with a non-zero
-    gradient and learning rate changes a parameter.
-
-    Args:
-        patience: Consecutive sampled steps with a zero update for a warning.
-    """
-
-    name = "frozen_weights"
-    needs = frozenset({"weights", "updates"})
-    base_interval = 32  # slow faults; the snapshot they need is the costliest probe
-    advice = "check the optimizer's param groups and their LR"
-
-    def __init__(self, *, patience: int = 3) -> None:
-        check_positive(self.name, "patience", patience, integer=True)
-        self.patience = patience
-        super().__init__()
-
-    def _initial_state(self) -> dict:
-        # moving: the median update ratio of the parameters that last moved
-        return {"streaks": {}, "reported": [], "moving": None}
-
-    def _update(self, obs: Observation) -> list[Finding]:
-        st = self.state
-        findings: list[Finding] = []
-        missing = [n for n in obs.unoptimized if n not in st["reported"]]
-        if missing:
-            st["reported"].extend(missing)
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            )
-            findings.append(
-                self.finding(
-                    obs,
-                    "warning",
-                    f"Parameters that require grad are in no optimizer ({len(missing)}: "
-                    f"{shown}), so they keep their initial values; "
-                    f"{unoptimized_advice(self.setup)}.",
-                    value=float(len(missing)),
-                    where=missing[0],
-                )
-            )
-        upd = obs.update_norm
-        moved = np.isfinite(upd) & (upd > 0)
-        base = obs.prev_weight_norm if obs.prev_weight_norm is not None else obs.weight_norm
-        usable = moved & np.isfinite(base) & (base > 0)
-        if usable.any():
-            st["moving"] = median((upd[usable] / base[usable]).tolist())
-        elif np.isfinite(upd).all():
-            st["moving"] = 0.0  # every parameter was measured and none moved (LR 0 for all)
-        # judged on the last step that measured moving parameters (large models take turns)
-        if st["moving"] is None or st["moving"] < _MOVED:
-            return findings  # nothing (or nothing much) changed anywhere: not one frozen part
-        grads = obs.grad_norm
-        frozen_now: list[str] = []
-        rounding = is_finite(obs.lr) and obs.lr > 0
-        for i, name in enumerate(obs.names):
-            if rounding and i < len(obs.dtypes) and obs.dtypes[i] in HALF:
-                continue  # a 16-bit weight that does not move: its updates round away
-            # a gradient < 1e-6 of the weight (vanishing) can round to a zero update in float32
-            starved = grads is not None and not grads[i] > _MOVED * base[i]
-            if not np.isfinite(upd[i]):
-                continue  # not measured this step (a large model's snapshots take turns)
-            if moved[i] or starved:
-                st["streaks"].pop(name, None)
-                continue
-            st["streaks"][name] = st["streaks"].get(name, 0) + 1
-            if st["streaks"][name] >= self.patience and name not in st["reported"]:
-                frozen_now.append(name)
-        if frozen_now:
-            st["reported"].extend(frozen_now)
-            lr = f" (learning rate of the first group: {obs.lr:.3g})" if is_finite(obs.lr) else ""
-            findings.append(
-                self.finding(
-                    obs,
-                    "warning",
-                    f"Parameter {frozen_now[0]}"
-                    + (
-                        f" and {len(frozen_now) - 1} other parameter(s)"
-                        if len(frozen_now) > 1
-                        else ""
-                    )
-                    + f" did not change on {self.patience} sampled steps up to step {obs.step} "
-                    f"despite non-zero gradients, while other parameters changed{lr}: its "
-                    "param group likely has a learning rate of 0; check the optimizer's "
-                    "param_groups and the scheduler.",
-                    value=float(len(frozen_now)),
-                    where=frozen_now[0],
-                )
-            )
-        return findings
 
 
 class AllZero(Detector):

@@ -4,6 +4,7 @@ the ledger counts and sends the findings, the policy decides."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -14,7 +15,7 @@ from stethoscope.engine.held import Held
 from stethoscope.engine.judge import Batch, Judge
 from stethoscope.engine.ledger import Ledger
 from stethoscope.engine.policy import NOTHING, Decision, Policy
-from stethoscope.engine.schedule import Schedule, warn_sitting_out
+from stethoscope.engine.schedule import Schedule
 from stethoscope.engine.settings import Settings
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -390,16 +391,17 @@ class Monitor:
             d.setup = context.setup
         # the rules that do not apply to this training (precision rules in float32) take
         # no part: never run, never planned, never listed as quiet
-        self.schedule.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
+        self.schedule.starting(warn=self.rank == 0)
         if context.setup.adversarial:
-            # a game (several optimizers stepped by hand, as in a GAN): the detectors that
-            # assume the loss should fall take no part
-            off = sorted(d.name for d in self.detectors if d.assumes_falling_loss)
-            if off:
-                self.schedule.sit_out(frozenset(off))
-                if self.rank == 0:
-                    warn_sitting_out(off)
+            self.plays_a_game()
         self.ledger.call_sinks("start", context)
+
+    def plays_a_game(self) -> None:
+        """The training is a game (see ``Schedule.play_a_game``), known at the start
+        (``TrainingSetup.adversarial``) or found at a step: every detector's setup says so."""
+        if self.schedule.play_a_game(warn=self.rank == 0):
+            for d in self.detectors:
+                d.setup = dataclasses.replace(d.setup, adversarial=True)
 
     def cannot_measure(self, statistics: frozenset[str], why: str) -> list[str]:
         """The adapter cannot measure ``statistics`` in this run (``why``: a few words):

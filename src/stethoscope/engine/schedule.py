@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stethoscope.detectors.base import Detector
 from stethoscope.engine.budget import LONGEST, OverheadBudget
 from stethoscope.engine.planner import Planner
 from stethoscope.engine.sampler import AdaptiveSampler
@@ -28,6 +29,7 @@ class Schedule:
 
     def __init__(self, settings: Settings) -> None:
         self.detectors = settings.detectors
+        self._game = False  # whether the training was found a game (see play_a_game)
         self.sampler = AdaptiveSampler(
             settings.intervals, escalate=settings.escalate, hot_steps=settings.hot_steps
         )
@@ -111,6 +113,30 @@ class Schedule:
                     stacklevel=4,
                 )
         return off
+
+    def starting(self, *, warn: bool) -> None:
+        """Training starts, every detector holding its setup: the rules that do not apply
+        to it (precision rules in float32) take no part, never run, planned or listed as
+        quiet, and ``warn`` tells the user of those that say why; no game is known yet."""
+        off = [d for d in self.detectors if not d.applies()]
+        self.not_applying(frozenset(d.name for d in off))
+        if warn:
+            warn_not_applying(off)
+        self._game = False
+
+    def play_a_game(self, *, warn: bool) -> bool:
+        """The training is a game (several optimizers stepping in turn, each over its own
+        players, as in a GAN): the detectors that assume the loss should fall take no part
+        from now on, and ``warn`` says so once. Whether it was news."""
+        if self._game:
+            return False
+        self._game = True
+        off = sorted(d.name for d in self.detectors if d.assumes_falling_loss)
+        if off:
+            self.sit_out(frozenset(off))
+            if warn:
+                warn_sitting_out(off)
+        return True
 
     def not_applying(self, names: frozenset[str]) -> None:
         """The detectors whose rule does not apply to the training starting now (see
@@ -231,3 +257,21 @@ def warn_sitting_out(off: list[str]) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def warn_not_applying(off: list[Detector]) -> None:
+    """Tell the user once which detectors this run's training leaves out, and why, for
+    those that say (see ``Detector.not_applying_because``)."""
+    why: dict[str, list[str]] = {}
+    for d in off:
+        reason = d.not_applying_because()
+        if reason:
+            why.setdefault(reason, []).append(d.name)
+    for reason, names in why.items():
+        warnings.warn(
+            f"stethoscope: {' and '.join(names)} cannot judge this run ({reason}), so "
+            f"{'it is' if len(names) == 1 else 'they are'} off; the other detectors judge "
+            "it as usual",
+            RuntimeWarning,
+            stacklevel=4,
+        )

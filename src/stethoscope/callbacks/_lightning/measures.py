@@ -60,6 +60,12 @@ class StepMeasures:
     #: The watched parameters an optimizer stepped this step (with a gradient), in the
     #: order the per-parameter statistics were measured.
     params: list[int] = field(default_factory=list)
+    #: The optimizers that reached their step in this step (a closure optimizer reaches
+    #: it at its first closure call), in order: each is measured there once.
+    optimizers: list[Any] = field(default_factory=list)
+    #: What those of them that stepped no parameter with a gradient hold instead, in a
+    #: few words each (see ``ParameterProbe.idle_held``).
+    idle: list[str] = field(default_factory=list)
     #: Samples behind this step's gradients: every micro-batch, every rank (0: unknown).
     samples: int = 0
     #: Snapshots of the parameters ``snapped`` before the update (the ``updates`` probe).

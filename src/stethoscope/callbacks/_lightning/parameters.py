@@ -54,6 +54,11 @@ class ParameterProbe:
         flat: dict[int, FlatSlice] | None = None,
     ) -> None:
         pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
+        #: The model's parameters that require no grad, by ``id``: named where an optimizer
+        #: holds them (see :meth:`idle_held`).
+        self._frozen = {
+            id(p): unwrapped_name(n) for n, p in named_parameters if not p.requires_grad
+        }
         self.snapshot_budget = snapshot_budget
         self._rotation = 0
         # FSDP1 names a wrapped module's parameters through its wrapper
@@ -82,23 +87,74 @@ class ParameterProbe:
         #: Inputs per output unit of each weight of a layer with units; NaN elsewhere
         #: (see :meth:`watch_layers`).
         self.fan_in = np.full(len(self.params), np.nan)
-        #: Watched parameters that no optimizer updates (known at train start).
-        self.unoptimized: tuple[str, ...] = ()
+        #: The optimizers of the run (see :meth:`optimized_by`): what they hold is read from
+        #: their param groups when asked, which a run may change as it goes.
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
         #: Whether the optimizer updates float32 master copies of the parameters
         #: (DeepSpeed's, known at train start): what rounds away is kept there.
         self.master_weights = False
 
     def optimized_by(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Learn which watched parameters ``optimizers`` update (the others are
-        :attr:`unoptimized`; with no optimizer at all, none is), and the dtypes they are
-        held in now: a precision plugin (``"bf16-true"``) casts them after the probe is
-        made."""
+        """Learn the run's optimizers (what they update is asked of them when needed: see
+        :meth:`unheld`), and the dtypes the parameters are held in now: a precision plugin
+        (``"bf16-true"``) casts them after the probe is made."""
         self.dtypes = tuple(_dtype_name(p) for p in self.params)
         self.master_weights = any(is_deepspeed_optimizer(o) for o in optimizers)
-        held = {i for opt in optimizers for i in self.indices_of(opt)}
-        self.unoptimized = tuple(
-            n for i, n in enumerate(self.names) if i not in held and optimizers
-        )
+        self.optimizers = tuple(optimizers)
+
+    def unheld(self) -> list[int]:
+        """The watched parameters that no optimizer holds now (none without any optimizer:
+        a training step that updates the weights by hand)."""
+        if not self.optimizers:
+            return []
+        held = {i for opt in self.optimizers for i in self.indices_of(opt)}
+        return [i for i in range(len(self.params)) if i not in held]
+
+    def grads_held(self, indices: Sequence[int]) -> dict[int, tuple[torch.Tensor, int] | None]:
+        """The gradient each of these parameters holds now and its version (None: it holds
+        none), to tell later whether a backward pass wrote to it (see :meth:`received`)."""
+        out: dict[int, tuple[torch.Tensor, int] | None] = {}
+        for i in indices:
+            g = self.params[i].grad
+            out[i] = None if g is None else (g, g._version)
+        return out
+
+    def received(self, before: dict[int, tuple[torch.Tensor, int] | None]) -> list[int]:
+        """Those of the parameters of ``before`` (see :meth:`grads_held`) that a backward
+        pass wrote a gradient to since: a new gradient, or one accumulated into (its
+        version moved). A gradient left over from earlier steps is not one. FSDP1's and
+        ZeRO's slices count as written to, alike on every rank (see :meth:`with_grad`)."""
+        out = []
+        for i, was in before.items():
+            g = self.params[i].grad
+            written = g is not None and (was is None or g is not was[0] or g._version != was[1])
+            if written or self._flat[i] is not None:
+                out.append(i)
+        return out
+
+    def idle_held(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
+        """What ``optimizers`` hold that got no gradient, in a few words each: the watched
+        parameters without one, the model's parameters that require no grad, and a count
+        of the tensors that are not the model's parameters at all (an optimizer built
+        before its layers were replaced). For a step that stepped none with a gradient."""
+        idle: list[str] = []
+        strangers = 0
+        for opt in optimizers:
+            params = trained_by(opt)
+            if params is None:
+                params = [p for group in opt.param_groups for p in group["params"]]
+            for p in params:
+                i = self.index.get(id(p))
+                if i is not None:
+                    if i not in self.with_grad([i]):
+                        idle.append(f"{self.names[i]} (no gradient)")
+                elif id(p) in self._frozen:
+                    idle.append(f"{self._frozen[id(p)]} (requires_grad=False)")
+                else:
+                    strangers += 1
+        if strangers:
+            idle.append(f"{strangers} tensor(s) that are not the model's parameters")
+        return tuple(idle)
 
     def as_whole(
         self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]
@@ -171,7 +227,8 @@ class ParameterProbe:
         for i in indices:
             flat, param = self._flat[i], self.params[i]
             whole = flat.whole_grad(param) if flat is not None else param.grad.detach()
-            norm = torch.linalg.vector_norm(whole, dtype=torch.float32)
+            wide = torch.float64 if whole.dtype == torch.float64 else torch.float32
+            norm = torch.linalg.vector_norm(whole, dtype=wide).float()  # never narrowed
             out.append(norm.full_tensor() if is_sharded(norm) else norm)
         return torch.stack(out)
 
@@ -224,7 +281,6 @@ class ParameterProbe:
         obs.dtypes = tuple(self.dtypes[i] for i in indices)
         obs.is_matrix = self.is_matrix[indices]
         obs.fan_in = self.fan_in[indices]
-        obs.unoptimized = self.unoptimized
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -336,7 +392,8 @@ def row_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             out.append(torch.zeros(span[0], device=g.device))
             continue
         local = local_part(g).detach()
-        norms = torch.linalg.vector_norm(local.flatten(1), 2, dim=1, dtype=torch.float32)
+        wide = torch.float64 if local.dtype == torch.float64 else torch.float32  # never narrowed
+        norms = torch.linalg.vector_norm(local.flatten(1), 2, dim=1, dtype=wide).float()
         out.append(norms if span is None else scatter_rows(norms, span))
     return torch.cat(out)
 

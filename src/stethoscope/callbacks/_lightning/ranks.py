@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from stethoscope.callbacks._lightning.reductions import RankTiming, ReplicaChecksums
+from stethoscope.callbacks._lightning.rank_reductions import RankTiming, ReplicaChecksums
 from stethoscope.distributed import RankMeeting
 from stethoscope.engine import Decision, Monitor
 from stethoscope.recovery import Recoverer

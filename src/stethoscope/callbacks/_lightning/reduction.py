@@ -9,6 +9,9 @@ names its statistic, and hands the tensors to the step's :class:`StepMeasures`:
 - :meth:`~Reduction.micro_batch`: each later micro-batch of the step (accumulation);
 - :meth:`~Reduction.before_backward`: just before the step's first backward pass, with
   the loss;
+- :meth:`~Reduction.each_backward`: just before each backward pass of the step (the
+  first one after ``before_backward``): a step may run several (a game's players, a
+  closure optimizer's calls, micro-batches);
 - :meth:`~Reduction.before_step`: before an optimizer steps the watched parameters
   ``indices`` (their gradients complete);
 - :meth:`~Reduction.at_end`: after a batch, and so after the optimizer step on the
@@ -51,8 +54,12 @@ class Reduction:
     def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
         """Before the step's first backward pass of ``loss``."""
 
+    def each_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+        """Before each backward pass of the step, of ``loss``."""
+
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
-        """Before an optimizer steps the watched parameters ``indices``."""
+        """Before an optimizer steps the watched parameters ``indices`` (once per
+        optimizer and step: see ``ReductionSet.before_step``)."""
 
     def at_end(self, measures: StepMeasures) -> None:
         """After a batch (after the optimizer step, on the step's last micro-batch)."""

@@ -5,14 +5,12 @@ reading becomes an observation.
 The reductions of a step's batch and forward pass are in
 :mod:`~stethoscope.callbacks._lightning.batch_reductions`; what a reduction is, in
 :mod:`~stethoscope.callbacks._lightning.reduction`. The statistics gathered from every
-rank where the ranks meet are not per step: their reductions (:class:`ReplicaChecksums`,
-:class:`RankTiming`) hand the meeting this rank's values instead (``shared``).
+rank where the ranks meet are not per step: their reductions hand the meeting this
+rank's values instead (:mod:`~stethoscope.callbacks._lightning.rank_reductions`).
 """
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,30 +39,22 @@ from stethoscope.callbacks._lightning.loss_scale import (
 from stethoscope.callbacks._lightning.measures import Reading, StepMeasures
 from stethoscope.callbacks._lightning.parameters import (
     ParameterProbe,
-    checksums,
     magnitude_histograms,
     unit_layers,
 )
 from stethoscope.callbacks._lightning.precision import Fp8Fit, GradientPrecision
 from stethoscope.callbacks._lightning.reduction import Reduction
 from stethoscope.callbacks._lightning.shards import (
-    flat_replicas,
     flat_slices,
-    replicated,
-    summed_over_groups,
-    unwrapped_name,
-    whole_checksums,
 )
-from stethoscope.callbacks._lightning.zero import zero_slices, zero_stage
+from stethoscope.callbacks._lightning.zero import zero_slices
 from stethoscope.observation import Observation
 from stethoscope.statistics import DISTRIBUTION_BINS
 
 __all__ = [
     "Distributions",
     "GradNorms",
-    "RankTiming",
     "ReductionSet",
-    "ReplicaChecksums",
     "StaleGrads",
     "UnitRows",
     "UpdateNorms",
@@ -142,24 +132,66 @@ def check_combined(combined: np.ndarray, reference: np.ndarray, rtol: float = 1e
 
 
 class StaleGrads(Reduction):
-    """How many parameters still hold a non-zero gradient when the step's first backward
-    pass begins: one fused norm kernel (of the shards, combined, under sharding), counted
-    on the host."""
+    """How many of the parameters an optimizer steps still held a non-zero gradient from
+    before the step at every backward pass of the step before that optimizer stepped:
+    never zeroed. One fused norm kernel per backward pass (of the shards, combined,
+    under sharding), the least norm each gradient held kept on the device, counted on
+    the host.
+
+    A parameter that held none (or a zero one) at any of those backward passes was
+    zeroed within the step: the first micro-batch of an accumulated step, each closure
+    call of LBFGS, each player of a game zeroing its own before its backward pass. A
+    parameter that no optimizer stepped (a layer that trained earlier, in layer-wise
+    training; one in no optimizer) is not counted, whatever it holds.
+    """
 
     statistics = frozenset({"stale_grads"})
     name = "stale_grads"
+    per_parameter = True
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
+        self._of: StepMeasures | None = None  # the step the least norms are of
+        #: Per watched parameter: the least norm its gradient held before this step's
+        #: backward passes so far (None: none, or known zero, before one of them).
+        self._least: dict[int, torch.Tensor | None] = {}
 
-    def before_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+    def each_backward(self, measures: StepMeasures, loss: torch.Tensor) -> None:
         probe = self.probe
+        if self._of is not measures:
+            self._of, self._least = measures, {}
+        least = self._least
         # as the optimizer steps count them: alike on every rank (see with_grad)
-        held = probe.with_grad(range(len(probe.params)))
-        if not held:
-            measures.add("stale_grads", torch.zeros(1, device=probe.params[0].device))
+        held = set(probe.with_grad(range(len(probe.params))))
+        fresh, again = [], []
+        for i in range(len(probe.params)):
+            if i not in held:
+                least[i] = None
+            elif i not in least:
+                fresh.append(i)
+            elif least[i] is not None:  # None: zeroed within the step already, stays so
+                again.append(i)
+        if fresh:
+            norms = torch._foreach_norm([probe.grad(i) for i in fresh])
+            for i, n in zip(fresh, norms, strict=True):
+                least[i] = n
+        if again:
+            norms = torch._foreach_norm([probe.grad(i) for i in again])
+            lower = torch._foreach_minimum([least[i] for i in again], norms)
+            for i, n in zip(again, lower, strict=True):
+                least[i] = n
+
+    def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
+        if self._of is not measures:  # no backward pass seen in this step
             return
-        norms = torch.stack(torch._foreach_norm([probe.grad(i) for i in held]))
+        least = [self._least.get(i) for i in indices]
+        known = next((t for t in least if t is not None), None)
+        if known is None:  # every one of them zeroed within the step
+            device = self.probe.params[indices[0]].device
+            measures.add("stale_grads", torch.zeros(len(indices), device=device), combine="norm")
+            return
+        zero = known.new_zeros(())
+        norms = torch.stack([t if t is not None else zero for t in least])
         measures.add("stale_grads", norms, combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
@@ -167,7 +199,11 @@ class StaleGrads(Reduction):
 
 
 class WeightNorms(Reduction):
-    """Each parameter's L2 norm after the optimizer step."""
+    """Each parameter's L2 norm after the optimizer step; and the watched parameters that
+    got a gradient this step but are in no optimizer (held on the host: their names).
+
+    A step whose optimizers stepped no parameter with a gradient gives no norm, and
+    says what the optimizers hold instead (``ParameterProbe.idle_held``)."""
 
     statistics = frozenset({"weights"})
     name = "weights"
@@ -175,18 +211,43 @@ class WeightNorms(Reduction):
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
+        self._of: StepMeasures | None = None  # the step the gradients below are of
+        self._unheld: dict[int, tuple[torch.Tensor, int] | None] = {}
+
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        # which parameters no optimizer holds, and what gradient each holds before the
+        # step: one that got a gradient this step, not one left over from earlier steps
+        self._of, self._unheld = measures, self.probe.grads_held(self.probe.unheld())
 
     def at_end(self, measures: StepMeasures) -> None:
+        if not (measures.params or measures.optimizers):
+            return  # no optimizer stepped in this batch (a micro-batch of the step)
+        probe = self.probe
+        unoptimized: tuple[str, ...] = ()
+        if self._of is measures:  # in no optimizer from the step's start to its end
+            still = set(probe.unheld())  # (a parameter group changed in the step: not)
+            got = probe.received({i: g for i, g in self._unheld.items() if i in still})
+            unoptimized = tuple(probe.names[i] for i in got)
+            self._of, self._unheld = None, {}  # hold no gradient past its step
         if measures.params:
-            measures.add("weights", self.probe.weight_norms(measures.params), combine="norm")
+            norms = probe.weight_norms(measures.params)
+        else:
+            norms = torch.zeros(0, device=probe.params[0].device)
+        context = (unoptimized, tuple(measures.idle))
+        measures.add("weights", norms, context, combine="norm")
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.weight_norm = values
+        obs.unoptimized, obs.idle_held = contexts[-1]
 
 
 class UpdateNorms(Reduction):
     """How far the optimizer step moved each parameter: a snapshot before it (bounded by
-    the probe's budget: large models take turns), the norm of the difference after."""
+    the probe's budget: large models take turns), the norm of the difference after.
+
+    The snapshot is taken when an optimizer first reaches its step in the step (see
+    ``ReductionSet.before_step``): a closure optimizer such as LBFGS calls its closure,
+    and the hook there, many times in one step, after updates of its own."""
 
     statistics = frozenset({"updates"})
     name = "updates"
@@ -202,6 +263,9 @@ class UpdateNorms(Reduction):
 
     def at_end(self, measures: StepMeasures) -> None:
         if not measures.snapshots:
+            if measures.optimizers and not measures.params:  # stepped none: see WeightNorms
+                empty = torch.zeros(0, device=self.probe.params[0].device)
+                measures.add("updates", empty, (0, ()), combine="norm")
             return
         updates, previous = self.probe.update_norms(measures.snapshots, measures.snapped)
         where = {i: k for k, i in enumerate(measures.params)}
@@ -303,101 +367,6 @@ class Distributions(Reduction):
             obs.weight_hist = np.concatenate(parts["weights"])
 
 
-class ReplicaChecksums:
-    """An exact checksum of every tensor the ranks hold alike, for the meeting to compare
-    across ranks: under DDP, every replica's parameters (and the buffers DDP does not
-    re-broadcast); with sharded parameters, those placed ``Replicate`` along some mesh
-    dimension (HSDP's replicas), each summed over its shards first."""
-
-    statistics = frozenset({"replicas"})
-
-    def __init__(
-        self,
-        named: Sequence[tuple[str, torch.Tensor]],
-        buffers: int,
-        *,
-        sharded: bool = False,
-        groups: Sequence[Any] | None = None,
-        grads: bool = False,
-    ) -> None:
-        self.tensors = [t for _, t in named]
-        #: Whether each rank holds every parameter's whole gradient, as DDP's all-reduce
-        #: leaves it: then the gradients the step used are compared too.
-        self.grads = grads
-        self.names = tuple(n for n, _ in named)
-        self.buffer = np.array([False] * (len(named) - buffers) + [True] * buffers)
-        self.sharded = sharded
-        self.groups = groups  # FSDP1's hybrid strategies: each tensor's shard group
-
-    @classmethod
-    def of(cls, model: Any, module: torch.nn.Module) -> ReplicaChecksums | None:
-        """What ``module``'s replicas compare under ``model`` (the strategy's wrapped model):
-        under DDP, every parameter, and the buffers DDP does not overwrite from rank zero at
-        each forward pass; with DTensor parameters, those held alike by several ranks.
-        Under DeepSpeed's ZeRO below stage 3, every parameter: each rank holds it whole.
-        Under FSDP1's hybrid strategies, every parameter, each rank's slices summed over
-        its replica first. None where the ranks hold nothing alike to compare (FSDP2
-        sharding every parameter, FSDP1's FULL_SHARD, ZeRO stage 3)."""
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            buffers = [] if model.broadcast_buffers else list(module.named_buffers())
-            return cls(list(module.named_parameters()) + buffers, len(buffers), grads=True)
-        if zero_stage(model) in (0, 1, 2):  # the updated slices are gathered to every rank
-            return cls(list(module.named_parameters()), 0)
-        hybrid = flat_replicas(model)  # FSDP1's replicas, each sharded over a group
-        if hybrid:
-            held = [(unwrapped_name(n), p) for n, p in module.named_parameters() if id(p) in hybrid]
-            return cls(held, 0, groups=[hybrid[id(p)] for _, p in held])
-        alike = [(n, p) for n, p in module.named_parameters() if replicated(p)]
-        return cls(alike, 0, sharded=True) if alike else None
-
-    def shared(self) -> dict[str, Any]:
-        if self.sharded:
-            sums = whole_checksums(self.tensors, checksums([t.to_local() for t in self.tensors]))
-        elif self.groups is not None:
-            sums = summed_over_groups(self.groups, checksums(self.tensors))
-        else:
-            sums = checksums(self.tensors)
-        shared = {
-            "replica_sums": sums.cpu().numpy(),
-            "replica_names": self.names,
-            "replica_buffer": self.buffer,
-        }
-        if self.grads:  # after the step: the gradients it used, until the next zero_grad
-            params = self.tensors[: len(self.tensors) - int(self.buffer.sum())]
-            grads = [p.grad if p.grad is not None else p.new_zeros(()) for p in params]
-            sums = checksums(grads)
-            shared["replica_grad_sums"] = sums.cpu().numpy()
-        return shared
-
-
-class RankTiming:
-    """Under DDP: how long this rank spent alone per batch (data loading and the forward
-    pass, which no collective waits in) since the ranks last compared."""
-
-    statistics = frozenset({"ranks"})
-
-    def __init__(self) -> None:
-        self.mark: float | None = None  # when this rank last finished a batch
-        self.busy, self.batches = 0.0, 0
-
-    def batch_done(self) -> None:
-        self.mark = time.perf_counter()
-
-    def before_backward(self) -> None:
-        if self.mark is not None:
-            self.busy += time.perf_counter() - self.mark
-            self.batches += 1
-
-    def pause(self) -> None:
-        """The next batch comes after an epoch start or a validation: not timed."""
-        self.mark = None
-
-    def shared(self) -> dict[str, Any]:
-        busy = self.busy / self.batches if self.batches else math.nan
-        self.busy, self.batches = 0.0, 0
-        return {"rank_busy": busy}
-
-
 class ReductionSet:
     """Every reduction of a run: those each plan runs, and the decoding of a reading.
 
@@ -419,6 +388,7 @@ class ReductionSet:
             s
             for r in self.all
             if type(r).before_backward is not Reduction.before_backward
+            or type(r).each_backward is not Reduction.each_backward
             for s in r.statistics
         )
 
@@ -442,6 +412,15 @@ class ReductionSet:
             hit = self._by_plan[plan] = (run, tuple(r for r in run if r.per_parameter))
         return hit
 
+    def backward_begins(self, measures: StepMeasures, loss: torch.Tensor) -> None:
+        """A backward pass of a sampled step begins: the reductions of its plan that look
+        before the step's first one do, and those that look before each one."""
+        first, measures.backward = not measures.backward, True
+        for r in self.run(measures.plan):
+            if first:
+                r.before_backward(measures, loss)
+            r.each_backward(measures, loss)
+
     def before_step(
         self,
         measures: StepMeasures,
@@ -450,12 +429,21 @@ class ReductionSet:
     ) -> None:
         """Before ``optimizer`` steps: measure the parameters it steps that have a
         gradient, for the statistics of ``measures``' plan that need them (the gradients
-        divided by ``grad_scale``, a loss scale they still carry, unless None)."""
+        divided by ``grad_scale``, a loss scale they still carry, unless None).
+
+        Once per optimizer and step, where it first reaches its step, before it has
+        updated anything: a closure optimizer (LBFGS) calls its closure, and the hook
+        that calls this, many times per step, each after an update of its own; an
+        optimizer stepped several times in one batch is measured over them all."""
+        if any(o is optimizer for o in measures.optimizers):
+            return
         stepping = self.stepping(measures.plan)
         if not stepping:
             return
+        measures.optimizers.append(optimizer)
         indices = self.probe.with_grad(self.probe.indices_of(optimizer))
         if not indices:
+            measures.idle.extend(self.probe.idle_held([optimizer]))
             return
         measures.grad_scale = grad_scale
         for r in stepping:

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from stethoscope.callbacks._lightning.batch import ValidationPrints
+from stethoscope.callbacks._lightning.batch import ValidationPrints, split_batch
 from stethoscope.callbacks._lightning.validation_modes import FirstValidation
 
 __all__ = ["ValidationMeasures"]
@@ -19,11 +19,14 @@ class ValidationMeasures:
     """The validation's statistics of a fit, by the validation hooks' order.
 
     Args:
-        inputs_of: ``batch -> inputs``.
         reads: ``statistic -> whether a detector still reads it``.
+        inputs_of: ``batch -> inputs`` (default: ``split_batch``'s).
     """
 
-    def __init__(self, inputs_of: Callable[[Any], Any], reads: Callable[[str], bool]) -> None:
+    def __init__(
+        self, reads: Callable[[str], bool], inputs_of: Callable[[Any], Any] | None = None
+    ) -> None:
+        inputs_of = inputs_of if inputs_of is not None else (lambda batch: split_batch(batch)[0])
         self.reads = reads
         self._prints = ValidationPrints(inputs_of)
         self._printing = False

@@ -1,0 +1,77 @@
+"""Whether a run with several optimizers is a game: its optimizers step in turn, each
+over its own players' parameters (a GAN's generator and discriminator), rather than one
+after another for long stretches (layer-wise training, forward-forward).
+
+Lightning's manual optimization lets a training step step any of its optimizers, so
+having several says nothing yet: a GAN steps both in every batch (or its critic a few
+times for each step of its generator), while layer-wise training steps the first layer's
+for thousands of steps, then the next layer's, and never comes back. Which it is shows
+as the run goes: each optimizer's step is heard through torch's public
+``Optimizer.register_step_post_hook``, one Python call per step, until it is decided.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["GameWatch"]
+
+
+class GameWatch:
+    """Hears each optimizer step of a run with several optimizers, until they turn out to
+    play a game: an optimizer steps again within ``span`` batches of its last step, another
+    optimizer over parameters disjoint from its own having stepped in between.
+
+    Args:
+        optimizers: The Trainer's optimizers (two or more).
+        span: The most batches between two steps of one player in a game.
+    """
+
+    def __init__(self, optimizers: Sequence[Any], *, span: int = 16) -> None:
+        self.optimizers = list(optimizers)
+        self.span = span
+        #: Whether the optimizers play a game (found once: then nothing is heard any more).
+        self.found = False
+        self._batch = 0
+        self._order = 0  # counts the steps heard, to order them
+        #: Per optimizer (by its place): the batch and the order of its last step.
+        self._last: dict[int, tuple[int, int]] = {}
+        self._handles = [
+            opt.register_step_post_hook(functools.partial(self._stepped, k))
+            for k, opt in enumerate(self.optimizers)
+            if hasattr(opt, "register_step_post_hook")
+        ]
+
+    def batch_done(self) -> bool:
+        """A batch ended: whether the game was found in it (True once)."""
+        self._batch += 1
+        if self.found and self._handles:
+            self.close()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Take the hooks off the user's optimizers."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _stepped(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Optimizer ``k`` stepped (torch's post-step hook)."""
+        self._order += 1
+        last = self._last.get(k)
+        self._last[k] = (self._batch, self._order)
+        if self.found or last is None or self._batch - last[0] > self.span:
+            return
+        for j, (_, order) in self._last.items():
+            if j != k and order > last[1] and _disjoint(optimizer, self.optimizers[j]):
+                self.found = True
+                return
+
+
+def _disjoint(a: Any, b: Any) -> bool:
+    """Whether two optimizers hold no parameter in common."""
+    held = {id(p) for group in a.param_groups for p in group["params"]}
+    return not any(id(p) in held for group in b.param_groups for p in group["params"])
