@@ -25,6 +25,7 @@ __all__ = [
     "epsilon_advice",
     "epsilon_cause",
     "float16_note",
+    "optimizer_advice",
     "small_epsilon",
     "unoptimized_advice",
     "warmup_advice",
@@ -113,6 +114,16 @@ class TrainingSetup:
             which Lightning sets to the same number.
         small_epsilon: An adaptive optimizer's epsilon too small for the 16-bit dtype it
             keeps its second moment in, or None.
+        line_search: The optimizer that takes each step as a search over several calls
+            of its closure (``"LBFGS"``), by name; empty: none. Its step is as long as the
+            search finds, not a learning rate times a gradient.
+        vocabulary: The tokens the model both embeds at its input and predicts at its
+            output (an embedding table with as many rows as its last layer has outputs),
+            as a language model does; 0: not so. Its labels are the next tokens of a
+            text, Zipfian and in the text's order by nature, not a classifier's classes.
+        loader_workers: The worker processes the training loader loads batches in, each
+            with its own copy of the dataset (``DataLoader(num_workers=...)``); 0: the
+            main process loads them, or it is not known.
     """
 
     framework: str = ""
@@ -126,6 +137,9 @@ class TrainingSetup:
     master_weights: bool = False
     divided_again: int = 1
     small_epsilon: SmallEpsilon | None = None
+    line_search: str = ""
+    vocabulary: int = 0
+    loader_workers: int = 0
 
     @property
     def loss_scaled(self) -> bool:
@@ -189,6 +203,22 @@ def unoptimized_advice(setup: TrainingSetup) -> str:
     return (
         "add them to the optimizer (e.g. self.parameters() in configure_optimizers), or "
         "set requires_grad=False if they are meant to be frozen"
+    )
+
+
+def optimizer_advice(setup: TrainingSetup) -> str:
+    """What to do about an optimizer that holds other parameters than those that train,
+    in the framework's own words."""
+    if setup.framework == "keras":
+        return (
+            "hand the trainable variables the loss reaches to the optimizer "
+            "(model.trainable_variables), and check which layers have trainable = False"
+        )
+    return (
+        "build the optimizer over the parameters meant to train, after any layer is "
+        "replaced (self.parameters(), or filter(lambda p: p.requires_grad, "
+        "self.parameters()) in configure_optimizers), and check where requires_grad=False "
+        "was set"
     )
 
 

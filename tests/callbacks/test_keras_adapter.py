@@ -841,3 +841,46 @@ def test_inputs_the_model_rescales_itself_are_judged_as_its_first_layer_sees_the
         warned[rescale] = [f.message for f in sink.by_detector("unnormalized_input")]
     assert warned[False] and "RMS of" in warned[False][0]  # raw pixels, measured
     assert warned[True] == []
+
+
+# -- a language model's targets ---------------------------------------------------------------
+VOCAB, WINDOW = 40, 8
+
+
+def next_words(n: int = 1024, seed: int = 0):
+    """Windows of ``WINDOW`` token ids of a Zipfian text and the token after each (the
+    rarest of 40 words has 1/40 of the commonest's share)."""
+    rng = np.random.default_rng(seed)
+    p = 1 / np.arange(1, VOCAB + 1)
+    words = rng.choice(VOCAB, size=n + WINDOW, p=p / p.sum())
+    x = np.stack([words[i : i + WINDOW] for i in range(n)]).astype("int32")
+    return x, words[WINDOW:].astype("int64")
+
+
+def word_model():
+    """An embedding of the vocabulary, pooled over the window, and a decoder over the
+    vocabulary: the model predicts the tokens it reads."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((WINDOW,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 16),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(VOCAB),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(3e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+def test_a_language_models_next_words_are_no_classes():
+    """Word frequencies are Zipfian: class_imbalance called them imbalanced labels, and
+    told the user to weight the loss by class. A classifier's imbalanced labels it still
+    names: test_keras_faults' class-imbalance."""
+    sink = CapturingSink()
+    x, y = next_words()
+    with pytest.warns(RuntimeWarning, match="same 40 tokens, as a language model does"):
+        fit(word_model(), watch(sink=sink), x, y, epochs=1)
+    assert sink.at_least("warning") == []

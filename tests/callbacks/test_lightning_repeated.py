@@ -6,10 +6,12 @@ loaders, token batches and batches with no input tensor."""
 from __future__ import annotations
 
 import lightning as L
+import numpy as np
+import pytest
 import torch
-from _models import TinyMLP, dataset, fit
+from _models import TinyMLP, dataset, fit, problems
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from stethoscope import LightningStethoscope
 from stethoscope.testing import CapturingSink
@@ -208,3 +210,109 @@ def test_a_held_out_validation_set_is_no_overlap():
     held_out = DataLoader(dataset(SAMPLES, seed=9), batch_size=64)
     _, sink = fit(Validated(held_out), steps=4 * STEPS_PER_EPOCH, data=train)
     assert repeated(sink) == []
+
+
+# -- node classification on one graph: train and validation masks ---------------------------------
+class GraphNodes(Dataset):
+    """One graph, one item: its node features, row-normalised adjacency, labels, and the
+    mask of the nodes whose loss counts (Kipf and Welling's transductive split)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(0)
+        n = len(mask)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+        self.x = torch.randn(n, 16, generator=g) + nn.functional.one_hot(self.y, 16).float()
+        adj = (torch.rand(n, n, generator=g) < 0.02).float() + torch.eye(n)
+        self.adj, self.mask = adj / adj.sum(1, keepdim=True), mask
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int):
+        return self.x, self.adj, self.y, self.mask
+
+
+class GCN(L.LightningModule):
+    """Two graph convolutions, full batch: each epoch is the one graph."""
+
+    def __init__(self, nodes: int = 256) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 4)
+        split = torch.randperm(nodes, generator=torch.Generator().manual_seed(1))
+        self.masks = [torch.zeros(nodes, dtype=torch.bool) for _ in range(2)]
+        self.masks[0][split[:64]], self.masks[1][split[64:192]] = True, True
+
+    def loss(self, batch):
+        x, adj, y, mask = batch
+        out = adj @ self.l2(torch.relu(adj @ self.l1(x)))
+        return nn.functional.cross_entropy(out[mask], y[mask])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", loss := self.loss(batch))
+        return loss
+
+    def train_dataloader(self):
+        return DataLoader(GraphNodes(self.masks[0]), batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader(GraphNodes(self.masks[1]), batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2, weight_decay=5e-4)
+
+
+def test_a_transductive_split_of_one_graph_is_said_as_what_it_is():
+    """A new user's trial: "256 of 256 validation samples are training samples", and the
+    advice to split the data once, on the standard set-up of node classification. The
+    leak it still names: test_a_validation_set_drawn_from_the_training_set_is_named."""
+    model = GCN()
+    _, sink = fit(model, steps=10, data=model.train_dataloader(), check_val_every_n_epoch=5)
+    assert problems(sink) == []
+    (said,) = repeated(sink)
+    assert said.severity == "info" and "transductive split" in said.message
+
+
+# -- loader workers -------------------------------------------------------------------------------
+class Drawn(Dataset):
+    """Synthetic samples drawn from the dataset's own generator, made before the loader's
+    workers start (torch seeds each worker's global NumPy and torch generators, not one
+    the dataset holds): each worker draws the same samples."""
+
+    def __init__(self, n: int = 128) -> None:
+        self.n, self.rng = n, np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.from_numpy(self.rng.standard_normal(20).astype(np.float32))
+        return x, int(x[:4].argmax())
+
+
+def seed_worker(worker: int) -> None:
+    info = get_worker_info()
+    info.dataset.rng = np.random.default_rng(info.seed)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared", "seeded"])
+def test_loader_workers_that_share_a_random_state_are_named(seeded):
+    init = seed_worker if seeded else None
+    data = DataLoader(Drawn(), batch_size=32, num_workers=2, worker_init_fn=init)
+    _, sink = fit(TinyMLP(), steps=4, data=data)
+    if seeded:
+        assert problems(sink) == []
+        return
+    (found,) = repeated(sink)  # was "the same batch again and again", sent to __getitem__
+    assert found.step == 2 and found.where == "loader workers"
+    assert "2 workers serve the same batches" in found.message
+    assert "worker_init_fn" in found.message
+
+
+def test_a_loader_stuck_on_one_batch_is_stuck_under_workers_too():
+    data = DataLoader(StuckDataset(), batch_size=32, num_workers=2)
+    _, sink = fit(TinyMLP(), steps=6, data=data)
+    (found,) = repeated(sink)
+    assert "same batch again and again" in found.message and "its 2 workers" in found.message

@@ -137,10 +137,14 @@ def _shape(name: str, n: int = 300) -> tuple[list[float], list[float | None]]:
         lrs = [1e-5 * 2 ** (t // 20) for t in range(n)]
     elif name == "collapse":  # collapsed_lr: a per-epoch decay stepped every batch
         lrs = [1e-2 * 0.1 ** (t // 30) for t in range(n)]
+    elif name == "both_signs":  # a policy gradient's: the loss readers leave it alone
+        level = [1.0 if t % 7 else -0.5 for t in range(n)]
     return [lv + e for lv, e in zip(level, noise, strict=True)], lrs
 
 
-@pytest.mark.parametrize("shape", ["rise", "diverge", "spike", "at_chance", "warm_up", "collapse"])
+@pytest.mark.parametrize(
+    "shape", ["rise", "diverge", "spike", "at_chance", "warm_up", "collapse", "both_signs"]
+)
 def test_absorb_hands_back_each_step_that_raises(shape):
     losses, lrs = _shape(shape)
     steps = list(range(len(losses)))

@@ -354,3 +354,33 @@ def test_dead_relu_skips_a_step_whose_whole_gradient_is_zero():
     # steps with no gradient between them neither count nor break the streak
     mixed = [all_zero_rows(t, 0.0 if t % 2 else 0.5) for t in range(16)]
     assert [f.step for f in run(DeadRelu(), mixed)] == [14]
+
+
+# -- an agent's visited states --------------------------------------------------------------------
+def agent_units(losses) -> list[Observation]:
+    """An actor-critic's first layer on a cart-pole, as measured: 58% of its 128 units
+    silent on the states its agent visits (those of the first steps excited them all), its
+    loss (-log_prob x advantage plus the critic's) of either sign."""
+    rows = idle_rows(len(losses))
+    rows[10:, : int(0.58 * UNITS)] = True
+    found = flags_obs(rows)
+    for o, loss in zip(found, losses, strict=True):
+        o.loss = float(loss)
+    return found
+
+
+def test_dead_relu_leaves_an_agents_unvisited_units_alone():
+    losses = np.r_[2.5, 3.1, 1.8, 4.0, -1.2, np.linspace(3, 12, 35)]  # as measured: one < 0
+    found = run(DeadRelu(), agent_units(losses))
+    (said,) = found
+    assert said.severity == "info" and said.step == 4 and "unvisited, not dead" in said.message
+    assert DeadRelu().finished(0) is False
+
+
+def test_dead_relu_still_names_units_dead_under_a_loss_of_one_sign():
+    found = run(DeadRelu(), agent_units(np.linspace(3, 12, 40)))
+    assert steps(found) == [(17, "warning")]
+    # a loss that goes below zero only past the first SIGN_STEPS (a Gaussian NLL that
+    # learns) does not excuse it
+    late = run(DeadRelu(), agent_units(np.r_[np.linspace(3, 12, 139), -1.0]))
+    assert steps(late) == [(17, "warning")]

@@ -315,3 +315,74 @@ def test_unnormalized_input_bad_arguments(kwargs, shown):
     with pytest.raises(ValueError, match=re.escape(shown)) as info:
         UnnormalizedInput(**kwargs)
     assert "unnormalized_input" in str(info.value)
+
+
+# -- a language model's labels --------------------------------------------------------------------
+def zipf_tokens(n: int, vocab: int = 200, batch: int = 700, seed: int = 0) -> list[np.ndarray]:
+    """Batches of next-token targets drawn from a Zipfian vocabulary (word frequencies):
+    the rarest of 200 tokens has 1/200 of the commonest's share, or none in 4200."""
+    rng = np.random.default_rng(seed)
+    p = 1 / np.arange(1, vocab + 1)
+    return [rng.choice(vocab, size=batch, p=p / p.sum()) for _ in range(n)]
+
+
+def test_a_language_models_tokens_are_no_classes_to_balance():
+    """Targets a model embeds and predicts alike (an LSTM language model's flattened
+    next tokens): Zipfian by nature. class_imbalance took them for classes."""
+    from stethoscope.advice import TrainingSetup
+
+    batches = label_obs(zipf_tokens(8))
+    (classifier,) = run(ClassImbalance(), batches)  # the same counts, from a classifier
+    assert classifier.severity == "warning" and "weight the loss by class" in classifier.message
+    d = ClassImbalance()
+    d.setup = TrainingSetup(vocabulary=200)
+    assert not d.applies() and d.finished(0)  # the monitor never runs it, and says why
+    why = d.not_applying_because()
+    assert "same 200 tokens" in why and "language model" in why
+
+
+def test_a_language_models_text_order_is_no_unshuffled_data():
+    """A language model's batches follow its text (a recurrent one carries its state
+    across them): here each holds a few tokens of its own, blocks to a classifier's eye."""
+    from stethoscope.advice import TrainingSetup
+    from stethoscope.detectors import UnshuffledData
+
+    rng = np.random.default_rng(0)
+    batches = label_obs([rng.choice(rng.choice(200, 2), 64) for _ in range(40)])
+    (classifier,) = run(UnshuffledData(), batches)
+    assert "run in blocks" in classifier.message
+    d = UnshuffledData()
+    d.setup = TrainingSetup(vocabulary=200)
+    assert not d.applies() and d.finished(0)
+    assert "in the text's order" in d.not_applying_because()
+
+
+def test_the_monitor_says_once_which_detectors_sit_a_language_model_out():
+    import warnings
+
+    from stethoscope.advice import TrainingSetup
+    from stethoscope.detectors import default_detectors
+    from stethoscope.engine import Monitor
+    from stethoscope.sinks.base import RunContext
+
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.start(RunContext(framework="test", setup=TrainingSetup(vocabulary=200)))
+    said = [str(w.message) for w in caught if "language model" in str(w.message)]
+    assert len(said) == 1 and "class_imbalance and unshuffled_data" in said[0]
+    assert monitor.schedule.idle("class_imbalance") and monitor.schedule.idle("unshuffled_data")
+    assert not monitor.schedule.idle("loss_at_chance")  # a unigram model is no language model
+
+
+def test_unnormalized_input_words_fit_a_linear_model():
+    """Raw polynomial features of a linear regression: no layer saturates there, the
+    problem is ill-conditioned (the old words said "the first layer starts saturated")."""
+    x = np.linspace(-3, 3, 256)
+    sq = np.array([np.mean(x**2), np.mean(x**4), np.mean(x**6), np.mean(x**8)])
+    (found,) = run(UnnormalizedInput(), [Observation(step=0, input_sq=sq, input_count=256)])
+    assert "so the first layer starts saturated" not in found.message
+    assert (
+        "ill-conditioned" in found.message and "in a linear model as in a deep one" in found.message
+    )
+    assert_sentence(found, "standardise each feature")

@@ -384,3 +384,49 @@ def test_vanishing_gradients_without_a_loss_still_judges():
 @pytest.mark.parametrize("seed", range(3))
 def test_vanishing_gradients_quiet_on_a_healthy_twin(seed):
     assert run(VanishingGradients(), grad_obs(healthy_grads(seed, 300, sigma=0.5))) == []
+
+
+# -- a game's players ---------------------------------------------------------------------------
+#: A DCGAN on the CPU (pytorch/examples' hyperparameters: Adam 2e-4, betas (0.5, 0.999),
+#: BCE, 16x16 images of a blob), its discriminator four times as wide as its generator,
+#: manual optimization in Lightning: the gradient norms of each player on the steps the
+#: detector samples (every 16, both optimizers' steps counted), as measured. The run learns;
+#: the discriminator's norm swings with the generator's moves, 11x its recent median at
+#: once at step 416.
+DCGAN_D = [13.2, 4.6, 4.4, 3.8, 3.6, 3.1, 3.4, 2.7, 2.4, 3.8, 2.6, 5.3, 4.8, 2.3, 10.8, 9.7]
+DCGAN_D += [2.9, 8.2, 2.9, 6.2, 2.7, 3.2, 3.3, 5.7, 33.3, 9.0, 76.7, 10.4, 17.7, 6.9, 24.7]
+DCGAN_D += [6.3, 10.7, 5.2, 22.6, 20.9, 20.1, 8.4, 27.5, 47.1, 9.2, 8.1, 7.4, 9.4, 8.4, 24.6]
+DCGAN_G = [5.0, 6.7, 5.6, 6.0, 5.2, 6.8, 5.4, 6.3, 6.0, 5.6, 4.9, 5.2, 5.7, 5.2, 6.0, 6.2]
+DCGAN_G += [5.1, 4.7, 8.3, 10.2, 7.3, 6.1, 6.7, 6.8, 8.3, 9.3, 10.8, 10.4, 12.8, 9.7, 8.3]
+DCGAN_G += [9.2, 9.1, 7.1, 6.6, 10.1, 7.9, 7.5, 11.9, 7.2, 12.9, 9.5, 8.0, 8.9, 8.0, 6.8]
+
+
+def players(d: list[float], g: list[float]) -> list:
+    return [
+        make_obs(16 * t, grads=[a, b], names=("D.weight", "G.weight"), numel=(1000, 1000))
+        for t, (a, b) in enumerate(zip(d, g, strict=True))
+    ]
+
+
+def exploding(*, game: bool) -> ExplodingGradients:
+    from stethoscope.advice import TrainingSetup
+
+    detector = ExplodingGradients()
+    detector.setup = TrainingSetup(adaptive=True, adversarial=game)
+    return detector
+
+
+def test_a_discriminators_routine_jump_is_no_explosion():
+    observations = players(DCGAN_D, DCGAN_G)
+    # a new user's trial: the same jump, taken for an explosion outside a game
+    assert steps(run(exploding(game=False), observations)) == [(416, "warning")]
+    d = exploding(game=True)
+    assert run(d, players(DCGAN_D, DCGAN_G)) == []
+    assert d.threshold() is None  # nor a step skipped for one
+
+
+def test_a_game_that_keeps_exploding_is_still_named():
+    d, g = [*DCGAN_D[:30], 400.0, 600.0, 900.0], [*DCGAN_G[:30], 9.0, 9.0, 9.0]
+    found = run(exploding(game=True), players(d, g))
+    assert steps(found) == [(16 * 32, "error")]
+    assert "D.weight" in found[0].message

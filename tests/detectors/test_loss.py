@@ -469,3 +469,56 @@ def test_sorted_window_follows_its_window(xs, size, cut):
         push(plain, x, size)
         assert window == plain
         assert sw.median(window) == median(plain)
+
+
+# -- a policy-gradient loss: both signs, no scale -------------------------------------------------
+def actor_critic_loss(seed: int, n: int = 400) -> np.ndarray:
+    """An actor-critic's loss on a cart-pole, as measured: the critic's smooth-L1 (>= 0)
+    plus the actor's -log_prob x advantage (either sign), summed over an episode whose
+    length grows from ~20 to ~80 steps; 3-25% of the losses negative, the first by step
+    25, its level 2.9 at first and 12 by step 180 (unstable_loss called that a
+    divergence)."""
+    rng = np.random.default_rng(seed)
+    length = 20 + 60 * np.minimum(np.arange(n) / 180, 1.0)
+    return length * (
+        0.15 + 0.1 * rng.standard_normal(n)
+    ) ** 2 * 5 + length * 0.05 * rng.standard_normal(n)
+
+
+def reinforce_loss(seed: int, n: int = 400) -> np.ndarray:
+    """REINFORCE with normalised returns: sum over the episode of -log_prob x return, ~80%
+    negative, its magnitude growing with the episode's length (tens to thousands)."""
+    rng = np.random.default_rng(seed)
+    length = 20 * np.exp(np.arange(n) / 100)
+    return length * (rng.standard_normal(n) - 0.8)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "loss", [actor_critic_loss, reinforce_loss], ids=["actor-critic", "reinforce"]
+)
+@pytest.mark.parametrize("cls", [UnstableLoss, LossSpike, LossNotDecreasing], ids=lambda c: c.name)
+def test_a_policy_gradient_loss_is_left_alone_and_said_once(cls, loss, seed):
+    x = loss(seed)
+    first = int(np.argmax((x < 0) != (x[0] < 0)))  # the first loss of the other sign
+    found = run(cls(), loss_obs(x))
+    assert alarms(found) == []
+    (said,) = found
+    assert said.severity == "info" and said.step == first and said.where == "loss"
+    assert "took both signs" in said.message and "policy-gradient" in said.message
+
+
+def test_the_actor_critic_loss_was_called_a_divergence():
+    # what the rule makes of it without the signs: an error, as a new user's trial met
+    x = np.abs(actor_critic_loss(0))
+    assert "error" in [f.severity.value for f in run(UnstableLoss(), loss_obs(x))]
+
+
+def test_a_loss_that_crosses_zero_as_it_learns_is_still_judged():
+    """A Gaussian NLL: 1.0 down to -3 (zero crossed at step ~90, past the first window),
+    then a climb back to -1.2: still a rise, and still named."""
+    t = np.arange(600)
+    x = np.where(t < 200, 1.0 - 4.0 * t / 200, -3 + 0.006 * (t - 200))
+    x = x + np.random.default_rng(0).normal(0, 0.02, len(t))
+    found = run(UnstableLoss(), loss_obs(x))
+    assert [f.severity.value for f in found] == ["warning"]

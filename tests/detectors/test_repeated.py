@@ -259,3 +259,83 @@ def test_full_batch_training_asks_for_no_second_batch():
     # the same batch every step, and an epoch of one step: asked for at the first step
     # alone, before the length of an epoch is known
     assert asked == [True] + [False] * 5
+
+
+# -- loader workers that serve the same batches ---------------------------------------------------
+def with_workers(workers: int) -> RepeatedData:
+    from stethoscope.advice import TrainingSetup
+
+    d = RepeatedData()
+    d.setup = TrainingSetup(loader_workers=workers)
+    return d
+
+
+def served_by_workers(workers: int, steps: int = 8) -> list[Observation]:
+    """Each of ``workers`` workers serves the same batches (one random state copied into
+    each), in turn: every batch ``workers`` times in a row, an epoch's first two measured."""
+    order = np.arange(SAMPLES)
+    return [obs(t, 0, batch_prints(order, t // workers)) for t in range(steps)]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_that_share_a_random_state_are_named_as_such(workers):
+    d = with_workers(workers)
+    (found,) = judge(served_by_workers(workers), d)
+    assert found.step == workers and found.where == "loader workers"
+    assert f"{workers} workers serve the same batches" in found.message
+    assert f"{workers} in a row" in found.message and "__getitem__" not in found.message
+    assert_sentence(found, "worker_init_fn", names=["share one random state"])
+    assert d.advice_for(found) == "seed each loader worker (worker_init_fn)"
+
+
+def test_without_workers_the_same_batches_are_a_stuck_loader():
+    (found,) = judge(served_by_workers(2))
+    assert found.step == 1 and "same batch again and again" in found.message
+
+
+def test_a_loader_stuck_under_workers_is_stuck_past_their_number():
+    stuck = batch_prints(np.arange(SAMPLES), 0)
+    (found,) = judge([obs(t, 0, stuck) for t in range(6)], with_workers(2))
+    assert found.step == 2 and "same batch again and again" in found.message
+    assert (
+        "steps 0 to 2" in found.message
+        and "more times in a row than its 2 workers" in found.message
+    )
+
+
+def test_workers_that_copy_one_random_state_every_epoch_are_not_named_twice():
+    """Workers started afresh each epoch from the same state serve every epoch alike: the
+    same order is that same cause, said once."""
+    d = with_workers(2)
+    order = np.arange(SAMPLES)
+    found = judge(
+        [obs(e * 8 + t, e, batch_prints(order, t // 2)) for e in range(3) for t in range(8)], d
+    )
+    assert [f.where for f in found] == ["loader workers"]
+
+
+def test_workers_seeded_apart_are_left_alone():
+    assert judge(epochs(3, reshuffle=True), with_workers(2)) == []
+
+
+# -- a transductive split: one graph, its nodes split by masks ------------------------------------
+def test_a_validation_on_the_one_training_batch_is_said_as_a_transductive_split():
+    """Node classification on one graph: every epoch trains on the whole feature matrix,
+    and the validation runs on it again (only the loss masks differ)."""
+    graph = 1_000_003.0 * (np.arange(SAMPLES) + 1)
+    d = RepeatedData()
+    judge([obs(t, t, graph) for t in range(10)], d)
+    (found,) = validate(d, 9, graph)
+    assert found.severity == "info" and found.where == "validation inputs"
+    assert "transductive split" in found.message and "validation mask" in found.message
+    assert d.advice_for(found) == "take the validation loss over its own mask"
+    assert validate(d, 19, graph) == []  # said once
+
+
+def test_a_full_batch_run_validated_on_part_of_its_batch_is_still_an_overlap():
+    graph = 1_000_003.0 * (np.arange(SAMPLES) + 1)
+    d = RepeatedData()
+    judge([obs(t, t, graph) for t in range(3)], d)
+    others = 1_000_003.0 * (np.arange(SAMPLES, 2 * SAMPLES) + 1)
+    (found,) = validate(d, 2, np.r_[graph[:32], others[:32]])
+    assert found.severity == "warning" and found.where == "validation data"

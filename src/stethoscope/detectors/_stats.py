@@ -49,6 +49,12 @@ def is_finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
 
 
+def sign_bit(x: float) -> int:
+    """The bit of ``x``'s sign in a detector's record of the signs a loss took: 1 below
+    zero, 2 above (3: both, a loss with no floor at zero, as a policy gradient's)."""
+    return 1 if x < 0 else 2 if x > 0 else 0
+
+
 def restarts_clock(lr: float | None, since: float | None) -> bool:
     """Whether learning rate ``lr`` starts a patience clock again: the first positive one
     (``since`` None), or one past twice the rate the clock started at, so that a warm-up

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.detectors._stats import tally
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
 __all__ = ["ClassImbalance", "UnnormalizedInput", "UnshuffledData"]
+
+
+def _language_model(setup: TrainingSetup) -> str:
+    """Why a rule about a classifier's classes cannot judge a language model's labels, in
+    a few words (see ``TrainingSetup.vocabulary``); empty: the model is none."""
+    if not setup.vocabulary:
+        return ""
+    return (
+        f"the model embeds and predicts the same {setup.vocabulary} tokens, as a language "
+        "model does: its labels are the next tokens of a text, Zipfian and in the text's "
+        "order by nature, not classes to balance or shuffle"
+    )
 
 
 class ClassImbalance(Detector):
@@ -20,6 +33,10 @@ class ClassImbalance(Detector):
     taken as the largest label + 1) were seen; then, once, the count of the
     most frequent class over that of the rarest (a class in 0..K-1 that never
     appears counts as 0) is compared with ``ratio``. Above it is a warning.
+
+    A language model's labels are tokens, not classes (see
+    ``TrainingSetup.vocabulary``): word frequencies are Zipfian, and weighting its loss
+    by token would be wrong, so it does not judge one, and the monitor says so once.
 
     Sources: SageMaker Debugger ``class_imbalance`` (ratio 10 after 500
     samples); the 20-per-class floor keeps the ratio of a balanced dataset with
@@ -46,8 +63,14 @@ class ClassImbalance(Detector):
     def _initial_state(self) -> dict:
         return {"counts": [], "judged": False}
 
+    def applies(self) -> bool:
+        return not self.setup.vocabulary
+
+    def not_applying_because(self) -> str:
+        return _language_model(self.setup)
+
     def finished(self, step: int) -> bool:
-        return self.state["judged"]
+        return self.state["judged"] or not self.applies()
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -157,9 +180,13 @@ class UnnormalizedInput(Detector):
                     obs,
                     "warning",
                     f"Inputs are not normalised: over the first {st['count']} samples {detail} "
-                    f"(a standardised feature has 1; limit {threshold:g}), so the first layer "
-                    "starts saturated or with huge gradients; standardise each feature (subtract "
-                    "the mean, divide by the std) or scale images to 0..1 and normalise.",
+                    f"(a standardised feature has 1; limit {threshold:g}), so the first layer's "
+                    "weights get gradients on that scale, and features of unlike scales make "
+                    "the problem ill-conditioned (one learning rate too large along the large "
+                    "features, too small along the rest, in a linear model as in a deep one, "
+                    "where a tanh or sigmoid fed by that layer saturates too); standardise each "
+                    "feature (subtract the mean, divide by the std) or scale images to 0..1 "
+                    "and normalise.",
                     value=value,
                     threshold=threshold,
                     where="input" if rms.size == 1 else f"input[{top}]",
@@ -208,7 +235,9 @@ class UnshuffledData(Detector):
     below all but 1% of them, on two windows in a row, is a warning, once (a run judges
     many windows, and skewed labels make a shuffled window's entropy vary). Skewed labels
     lower both alike, so they are no sign; a run whose labels are not classes (more than
-    ``MAX_CLASSES`` of them: token ids) is left alone.
+    ``MAX_CLASSES`` of them: token ids) is left alone, and so is a language model (see
+    ``TrainingSetup.vocabulary``), whose batches follow its text on purpose (a recurrent
+    one carries its state from one batch to the next), which the monitor says once.
 
     Sources: the silent-bug reports this family answers (the same shuffle every epoch,
     a sampler that keeps the dataset's order); a model trained on label-sorted batches
@@ -242,8 +271,14 @@ class UnshuffledData(Detector):
         # since the last judgement; judged: it has warned
         return {"counts": [], "seen": [], "judged": False, "blocky": 0}
 
+    def applies(self) -> bool:
+        return not self.setup.vocabulary
+
+    def not_applying_because(self) -> str:
+        return _language_model(self.setup)
+
     def finished(self, step: int) -> bool:
-        return self.state["judged"]
+        return self.state["judged"] or not self.applies()
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state

@@ -10,6 +10,7 @@ from stethoscope.detectors._stats import (
     push,
     restarts_clock,
     robust_sigma,
+    sign_bit,
 )
 from stethoscope.detectors.base import (
     Detector,
@@ -22,7 +23,46 @@ from stethoscope.detectors.base import (
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 
-__all__ = ["LossNotDecreasing", "LossSpike", "Overfitting", "UnstableLoss"]
+__all__ = ["LossNotDecreasing", "LossSpike", "UnstableLoss"]
+
+
+def _completes_signs(state: dict, loss: float, span: int) -> bool:
+    """Whether ``loss``, counted among the first ``span`` losses, would make them take
+    both signs (``state["signs"]``: the bits of those counted so far)."""
+    return state["counted"] < span and (state["signs"] | sign_bit(loss)) == 3
+
+
+def _count_sign(state: dict, loss: float, span: int) -> bool:
+    """Count ``loss`` among the first ``span`` losses: whether they take both signs now,
+    and did not before."""
+    if state["counted"] >= span or state["signs"] == 3:
+        return False
+    state["counted"] += 1
+    state["signs"] |= sign_bit(loss)
+    return state["signs"] == 3
+
+
+def _signs_from(state: dict, restored: dict, span: int, judging: bool) -> None:
+    """A checkpoint from before the signs were counted: a detector that was ``judging``
+    is past its first ``span`` losses, whose signs are unknown but passed."""
+    if "counted" not in restored and judging:
+        state["counted"] = span
+
+
+def _no_floor(detector: Detector, obs: Observation, span: int, rule: str) -> Finding:
+    """The info that ``detector`` leaves the run alone: its first ``span`` losses took
+    both signs, ``obs``'s the last of them."""
+    return detector.finding(
+        obs,
+        "info",
+        f"{detector.name} leaves this run alone: the loss took both signs within its first "
+        f"{span} steps ({obs.loss:.4g} at step {obs.step}, after losses of the other sign), "
+        "as a policy-gradient loss (-log_prob x return or advantage, an agent's) does, or "
+        f"another loss with no floor at zero and no scale, against which {rule} says "
+        "nothing of how training goes.",
+        value=obs.loss,
+        where="loss",
+    )
 
 
 class LossSpike(Detector):
@@ -43,6 +83,12 @@ class LossSpike(Detector):
     and the loss is at least ``ratio`` times that median. A spike is a warning;
     the sampler already escalates when the jump passes half the z-score and half
     the envelope bar.
+
+    A loss that takes both signs within its first ``window`` steps (a policy-gradient
+    surrogate, whose value swings with each episode's returns and length) has no scale
+    for a jump: that loss is judged (a spike is not counted among them), and the run
+    left alone after it, said once (an info). A loss that crosses zero later, as it
+    learns (a Gaussian or flow NLL), is judged throughout.
 
     Sources: OLMo-core's z-score of 6 over 128 steps (it waits for 20 samples, we for 32);
     Lightning's ``SpikeDetection`` asks for 3x the running mean (we ask 2x, and the
@@ -99,17 +145,24 @@ class LossSpike(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        # seen: healthy jumps the envelope has learnt from (a young one gets a wider bar)
-        return {"window": [], "initial": None, "envelope": 0.0, "seen": 0}
+        # seen: healthy jumps the envelope has learnt from (a young one gets a wider bar);
+        # signs, counted: the sign bits of the first ``window`` losses (see sign_bit)
+        return {"window": [], "initial": None, "envelope": 0.0, "seen": 0, "signs": 0, "counted": 0}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "seen" not in state and state.get("initial") is not None:
             self.state["seen"] = self.memory  # a checkpoint from before the count: mature
+        _signs_from(self.state, state, self.window, state.get("initial") is not None)
+
+    def finished(self, step: int) -> bool:
+        return self.state["signs"] == 3
 
     def _warm(self) -> bool:
-        """Whether the warm-up is over: the rule judges from here."""
-        return len(self.state["window"]) >= self.warmup and self.state["initial"] is not None
+        """Whether the warm-up is over: the rule judges from here (until the loss took
+        both signs)."""
+        st = self.state
+        return len(st["window"]) >= self.warmup and st["initial"] is not None and st["signs"] != 3
 
     def _bar(self, center: float, envelope: float, seen: int) -> float:
         """The jump above ``center`` a spike must pass before the z-score, with an
@@ -161,6 +214,9 @@ class LossSpike(Detector):
             jump = loss - center
             if 2 * jump > self._bar(center, st["envelope"], st["seen"]):
                 return i
+            if _completes_signs(st, loss, size):
+                return i  # the run is left alone after it
+            _count_sign(st, loss, size)
             self._widen(jump)
             window.push(win, float(loss), size)
         return len(losses)
@@ -186,7 +242,7 @@ class LossSpike(Detector):
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
-        if not is_finite(loss):
+        if not is_finite(loss) or self.finished(obs.step):
             return []  # nonfinite_loss owns it; keep NaN out of the baseline
         if self.quiet(obs.step, loss, obs.lr):
             return []
@@ -222,6 +278,9 @@ class LossSpike(Detector):
         self._sorted.push(win, float(loss), self.window)
         if st["initial"] is None and len(win) == min(self.START, self.warmup):
             st["initial"] = self._sorted.median(win)
+        # a spike's sign says nothing of the loss's floor: it is not counted
+        if not findings and _count_sign(st, loss, self.window):
+            findings.append(_no_floor(self, obs, self.window, "a jump above its median"))
         return findings
 
 
@@ -234,6 +293,9 @@ class LossNotDecreasing(Detector):
     learning: warning. The patience clock restarts whenever the learning rate has
     doubled since it started, so a warm-up from 0 gets its full patience at a
     real learning rate.
+
+    A loss whose first window takes both signs (a policy-gradient surrogate) has no
+    initial level to measure progress from: the run is left alone, said once (an info).
 
     Sources: SageMaker Debugger ``loss_not_decreasing`` compares single values 10
     steps apart with a 0.1% bar, which noise alone breaks (a 1e-7 learning rate
@@ -265,13 +327,23 @@ class LossNotDecreasing(Detector):
         return math.inf  # a warning after hundreds of steps, and no suspicion: it can wait
 
     def _initial_state(self) -> dict:
+        # signs, counted: the sign bits of the first ``window`` losses (see sign_bit)
         return {
             "recent": [],
             "initial": None,
             "best": None,
             "clock_step": None,
             "clock_lr": None,
+            "signs": 0,
+            "counted": 0,
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        _signs_from(self.state, state, self.window, state.get("initial") is not None)
+
+    def finished(self, step: int) -> bool:
+        return self.state["signs"] == 3
 
     def absorb(self, steps: Steps, losses: Losses, lrs: Rates, start: int) -> int:
         st = self.state
@@ -282,7 +354,10 @@ class LossNotDecreasing(Detector):
             clock = st["clock_step"] if st["clock_step"] is not None else step
             if len(st["recent"]) + 1 >= self.window and step - clock >= self.patience:
                 return i  # a judgement
+            if _completes_signs(st, losses[i], self.window):
+                return i  # the run is left alone from there
             st["clock_step"] = clock
+            _count_sign(st, losses[i], self.window)
             self._push(losses[i])
         return len(losses)
 
@@ -301,11 +376,13 @@ class LossNotDecreasing(Detector):
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
-        if not is_finite(loss):
-            return []
+        if not is_finite(loss) or self.finished(obs.step):
+            return []  # a loss of both signs: left alone
         if self.quiet(obs.step, loss, obs.lr):
             return []
         st = self.state
+        if _count_sign(st, loss, self.window):
+            return [_no_floor(self, obs, self.window, "progress from its initial level")]
         if st["clock_step"] is None:
             st["clock_step"] = obs.step
         lr = obs.lr
@@ -350,6 +427,11 @@ class UnstableLoss(Detector):
     steps in a row: warning. When the level is above twice the initial loss for
     as long: error, training has diverged.
 
+    A loss whose first window takes both signs (a policy-gradient surrogate, which swings
+    with each episode's returns and grows with its length) has no initial level to scale
+    a rise by: the run is left alone, said once (an info). One that crosses zero later,
+    as it learns (a Gaussian or flow NLL), is judged throughout.
+
     Sources: Megatron and PaLM treat a loss that stays far above its running level
     as a reason to roll back. Thresholds scale with the run's own initial loss, not
     with the current level, because a converged loss of ~0.005 can rise 1.5x between
@@ -376,7 +458,23 @@ class UnstableLoss(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        return {"recent": [], "initial": None, "best": None, "streak": 0, "diverged": 0}
+        # signs, counted: the sign bits of the first ``window`` losses (see sign_bit)
+        return {
+            "recent": [],
+            "initial": None,
+            "best": None,
+            "streak": 0,
+            "diverged": 0,
+            "signs": 0,
+            "counted": 0,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        _signs_from(self.state, state, self.window, state.get("initial") is not None)
+
+    def finished(self, step: int) -> bool:
+        return self.state["signs"] == 3
 
     def waits_below(self, steps: int) -> float | None:
         # A rise (a suspicion, then a warning) needs the level, a median of the window,
@@ -387,6 +485,7 @@ class UnstableLoss(Detector):
         st = self.state
         initial, best, recent = st["initial"], st["best"], st["recent"]
         if initial is None:
+            # losses that may take both signs are only said of (an info): they may wait
             return None if len(recent) + steps >= self.window else math.inf
         ordered = self._sorted.ordered(recent)
         floor = min(best, ordered[0])
@@ -399,7 +498,7 @@ class UnstableLoss(Detector):
         st = self.state
         initial, recent = st["initial"], st["recent"]
         if initial is None or st["streak"] or st["diverged"]:
-            return start
+            return start  # the first window is counted in _update
         rise, window = self.rise * abs(initial), self._sorted
         for i in range(start, len(losses)):
             loss = losses[i]
@@ -415,11 +514,13 @@ class UnstableLoss(Detector):
 
     def _update(self, obs: Observation) -> list[Finding]:
         loss = obs.loss
-        if not is_finite(loss):
-            return []
+        if not is_finite(loss) or self.finished(obs.step):
+            return []  # a loss of both signs: left alone
         if self.quiet(obs.step, loss, obs.lr):
             return []
         st = self.state
+        if _count_sign(st, loss, self.window):
+            return [_no_floor(self, obs, self.window, "a rise above its best")]
         self._sorted.push(st["recent"], float(loss), self.window)
         if len(st["recent"]) < self.window:
             return []
@@ -467,122 +568,3 @@ class UnstableLoss(Detector):
                 )
             ]
         return []
-
-
-class Overfitting(Detector):
-    """Validation loss rising while the training loss keeps falling.
-
-    Rule: at each validation (never the sanity check), the validation loss is
-    compared with the best (lowest) one so far. It is a warning when it has been
-    more than ``min_rise`` above the best on ``patience`` validations in a row, or
-    when it has risen on ``trend`` validations in a row by more than
-    ``trend_rise`` of the best in all (a steady climb is no noise: on a plateau
-    with 2% noise, 7 values in rising order are 1 in 5040), while the mean
-    training loss since the previous validation is below the one at the best
-    validation (training still improves: the model memorises).
-
-    Either rise must also pass ``floor`` of the scale of the task: the largest of the
-    run's first training loss (where it started: ln K for a classifier at chance), the
-    first validation loss and the mean training loss before it. A model that went from
-    1.4 to 0.001 and then wobbles up by 0.0006 (a real run of the project's new-user
-    trial) rose 60% against its own best, and by 0.04% of what it had to learn: not
-    worth a warning, whatever early stopping would make of it.
-
-    Sources: SageMaker Debugger ``overfit`` compares validation with training
-    loss ((val - train) / train > 0.1, patience 1), which fires on any healthy
-    model with a generalisation gap; the rise of validation against its own best
-    (its ``overtraining`` rule) is what early stopping acts on.
-
-    Args:
-        min_rise: Relative rise above the best validation loss that counts.
-        patience: Validations in a row above it that raise a warning.
-        trend: Validations in a row, each above the one before, that make a climb.
-        trend_rise: Relative rise over such a climb that raises a warning.
-        floor: The least rise that counts, as a fraction of the scale of the task.
-    """
-
-    name = "overfitting"
-    needs = frozenset({"val"})
-    base_interval = 1
-    advice = "early stopping, regularisation or more data"
-
-    def __init__(
-        self,
-        *,
-        min_rise: float = 0.1,
-        patience: int = 2,
-        trend: int = 6,
-        trend_rise: float = 0.05,
-        floor: float = 0.01,
-    ) -> None:
-        check_positive(self.name, "min_rise", min_rise)
-        check_positive(self.name, "floor", floor)
-        self.floor = float(floor)
-        check_positive(self.name, "patience", patience, integer=True)
-        check_positive(self.name, "trend", trend, integer=True)
-        check_positive(self.name, "trend_rise", trend_rise)
-        self.min_rise, self.patience = float(min_rise), patience
-        self.trend, self.trend_rise = trend, float(trend_rise)
-        super().__init__()
-
-    def _initial_state(self) -> dict:
-        # best: [val loss, train loss, epoch, validation index]; n: validations seen;
-        # climb: the validation losses since the last one that did not rise (oldest first)
-        # first: the scale of the task (see the class docstring)
-        return {"best": None, "n": 0, "streak": 0, "fired": False, "climb": [], "first": None}
-
-    def _update(self, obs: Observation) -> list[Finding]:
-        st = self.state
-        val, train = obs.val_loss, obs.train_loss
-        if not is_finite(val):
-            return []
-        st["n"] += 1
-        if st.get("first") is None:
-            st["first"] = max(
-                abs(float(x)) for x in (val, train, obs.start_loss, 0.0) if is_finite(x)
-            )
-        least = self.floor * st["first"]  # a rise below it is not worth a word
-        climb = st["climb"]
-        if climb and val <= climb[-1]:
-            climb.clear()
-        push(climb, float(val), self.trend + 1)
-        best = st["best"]
-        if best is None or val < best[0]:
-            st["best"], st["streak"], st["fired"] = [val, train, obs.epoch, st["n"]], 0, False
-            return []
-        scale = abs(best[0])  # also right for a negative loss (NLL)
-        bar = best[0] + max(self.min_rise * scale, least)
-        rose = val > bar if bar != 0 else val > 0
-        climbed = len(climb) > self.trend and val - climb[0] > max(self.trend_rise * scale, least)
-        train_falls = is_finite(train) and is_finite(best[1]) and train < best[1]
-        if not ((rose or climbed) and train_falls):
-            st["streak"] = 0
-            return []
-        st["streak"] = st["streak"] + 1 if rose else 0
-        self.suspect = f"validation loss {val:.3g} above its best {best[0]:.3g}"
-        if (st["streak"] < self.patience and not climbed) or st["fired"]:
-            return []
-        how = ""
-        if st["streak"] < self.patience:  # the climb, not the level, says it
-            bar = climb[0] + max(self.trend_rise * scale, least)
-            how = f", rising on each of the last {self.trend} validations,"
-        st["fired"] = True
-        ago = obs.epoch - best[2]
-        when = (
-            f"{ago} epoch(s) ago, at epoch {best[2]}"
-            if ago > 0
-            else f"{st['n'] - best[3]} validation(s) ago"
-        )
-        return [
-            self.finding(
-                obs,
-                "warning",
-                f"The model is overfitting: validation loss rose to {val:.3g} from its best "
-                f"{best[0]:.3g} ({when}){how} while the training loss fell from {best[1]:.3g} to "
-                f"{train:.3g}; keep the checkpoint of the best epoch and stop early, or add "
-                "regularisation (weight decay, dropout, augmentation) or more data.",
-                value=val,
-                threshold=bar,
-                where="validation",
-            )
-        ]

@@ -16,6 +16,13 @@ __all__ = ["RepeatedData"]
 
 #: Where a finding of the validation data overlapping the training data points.
 VALIDATION_DATA = "validation data"
+#: Where the finding of a validation on the very inputs of training points (a
+#: transductive split: one graph, its nodes split by masks).
+SAME_INPUTS = "validation inputs"
+#: Where the finding of loader workers serving the same batches points.
+WORKERS = "loader workers"
+#: The mistakes it names, each once (the same inputs, an info, is said once too).
+MISTAKES = ("stuck", "workers", "order", "resume", "overlap")
 
 
 def batch_key(prints: np.ndarray) -> str:
@@ -38,6 +45,12 @@ class RepeatedData(Detector):
     - *stuck*: a batch equal to the one just before it in the same epoch (a batch seen
       before, on a sampled step or at an epoch's start, asks for the next step's batch
       too): the loader serves one batch again and again;
+    - *workers*: under a loader with ``W > 1`` worker processes (see
+      ``TrainingSetup.loader_workers``), a batch served two to ``W`` times in a row, and
+      then another: each worker serves the same batches, as workers that share one
+      random state do (a generator the dataset holds, copied into each worker), or an
+      iterable dataset that each worker yields whole. More than ``W`` times in a row is
+      a stuck loader;
     - *same order*: an epoch's first batch equals the one before's, and so does the
       next batch measured (where the last epoch's was measured at the same place), or a
       batch comes back later in the same epoch, while shuffling was not turned off (a
@@ -53,6 +66,10 @@ class RepeatedData(Detector):
       the training samples fingerprinted so far (the first ``KEEP``), and so an estimated
       ``overlap`` share or more of the validation data: the number found over the share
       of the training set fingerprinted (its distinct prints over an epoch's samples).
+      Where every epoch is one batch and a validation's inputs are all of that batch's,
+      the split is transductive (a graph's nodes, split by the losses' masks) or the
+      validation data is the training data itself; the inputs cannot tell which, so it
+      is said once as that, an info.
 
     Sources: accelerate #2016 and #4233 (the wrong batch order after a resume, the same
     shuffle twice), verl #7401 (a resumed run silently skips an epoch); a
@@ -68,6 +85,10 @@ class RepeatedData(Detector):
     advice = "reshuffle every epoch; resume the loader's position"
     #: The advice for the validation data overlapping the training data.
     overlap_advice = "split the data once; no sample in both splits"
+    #: The advice for a validation on the very inputs of training (a transductive split).
+    same_inputs_advice = "take the validation loss over its own mask"
+    #: The advice for loader workers that serve the same batches.
+    workers_advice = "seed each loader worker (worker_init_fn)"
     blind_to = "no input tensor could be read from the batches"
     #: Training prints kept to compare validations against.
     KEEP = 16384
@@ -88,7 +109,8 @@ class RepeatedData(Detector):
         # warned: the mistakes already named; next: [offset from the epoch's start, key]
         # of the first batch measured after the epoch's first, next_before: the last
         # epoch's; order: whether this epoch began with the last one's first batch, until
-        # its next batch tells
+        # its next batch tells; run: [key, times] of a batch served several times in a
+        # row, until the next batch tells how many
         return {
             "epoch": None,
             "start": 0,
@@ -103,14 +125,21 @@ class RepeatedData(Detector):
             "next": None,
             "next_before": None,
             "order": False,
+            "run": None,
         }
 
     def finished(self, step: int) -> bool:
-        return len(self.state["warned"]) == 4
+        # workers that share a random state need workers: a run with none cannot make it
+        possible = MISTAKES if self.setup.loader_workers > 1 else set(MISTAKES) - {"workers"}
+        return all(m in self.state["warned"] for m in possible)
 
     def advice_for(self, finding: Finding) -> str:
         if finding.where == VALIDATION_DATA:
             return self.overlap_advice
+        if finding.where == SAME_INPUTS:
+            return self.same_inputs_advice
+        if finding.where == WORKERS:
+            return self.workers_advice
         return self.current_advice()
 
     def load_state_dict(self, state: dict) -> None:
@@ -149,6 +178,8 @@ class RepeatedData(Detector):
         # the share of an epoch's samples fingerprinted so far (an epoch not yet ended
         # counts its steps so far: fewer samples, a larger share, a smaller estimate)
         steps = st["length"] or obs.step - st["start"] + 1
+        if steps == 1 and hits == len(val) == len(kept):
+            return self._same_inputs(obs, len(val))
         covered = min(1.0, len(kept) / max(steps * st["batch"], 1))
         share = min(1.0, hits / (len(val) * covered))
         if hits < 5 or share < self.OVERLAP:
@@ -166,6 +197,26 @@ class RepeatedData(Detector):
             threshold=self.OVERLAP,
             where=VALIDATION_DATA,
         )
+
+    def _same_inputs(self, obs: Observation, n: int) -> list[Finding]:
+        """Every epoch is one batch, and the validation's inputs are all of its own."""
+        self.state["warned"].append("overlap")  # nothing more to tell of the two
+        return [
+            self.finding(
+                obs,
+                "info",
+                f"The validation runs on the training inputs themselves: each epoch is one "
+                f"batch, and the {n} validation samples checked are that batch's, all of "
+                "them, as in a transductive split (node classification on one graph, where "
+                "training and validation differ only in the nodes their losses are taken "
+                "over), which the overlap check cannot tell from validating on the training "
+                "data, so it leaves this run alone; check that the validation loss is "
+                "taken over the validation mask alone (or, if the loaders were meant to "
+                "differ, that the validation loader is not the training one).",
+                value=1.0,
+                where=SAME_INPUTS,
+            )
+        ]
 
     # -- the mistakes --------------------------------------------------------------
     def _new_epoch(self, obs: Observation, key: str, resumed: bool) -> list[Finding]:
@@ -249,17 +300,29 @@ class RepeatedData(Detector):
         st = self.state
         step, (last_step, last_key) = obs.step, st["last"]
         consecutive = last_step == step - 1
+        run, st["run"] = st.get("run"), None
         if consecutive and last_key == key:
+            times = run[1] + 1 if run is not None and run[0] == key else 2
+            workers = self.setup.loader_workers
+            if times <= workers:
+                # as many workers as that may each serve it once: the next batch tells
+                st["run"] = [key, times]
+                self.request = self.needs
+                return []
             return self._warn(
                 obs,
                 "stuck",
                 f"The training loader serves the same batch again and again: the batches "
-                f"of steps {last_step} and {step} are identical (the same samples, in the "
-                "same order), as no shuffled or sequential loader serves them; check the "
-                "dataset's __getitem__ and the loader for an index that never advances or "
-                "a batch cached once (unless you overfit one batch on purpose).",
-                value=2.0,
+                f"of steps {step - times + 1} {'and' if times == 2 else 'to'} {step} are "
+                "identical (the same samples, in the same order), as no shuffled or "
+                "sequential loader serves them"
+                + (f", and more times in a row than its {workers} workers" if workers > 1 else "")
+                + "; check the dataset's __getitem__ and the loader for an index that never "
+                "advances or a batch cached once (unless you overfit one batch on purpose).",
+                value=float(times),
             )
+        if consecutive and run is not None:
+            return self._shared_workers(obs, run[1])
         if consecutive and st["cycle"]:  # the batch after a repeat is another one
             earlier, st["cycle"] = st["cycle"], []
             if obs.data_order != "sequential":
@@ -278,7 +341,36 @@ class RepeatedData(Detector):
             self.request = self.needs
         return []
 
+    def _shared_workers(self, obs: Observation, times: int) -> list[Finding]:
+        """A batch came ``times`` times in a row, no more than the loader has workers,
+        and then another."""
+        workers = self.setup.loader_workers
+        first = obs.step - times
+        return self._warn(
+            obs,
+            "workers",
+            f"The training loader's {workers} workers serve the same batches: the batches "
+            f"of steps {first} {'and' if times == 2 else 'to'} {obs.step - 1} are identical "
+            f"(the same samples, in the same order), {times} in a row, each from another "
+            f"worker, and the batch of step "
+            f"{obs.step} is new: the workers share one random state (a generator the "
+            "dataset holds, np.random.default_rng or RandomState made before the workers "
+            "start, is copied into each), or each yields a whole iterable dataset, so "
+            "every sample is trained on "
+            f"{times} times and augmentations repeat; seed each worker's generator in the "
+            "loader's worker_init_fn (e.g. get_worker_info().dataset.rng = "
+            "np.random.default_rng(get_worker_info().seed), or np.random.seed(torch."
+            "initial_seed() % 2**32) for the global one), draw with torch's random "
+            "functions, which the loader seeds per worker, or split an iterable dataset "
+            "across workers with get_worker_info().",
+            value=float(times),
+            threshold=float(workers),
+            where=WORKERS,
+        )
+
     def _same_order(self, obs: Observation, what: str) -> list[Finding]:
+        if "workers" in self.state["warned"]:
+            return []  # workers that start from the same random state every epoch: said
         return self._warn(
             obs,
             "order",

@@ -145,7 +145,23 @@ def training_setup(model: Any) -> TrainingSetup:
         loss_scaler="LossScaleOptimizer" if scaled else None,
         low_precision=policy not in _FULL_PRECISION or half,
         small_epsilon=_small_epsilon(model),
+        vocabulary=_vocabulary(model),
     )
+
+
+def _vocabulary(model: Any) -> int:
+    """The tokens ``model`` both embeds and predicts: the rows (``input_dim``) of one of
+    its ``Embedding`` layers, where its last ``Dense`` layer (or the one a
+    ``TimeDistributed`` wraps) has as many units (a language model's encoder and
+    decoder); 0: none."""
+    from keras import layers as kl
+
+    from stethoscope.callbacks._keras.layers import leaf_layers
+
+    leaves = [getattr(la, "layer", la) for la in leaf_layers(model)]
+    tables = {la.input_dim for la in leaves if isinstance(la, kl.Embedding)}
+    heads = [la.units for la in leaves if isinstance(la, kl.Dense)]
+    return heads[-1] if tables and heads and heads[-1] in tables else 0
 
 
 def _small_epsilon(model: Any) -> SmallEpsilon | None:

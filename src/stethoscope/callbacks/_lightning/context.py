@@ -68,20 +68,57 @@ def training_setup(trainer: Any) -> TrainingSetup:
             clipping += f", gradient_clip_algorithm={str(algorithm).split('.')[-1].lower()!r}"
     precision = str(trainer.precision)
     module = trainer.lightning_module
-    manual = module is not None and not module.automatic_optimization
     return TrainingSetup(
         framework="lightning",
         clipping=clipping,
         precision=None if precision in _FULL_PRECISION else precision,
         scheduler=bool(trainer.lr_scheduler_configs),
-        adversarial=manual and len(trainer.optimizers) > 1,
+        # a game shows as the run goes, not in its settings (see GameWatch)
+        adversarial=False,
         adaptive=adaptive_optimizers([client_optimizer(o) for o in trainer.optimizers]),
         loss_scaler=loss_scaler_name(trainer),
         low_precision=precision not in _FULL_PRECISION or _holds_half(module),
         master_weights=any(is_deepspeed_optimizer(o) for o in trainer.optimizers),
         divided_again=_divided_again(trainer),
         small_epsilon=_small_epsilon(trainer.optimizers),
+        line_search=_line_search(trainer.optimizers),
+        vocabulary=_vocabulary(module),
+        loader_workers=_loader_workers(trainer),
     )
+
+
+def _loader_workers(trainer: Any) -> int:
+    """The worker processes of the training loader (0: the main process, or a loader
+    that is no ``DataLoader``, or several)."""
+    workers = getattr(getattr(trainer, "train_dataloader", None), "num_workers", 0)
+    return workers if isinstance(workers, int) else 0
+
+
+def _vocabulary(module: Any) -> int:
+    """The tokens ``module`` both embeds and predicts: the rows of one of its
+    ``nn.Embedding`` tables, where its last ``nn.Linear`` has as many outputs (a language
+    model's encoder and decoder, tied or not); 0: none."""
+    from torch import nn
+
+    if module is None:
+        return 0
+    tables = {m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)}
+    heads = [m.out_features for m in module.modules() if isinstance(m, nn.Linear)]
+    return heads[-1] if tables and heads and heads[-1] in tables else 0
+
+
+#: Optimizers (and their subclasses) that search along a direction each step, calling
+#: their closure many times: torch's LBFGS, with or without its line search.
+_LINE_SEARCH = ("LBFGS",)
+
+
+def _line_search(optimizers: list[Any]) -> str:
+    """The first optimizer that takes each step as a search over calls of its closure, by
+    its class name; empty: none."""
+    for optimizer in map(client_optimizer, optimizers):
+        if any(c.__name__ in _LINE_SEARCH for c in type(optimizer).__mro__):
+            return type(optimizer).__name__
+    return ""
 
 
 def _small_epsilon(optimizers: list[Any]) -> SmallEpsilon | None:
