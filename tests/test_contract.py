@@ -44,6 +44,7 @@ STABLE_NAMES = (
     "collapsed_lr",
     "eval_mode",
     "validation_mode",
+    "train_override",
     "unzeroed_gradients",
     "loss_divided_twice",
     "all_zero",
@@ -72,7 +73,10 @@ class _ZeroEpsilon(EpsilonUnderflow):
 
 
 #: Each detector as these runs need it: one that judges a setup alone is given that setup.
-_IN_ITS_SETUP = {"loss_divided_twice": _DividedTwice, "epsilon_underflow": _ZeroEpsilon}
+_IN_ITS_SETUP = {
+    "loss_divided_twice": _DividedTwice,
+    "epsilon_underflow": _ZeroEpsilon,
+}
 CLASSES = [pytest.param(_IN_ITS_SETUP.get(name, cls), id=name) for name, cls in DETECTORS.items()]
 #: Detectors whose state is only streaks over the last few observations (a unit is dead after
 #: ``window`` zero rows in a row), so a fresh one catches up with a restored one in the tail.
@@ -86,6 +90,7 @@ SHORT_MEMORY = {
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
     "eval_mode",  # a streak of steps in eval mode
     "validation_mode",  # whether the first validation was judged: none in these runs
+    "train_override",  # said once, at the first measured step
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
     "logits_mismatch",  # a streak of steps whose loss was fed the wrong output
     "broadcast_loss",  # a streak of steps whose loss broadcast
@@ -156,6 +161,7 @@ def obs(
     fp8_lost: float = 0.0,
     half: bool = False,
     training_calls: tuple[str, ...] | None = None,
+    bypassed: str | None = None,
 ) -> Observation:
     """An observation with every probe: parameters, units, activations, data, validation,
     precision (layer1's output in float16, its parameters too if ``half``; a loss scaler),
@@ -199,6 +205,7 @@ def obs(
         train_loss=None if val is None else val[1],
         val_training_calls=training_calls,
         eval_modules=eval_modules,
+        bypassed_train=bypassed,
         stale_grads=stale,
         sample_prints=prints(step, stuck=stuck),
         output_probs=1.0 if probabilities else 0.0,
@@ -336,6 +343,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,
                 training_calls=("F.dropout(training=True) in layer0",) if i == 109 else None,
+                bypassed="layer0 overrides train() to put layer0 in eval mode" if i == 0 else None,
                 slow=2 if 20 <= i < 40 else None,
                 diverged=3,
             )

@@ -14,10 +14,12 @@ from stethoscope.detectors.base import Detector
 from stethoscope.detectors.chance import LossAtChance
 from stethoscope.detectors.data import ClassImbalance, UnnormalizedInput, UnshuffledData
 from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
+from stethoscope.detectors.frozen import FrozenWeights
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.initialization import PoorInitialization
-from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, Overfitting, UnstableLoss
+from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
+from stethoscope.detectors.overfitting import Overfitting
 from stethoscope.detectors.pipeline import (
     BroadcastLoss,
     CollapsedLearningRate,
@@ -35,8 +37,9 @@ from stethoscope.detectors.precision import (
     RoundedUpdates,
 )
 from stethoscope.detectors.repeated import RepeatedData
+from stethoscope.detectors.train_override import TrainOverride
 from stethoscope.detectors.validation_mode import ValidationMode
-from stethoscope.detectors.weights import AllZero, FrozenWeights, LargeUpdates, SmallUpdates
+from stethoscope.detectors.weights import AllZero, LargeUpdates, SmallUpdates
 
 __all__ = [
     "DETECTORS",
@@ -71,6 +74,7 @@ __all__ = [
     "SaturatedActivation",
     "SmallUpdates",
     "Straggler",
+    "TrainOverride",
     "UnnormalizedInput",
     "UnshuffledData",
     "UnstableLoss",
@@ -110,6 +114,7 @@ DETECTORS: dict[str, type[Detector]] = {
         BroadcastLoss,
         EvalMode,
         ValidationMode,
+        TrainOverride,
         UnzeroedGradients,
         LossDividedTwice,
         RoundedUpdates,

@@ -104,7 +104,15 @@ CORE_FIELDS: tuple[Field, ...] = (
     Field(
         "unoptimized",
         "tuple[str, ...]",
-        "Parameters that require grad but that no optimizer updates.",
+        "Parameters that require grad but that no optimizer updates (the Lightning adapter: "
+        "those of them that got a gradient at the step).",
+        default=(),
+    ),
+    Field(
+        "idle_held",
+        "tuple[str, ...]",
+        "At a step whose optimizers stepped no parameter that had a gradient: what they hold "
+        'instead, each in a few words (``"head.weight (requires_grad=False)"``).',
         default=(),
     ),
 )
@@ -252,8 +260,9 @@ STATISTICS: dict[str, Statistic] = {
                 Field(
                     "sample_prints",
                     _ARRAY,
-                    "A fingerprint of each of the batch's first ``MAX_PRINTS`` samples, in "
-                    "order (see :mod:`stethoscope.prints`): equal samples have equal prints, "
+                    "A fingerprint of each of the batch's first samples (at most "
+                    "``MAX_PRINTS``, fewer where they are wide: a bounded read, see "
+                    ":mod:`stethoscope.prints`), in order: equal samples have equal prints, "
                     "and different ones almost surely differ.",
                 ),
                 Field(
@@ -382,6 +391,13 @@ STATISTICS: dict[str, Statistic] = {
                     "The modules in eval mode at a training step's start: the model itself "
                     "(``<model>``) when it is, then each dropout module, and each batch "
                     "norm whose scale and shift still train (empty: none).",
+                ),
+                Field(
+                    "bypassed_train",
+                    "str | None",
+                    "At the first step measured: what the model's own ``train()`` "
+                    "overrides would do and have not done, in words (empty: nothing); "
+                    "None on every later step.",
                 ),
             ),
             across_ranks=AcrossRanks.REPLICATED,

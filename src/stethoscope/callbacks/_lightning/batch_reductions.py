@@ -21,6 +21,7 @@ from stethoscope.callbacks._lightning.loss_graph import broadcast_in_loss
 from stethoscope.callbacks._lightning.measures import StepMeasures
 from stethoscope.callbacks._lightning.predictions import output_tensor, probability_rows
 from stethoscope.callbacks._lightning.reduction import Reduction
+from stethoscope.callbacks._lightning.train_override import bypassed_train
 from stethoscope.observation import Observation
 from stethoscope.prints import join_prints
 
@@ -184,20 +185,34 @@ class TrainMode(Reduction):
         self.watched = [
             (name, m)
             for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.dropout._DropoutNd)
-            or (
-                isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                and any(p.requires_grad for p in m.parameters(recurse=False))
-            )
+            if isinstance(m, (torch.nn.modules.dropout._DropoutNd, _BatchNorm))
         ]
+
+        self._overrides_seen = False
 
     def at_start(self, measures: StepMeasures, batch: Any) -> None:
         off = ["<model>"] if not self.model.training else []
-        off += [name for name, m in self.watched if not m.training]
-        measures.note("train_mode", tuple(off))
+        # a batch norm frozen on purpose is judged as it is now: a hook that freezes it
+        # (a train() called in on_train_start) runs after this reduction is built
+        off += [name for name, m in self.watched if not m.training and not _frozen_norm(m)]
+        # once, at the first measured step: after every on_train_start hook has run
+        bypassed = None if self._overrides_seen else bypassed_train(self.model)
+        self._overrides_seen = True
+        measures.note("train_mode", (tuple(off), bypassed))
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
-        obs.eval_modules = contexts[0]
+        obs.eval_modules, obs.bypassed_train = contexts[0]
+
+
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+
+def _frozen_norm(module: torch.nn.Module) -> bool:
+    """A batch norm whose scale and shift do not train: kept in eval mode on purpose, the
+    usual way to keep its statistics while fine-tuning."""
+    return isinstance(module, _BatchNorm) and not any(
+        p.requires_grad for p in module.parameters(recurse=False)
+    )
 
 
 class ForwardStatistics(Reduction):
