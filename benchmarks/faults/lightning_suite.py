@@ -217,6 +217,7 @@ class SuiteModule(L.LightningModule):
                 p.requires_grad_(False)
         if scenario.model.frozen_bn:
             for m in self._batch_norms():
+                m.eval()  # at once too: Lightning never calls train() when it fits
                 for p in m.parameters():
                     p.requires_grad_(False)
 
