@@ -592,3 +592,34 @@ def test_a_sink_that_fails_to_start_is_warned_about_and_the_others_start():
     with pytest.warns(RuntimeWarning, match=r"NoStart\.start\(\) failed with OSError"):
         m.start(RunContext(framework="test"))
     assert good.context.framework == "test"
+
+
+def test_epochs_and_validations_shorter_than_the_interval_are_measured_as_often_as_steps():
+    """Full-batch training ends an epoch and validates at every step: measured at each,
+    the prints of epoch starts and validations would escape the sampler and the budget.
+    Past the first, they are measured once the reader's interval has passed."""
+    m = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=False)
+    m.begin(fresh=True)
+    assert "prints" in m.plan(0)
+    measured, validated = [], []
+    for step in range(64):  # an epoch and a validation every step
+        if "prints" in m.plan(step):
+            measured.append(step)
+        m.observe(Observation(step=step, epoch=step, loss=1.0))
+        if m.reads("val_prints"):
+            validated.append(step)
+        m.end_epoch(step)
+    # every 16 steps, repeated_data's interval (its own schedule, and the epoch starts),
+    # and at most the step after one, which it asks for to compare the epochs' next batches
+    assert [s for s in measured if s % 16 == 0] == [0, 16, 32, 48]
+    assert all(s % 16 in (0, 1) for s in measured), measured
+    assert [s for s in validated if s % 16 == 0] == [0, 16, 32, 48]
+    assert all(s % 16 in (0, 1) for s in validated), validated  # a quiet step waits unjudged
+    # while the sampler is hot (its calibration), every event is measured
+    hot = Monitor(detectors=[RepeatedData(), LossSpike()], escalate=True)
+    hot.begin(fresh=True)
+    for step in range(8):
+        assert "prints" in hot.plan(step)
+        hot.observe(Observation(step=step, epoch=step, loss=1.0))
+        assert hot.reads("val_prints") and hot.reads("val_prints")  # asked twice: the same
+        hot.end_epoch(step)

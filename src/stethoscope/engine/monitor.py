@@ -376,7 +376,7 @@ class Monitor:
         self.ledger.escalations_from(self.sampler.escalations)  # this epoch's count from here
         self.ledger.last_sent = dict(state.get("last_sent", {}))
         self.judge.last_step = int(state.get("last_step", -1))
-        self.schedule.open_epoch(self.last_step + 1)  # a resumed run's first step
+        self.schedule.open_epoch(self.last_step + 1, resumed=True)  # a resumed run's first
 
     def describe(self) -> dict[str, Any]:
         """The detectors and the sampler as plain data: each detector's base interval and
@@ -420,7 +420,7 @@ class Monitor:
             self.reset()
         self.judge.stopped_by = None
         self._closed = False
-        self.schedule.open_epoch(self.last_step + 1)
+        self.schedule.open_epoch(self.last_step + 1, resumed=not fresh)
 
     def reset(self) -> None:
         """Forget every baseline and the schedule (a fresh run)."""

@@ -45,6 +45,8 @@ class Schedule:
         self._rank_idle: frozenset[str] = frozenset()
         self._measures_for_rank_zero = False
         self._sat_out: frozenset[str] = frozenset()  # see sit_out
+        #: The step each event's statistics were last measured at (see _event_due).
+        self._events: dict[str, int] = {}
         # until a training starts, the setup is the default one's (float32, say)
         self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
@@ -163,17 +165,34 @@ class Schedule:
             (n for d, n in self.sampler.declared.items() if n > 1 and d not in idle), default=16
         )
 
-    def open_epoch(self, step: int) -> None:
+    def open_epoch(self, step: int, *, resumed: bool = False) -> None:
         """Measure at ``step``, the next one (an epoch's or a run's first), what the
-        detectors taking part read there (see ``Detector.at_epoch_start``)."""
-        wanted = [d.at_epoch_start for d in self._taking_part(step) if d.at_epoch_start]
-        if wanted:
-            self.planner.measure_next(frozenset().union(*wanted))
+        detectors taking part read there (see ``Detector.at_epoch_start``), when it is due
+        (see :meth:`_event_due`; a resumed run's first step always is)."""
+        readers = [d for d in self._taking_part(step) if d.at_epoch_start]
+        if readers and (self._event_due("epoch start", readers, step) or resumed):
+            self.planner.measure_next(frozenset().union(*(d.at_epoch_start for d in readers)))
 
     def reads(self, statistic: str, step: int) -> bool:
-        """Whether a detector taking part at ``step`` needs ``statistic`` or runs on its
-        arrival (``Detector.runs_on``)."""
-        return any(statistic in (d.needs | d.runs_on) for d in self._taking_part(step))
+        """Whether to measure ``statistic`` of an event at ``step`` (a validation's): a
+        detector taking part needs it or runs on its arrival (``Detector.runs_on``), and
+        it is due (see :meth:`_event_due`)."""
+        readers = [d for d in self._taking_part(step) if statistic in (d.needs | d.runs_on)]
+        return bool(readers) and self._event_due(statistic, readers, step)
+
+    def _event_due(self, event: str, readers: Sequence[Detector], step: int) -> bool:
+        """Whether what ``readers`` measure at an event (an epoch's start, a validation)
+        is due at ``step``: the first time, and then once their interval at ``step`` has
+        passed since it was last measured (escalated: every time; stretched by the
+        budget: as rarely as their steps). Epochs and validations come as often as a run
+        makes them (every step, in full-batch training): measured at each, they would
+        escape the sampler and the budget."""
+        every = min(self.sampler.interval(d.name, step) for d in readers)
+        last = self._events.get(event)
+        if last is not None and 0 < step - last < every:  # asked again at a step: the same
+            return False
+        self._events[event] = step
+        return True
 
     def _taking_part(self, step: int) -> list:
         """The detectors neither idle in this run nor finished at ``step``."""
@@ -213,6 +232,7 @@ class Schedule:
         self.sampler.load_state_dict({})
         self.stretch(1)
         self.planner.forget()
+        self._events.clear()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sampler's schedule (and its stretch) from a checkpoint."""
