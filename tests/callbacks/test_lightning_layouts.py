@@ -389,3 +389,50 @@ def test_a_non_contiguous_batch_prints_as_its_contiguous_copy():
     x = torch.randn(8, 3, 40, 40, generator=g).permute(0, 2, 3, 1)  # channels last
     assert not x.is_contiguous()
     assert torch.equal(batch_stats.sample_prints(x), batch_stats.sample_prints(x.contiguous()))
+
+
+class ComplexWeights(L.LightningModule):
+    """A complex weight matrix (a unitary layer, a spectral filter) under a real loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) * 0.3)
+        self.out = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        x, y = batch
+        z = (x.to(torch.cfloat) @ self.w).abs()
+        return nn.functional.mse_loss(self.out(z).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_complex_parameters_are_measured_without_a_crash():
+    """Before: the weight and gradient norms accumulated in float32 inside the kernel,
+    which a complex tensor refuses (its norm is real)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1)), batch_size=32)
+    sink, grads = CapturingSink(), RecordingDetector({"grads", "weights"}, name="grads_seen")
+    callback = LightningStethoscope(sinks=[sink], detectors=[*default_detectors(), grads])
+    trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    model = ComplexWeights()
+    before = float(model.w.detach().abs().norm())
+    trainer.fit(model, data)
+    assert trainer.global_step == 48
+    assert problems(sink) == []
+    assert grads.seen, "the hot start measures the gradients"
+    obs = grads.seen[0]
+    w = obs.names.index("w")
+    assert obs.grad_norm[w] > 0 and np.isfinite(obs.grad_norm[w])
+    # after the first of Adam's steps of at most lr=1e-2 per element: within 0.16 of it
+    assert obs.weight_norm[w] == pytest.approx(before, abs=0.16)

@@ -288,18 +288,23 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).rsplit(".", 1)[-1]
 
 
+#: Dtypes whose norm accumulates in float32 inside the kernel (see :func:`_stack_norms`).
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _stack_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """All L2 norms in one fused kernel, accumulated in float32, stacked into one tensor.
 
     Accumulating in float32 keeps an fp16/bf16 tensor of large but finite values from
-    reporting an infinite norm (which would read as a non-finite gradient).
+    reporting an infinite norm (which would read as a non-finite gradient). A float64 or
+    complex tensor cannot be narrowed inside the norm (a complex one's norm is real): those
+    take their own norms, in the same order, then float32.
     """
-    if all(t.dtype != torch.float64 for t in tensors):
+    if all(t.dtype in _NARROW for t in tensors):
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    # float64 cannot be narrowed inside the norm: take those apart, keep the order
     out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    wide = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]
-    rest = [i for i, t in enumerate(tensors) if t.dtype != torch.float64]
+    wide = [i for i, t in enumerate(tensors) if t.dtype not in _NARROW]
+    rest = [i for i, t in enumerate(tensors) if t.dtype in _NARROW]
     for idx, kw in ((wide, {}), (rest, {"dtype": torch.float32})):
         if idx:
             norms = torch._foreach_norm([tensors[i] for i in idx], 2, **kw)
