@@ -109,3 +109,33 @@ def test_a_discriminators_lone_jump_is_the_game_not_an_explosion():
         _train(GAN(jump_at=40), sink, epochs=1)  # batch 40: step 80, a sampled one
     assert sink.by_detector("exploding_gradients") == []
     assert [f for f in sink.findings if f.severity != "info"] == []
+
+
+class EncoderAndHead(GAN):
+    """Two optimizers stepped in turn after one backward pass of one loss (an encoder at
+    one learning rate, a head at another): they step as a GAN's players do, but descend
+    one loss, so this is not a game."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        opt_g, opt_d = self.optimizers()
+        loss = (self.D(self.G(torch.randn(len(x), 8))) - x[:, :1]).pow(2).mean()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        self.manual_backward(loss)
+        opt_g.step()
+        opt_d.step()
+
+
+def test_two_optimizers_after_one_backward_pass_are_not_a_game():
+    import warnings
+
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(EncoderAndHead(), sink, epochs=1)
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "several optimizers by hand" in m]
+    # and it returned nothing: its loss is the one it backpropagated
+    assert not [m for m in said if "no scalar loss" in m]

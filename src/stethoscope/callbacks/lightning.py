@@ -179,7 +179,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._rate = TakenRate()
         #: The other ranks (a distributed run only).
         self._ranks: LightningRanks | None = None
-        self._backward_always = self._backward_on = False
         self._recovery: LightningRecovery | None = None
         self._scale_skips: ScaleSkips | EngineScaleSkips | None = None
         self._batch: BatchParts | None = None
@@ -206,10 +205,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
             drain = functools.partial(self._drain, trainer, wait=True)
             self._ranks = LightningRanks(trainer, self.monitor, self.recoverer, drain, self._act)
         self._hooks.start_fit(recovering=self.recoverer is not None, ranks=trainer.world_size)
-        #: Whether the backward hook is wanted on every step (a recovery ladder; the ranks'
-        #: timing), not only where a plan asks for what it measures.
-        self._backward_always = self.recoverer is not None or trainer.world_size > 1
-        self._backward_on = self._backward_always  # as start_fit set it
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # at train start: a strategy that shards the model (FSDP2's configure_model,
@@ -230,6 +225,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self.monitor.start(context)
         if len(trainer.optimizers) > 1:  # manual optimization: a game, or layer by layer
             self._game = GameWatch(trainer.optimizers)
+            self._hooks.backward_always = True  # it hears each backward pass
         if self.recoverer is not None:
             self._remember_skipped(trainer.strategy.broadcast if trainer.world_size > 1 else None)
             self._recovery = LightningRecovery(self.recoverer, self._act)
@@ -260,10 +256,10 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
-        backward = self._backward_always or not plan.isdisjoint(self._reductions.before_backward)
-        if backward is not self._backward_on:  # the backward hook: only where it has work
-            self._hooks.set("on_before_backward", backward)
-            self._backward_on = backward
+        backward = self._train_losses.hearing or not plan.isdisjoint(
+            self._reductions.before_backward
+        )
+        self._hooks.backward(backward)  # the backward hook: only where it has work
         if measures.sampled:
             for r in self._reductions.run(plan):
                 r.at_start(measures, batch)
@@ -330,6 +326,9 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._recovery.saw_loss(trainer, pl_module, loss)  # the step again: the gate's
             return
         measures = self._measures
+        self._train_losses.backward(loss)
+        if self._game is not None:
+            self._game.backward()
         if measures.sampled:
             self._reductions.backward_begins(measures, loss)
         if self._ranks is not None:

@@ -8,6 +8,13 @@ times for each step of its generator), while layer-wise training steps the first
 for thousands of steps, then the next layer's, and never comes back. Which it is shows
 as the run goes: each optimizer's step is heard through torch's public
 ``Optimizer.register_step_post_hook``, one Python call per step, until it is decided.
+
+In a game each player descends a loss of its own, so each player's step follows a
+backward pass of its own. An encoder and a head stepped by two optimizers after one
+backward pass descend one loss: they step in turn too, but they are not a game. The
+backward passes are heard through ``manual_backward`` (Lightning's
+``on_before_backward``); a run that calls ``loss.backward()`` itself is heard through none,
+and is judged by the order of its steps alone.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ __all__ = ["GameWatch"]
 class GameWatch:
     """Hears each optimizer step of a run with several optimizers, until they turn out to
     play a game: an optimizer steps again within ``span`` batches of its last step, another
-    optimizer over parameters disjoint from its own having stepped in between.
+    optimizer over parameters disjoint from its own having stepped in between, after a
+    backward pass of its own (when backward passes are heard at all).
 
     Args:
         optimizers: The Trainer's optimizers (two or more).
@@ -36,8 +44,10 @@ class GameWatch:
         self.found = False
         self._batch = 0
         self._order = 0  # counts the steps heard, to order them
-        #: Per optimizer (by its place): the batch and the order of its last step.
-        self._last: dict[int, tuple[int, int]] = {}
+        self._backwards = 0  # counts the backward passes heard
+        #: Per optimizer (by its place): the batch, the order of its last step and the
+        #: backward passes heard by then.
+        self._last: dict[int, tuple[int, int, int]] = {}
         self._handles = [
             opt.register_step_post_hook(functools.partial(self._stepped, k))
             for k, opt in enumerate(self.optimizers)
@@ -52,6 +62,10 @@ class GameWatch:
             return True
         return False
 
+    def backward(self) -> None:
+        """A backward pass began (``on_before_backward``)."""
+        self._backwards += 1
+
     def close(self) -> None:
         """Take the hooks off the user's optimizers."""
         for handle in self._handles:
@@ -62,11 +76,14 @@ class GameWatch:
         """Optimizer ``k`` stepped (torch's post-step hook)."""
         self._order += 1
         last = self._last.get(k)
-        self._last[k] = (self._batch, self._order)
+        self._last[k] = (self._batch, self._order, self._backwards)
         if self.found or last is None or self._batch - last[0] > self.span:
             return
-        for j, (_, order) in self._last.items():
-            if j != k and order > last[1] and _disjoint(optimizer, self.optimizers[j]):
+        for j, (_, order, backwards) in self._last.items():
+            # a backward pass before the other's step and another before this one: each
+            # stepped on a loss of its own
+            own_loss = self._backwards == 0 or last[2] < backwards < self._backwards
+            if j != k and order > last[1] and own_loss and _disjoint(optimizer, self.optimizers[j]):
                 self.found = True
                 return
 

@@ -44,6 +44,10 @@ class HookSwitch:
         self.switchable = frozenset(
             n for n in names if getattr(type(callback), n) is getattr(owner, n)
         )
+        #: Whether the backward hook is wanted on every step (a recovery ladder, the ranks'
+        #: timing, a watch for a game), not only where a step has work there.
+        self.backward_always = False
+        self._backward_on = False
 
     def start_fit(self, *, recovering: bool, ranks: int) -> None:
         """A fit starts: the hooks the callback never uses off, the backward hook on only
@@ -51,8 +55,17 @@ class HookSwitch:
         time their backward passes), the optimizer hook on until a step's start says."""
         self.set("on_before_zero_grad", False)
         self.set("on_after_backward", False)
-        self.set("on_before_backward", recovering or ranks > 1)
+        self.backward_always = self._backward_on = recovering or ranks > 1
+        self.set("on_before_backward", self._backward_on)
         self.set("on_before_optimizer_step", True)
+
+    def backward(self, wanted: bool) -> None:
+        """The backward hook on for a step that has work there (``wanted``), or on every
+        step where :attr:`backward_always`; off otherwise."""
+        on = wanted or self.backward_always
+        if on is not self._backward_on:
+            self.set("on_before_backward", on)
+            self._backward_on = on
 
     def set(self, name: str, on: bool) -> None:
         """Have Lightning call hook ``name`` (``on``) or skip it, if it may be switched."""

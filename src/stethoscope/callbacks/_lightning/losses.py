@@ -38,19 +38,40 @@ def _divided_by(trainer: Any, pl_module: Any) -> int:
 
 
 class TrainingLosses:
-    """Each step's training loss; a warning, once, when ``training_step`` returns none."""
+    """Each step's training loss: what ``training_step`` returned, else (manual
+    optimization returns nothing as often as not) the one loss the step backpropagated
+    through ``manual_backward``; a warning, once, when a step has neither.
+
+    A step that backpropagates several losses (a GAN's players, layer-wise training) has
+    no one training loss: their sum would judge none of them, so they are left alone."""
 
     def __init__(self) -> None:
         self.warned = False
+        #: Whether the callback must hand it every step's backward passes: a step returned
+        #: no loss (until then the backward hook is off where nothing else needs it).
+        self.hearing = False
+        #: The step's losses handed to ``on_before_backward``, held (not copied: this runs
+        #: on every step) until the step ends.
+        self._backward: list[torch.Tensor] = []
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A loss the step backpropagates (``on_before_backward``)."""
+        self._backward.append(loss)
 
     def __call__(self, outputs: Any, trainer: Any, pl_module: Any) -> torch.Tensor | None:
+        backward, self._backward = self._backward, []
         loss = training_loss(outputs, trainer, pl_module)
-        if loss is None and not self.warned:
+        if loss is None and len(backward) == 1:
+            loss = training_loss(backward[0], trainer, pl_module)
+        if loss is None and not self.hearing:  # the next steps' backward passes will tell
+            self.hearing = True
+        elif loss is None and not self.warned:
             self.warned = True
             warnings.warn(
-                "stethoscope: training_step returned no scalar loss, so the loss detectors "
-                "(nonfinite_loss, loss_spike, loss_not_decreasing, unstable_loss) are "
-                "skipped; return the loss or {'loss': loss} to enable them",
+                "stethoscope: training_step returned no scalar loss"
+                + _backpropagated(len(backward))
+                + ", so the loss detectors (nonfinite_loss, loss_spike, loss_not_decreasing, "
+                "unstable_loss) are skipped; return the loss or {'loss': loss} to enable them",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -62,11 +83,21 @@ class TrainingLosses:
         unsampled step asks, so this is :func:`training_loss` with only the checks that
         number needs."""
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if loss is None and len(self._backward) == 1:
+            loss = self._backward[0]
         if type(loss) is not torch.Tensor or not device.is_host(loss.device) or loss.numel() != 1:
-            return None
+            return None  # the step's backward losses are left for __call__
+        self._backward.clear()
         # scaled on the host: a tensor product would be an operator call on every batch
         k = _divided_by(trainer, pl_module)
         return loss.item() * k if k > 1 else loss.item()
+
+
+def _backpropagated(count: int) -> str:
+    """How many losses a step without a returned loss backpropagated, as a clause."""
+    if count == 0:
+        return " and backpropagated none through manual_backward"
+    return f" and backpropagated {count} losses, none of them the training loss"
 
 
 class ValidationLosses:
