@@ -162,6 +162,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self.max_lag = max_lag
         self._hooks = HookSwitch(self, LightningStethoscope)
         self._reset_run()
+        self._validation = ValidationMeasures(self.monitor.reads)  # kept for the next fit
 
     def _reset_run(self) -> None:
         self._trainer: pl.Trainer | None = None
@@ -171,8 +172,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._reductions: ReductionSet | None = None
         self._measures = StepMeasures(step=-1, epoch=0, plan=frozenset())
         self._val_losses = ValidationLosses(self.val_loss_key)
-        #: What is measured of a validation besides its loss.
-        self._validation = ValidationMeasures(self.monitor.reads)
         self._train_losses = TrainingLosses()
         self._clock: StepClock | DeviceStepClock = StepClock()
         self._printer: Callable[[str], None] | None = None
@@ -196,7 +195,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         self._clock = step_clock_for(trainer.strategy.root_device)
         # DDP averages the gradients over every rank's batch
         self._batch = batch = BatchParts(self.inputs_from, self.labels_from, trainer.world_size)
-        self._validation = ValidationMeasures(self.monitor.reads, batch.inputs)
+        self._validation = self._validation.for_fit(batch.inputs)
         # A second fit with this callback: a new Trainer starts again at step 0 (a checkpoint,
         # if any, restores the baselines right after setup); the same Trainer continues.
         self.monitor.begin(fresh=trainer.global_step == 0)
@@ -223,6 +222,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._printer = context.printer
         self.monitor.start(context)
+        self._act(self._validation.judge_before_training(trainer, self.monitor))
         if len(trainer.optimizers) > 1:  # manual optimization: a game, or layer by layer
             self._game = GameWatch(trainer.optimizers)
             self._hooks.backward_always = True  # it hears each backward pass

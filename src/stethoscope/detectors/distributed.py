@@ -75,7 +75,7 @@ class ReplicaDivergence(Detector):
                     obs,
                     "error",
                     f"The replicas diverged: {where} ({count} of {n} tensors differ{since}), "
-                    f"so the ranks now train different models; {_cause(obs, params)}, and "
+                    f"so the ranks now train different models; {_cause(obs, params, agreed)}, and "
                     "restart from a checkpoint saved before.",
                     value=float(count),
                     where=name,
@@ -97,10 +97,11 @@ class ReplicaDivergence(Detector):
         ]
 
 
-def _cause(obs: Observation, params: np.ndarray) -> str:
+def _cause(obs: Observation, params: np.ndarray, agreed: int | None) -> str:
     """Where to look, from whether the ranks' gradients agreed as the step used them
     (``replica_grad_sums``, under DDP): gradients that differ were never all-reduced
-    alike; gradients that agree leave the weights' own update on one rank."""
+    alike; gradients that agree leave the weights' own update on one rank, or a step
+    between the last comparison (``agreed``) and this one that was not compared."""
     grads = obs.replica_grad_sums
     rank_local = (
         "look for code that changes the weights on one rank only (an in-place edit under a "
@@ -114,7 +115,17 @@ def _cause(obs: Observation, params: np.ndarray) -> str:
         return rank_local
     differ = (grads != grads[0]).any(axis=0)
     if not differ.any():
-        return "the ranks' gradients agreed as the step used them, so " + rank_local
+        said = "the ranks' gradients agreed as the step used them, so " + rank_local
+        if agreed is not None and agreed >= obs.step - 1:
+            return said  # the weights parted on this very step
+        since = f"after step {agreed}" if agreed is not None else "none was compared before"
+        return (
+            f"{said}; or they parted on a step not compared ({since}) whose gradients "
+            "skipped the all-reduce or changed on one rank: a backward or an optimizer "
+            "step outside the DDP-wrapped training step on some steps (loss.backward() in "
+            "place of manual_backward, a step taken in a hook), a lossy all-reduce, or "
+            "clipping on one rank"
+        )
     names = [obs.replica_names[i] for i in np.flatnonzero(differ)]
     first = names[0]
     return (

@@ -33,6 +33,7 @@ from stethoscope.statistics.declaration import (
     Statistic,
 )
 from stethoscope.statistics.precision import PRECISION_STATISTICS
+from stethoscope.statistics.validation import VALIDATION_STATISTICS
 
 __all__ = [
     "CORE_FIELDS",
@@ -165,8 +166,20 @@ STATISTICS: dict[str, Statistic] = {
         ),
         Statistic(
             "grads",
-            "Each parameter's gradient norm.",
-            (Field("grad_norm", _ARRAY, "L2 norm of each parameter's gradient, before clipping."),),
+            "Each parameter's gradient norm, and the samples behind the gradients.",
+            (
+                Field(
+                    "grad_norm", _ARRAY, "L2 norm of each parameter's gradient, before clipping."
+                ),
+                Field(
+                    "grad_samples",
+                    "int",
+                    "The samples behind those gradients (every micro-batch, every rank): a "
+                    "loss summed over a batch has a gradient that grows with it; 0 when the "
+                    "adapter does not know.",
+                    default=0,
+                ),
+            ),
             across_ranks=AcrossRanks.REPLICATED,
         ),
         Statistic(
@@ -336,36 +349,7 @@ STATISTICS: dict[str, Statistic] = {
                 ),
             ),
         ),
-        Statistic(
-            "val_prints",
-            "A fingerprint of each sample of a validation's first batches.",
-            (
-                Field(
-                    "val_prints",
-                    _ARRAY,
-                    "The prints (as ``sample_prints``) of the samples of a validation's "
-                    "first batches, up to ``MAX_VAL_PRINTS`` (set only on a validation).",
-                ),
-            ),
-            cadence=Cadence.EVENT,
-            across_replicas=AcrossReplicas.NONE,
-        ),
-        Statistic(
-            "val_modes",
-            "The calls that behaved as in training during a validation's first batch.",
-            (
-                Field(
-                    "val_training_calls",
-                    "tuple[str, ...] | None",
-                    "Each call that dropped elements or used (and updated) a batch's "
-                    "statistics during the first batch of the run's first validation, "
-                    'with the module that made it: ``"F.dropout(training=True) in '
-                    'net.3"`` (empty: none; set only on that validation).',
-                ),
-            ),
-            cadence=Cadence.EVENT,
-            across_replicas=AcrossReplicas.NONE,
-        ),
+        *VALIDATION_STATISTICS,  # in their place: the observation's fields keep their order
         Statistic(
             "stale_grads",
             "How many parameters still held a gradient from before the step when its first "
