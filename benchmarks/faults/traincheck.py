@@ -149,7 +149,7 @@ BUGS: tuple[Bug, ...] = (
     Bug(
         "pytorch-51800",
         "https://github.com/pytorch/pytorch/issues/51800",
-        "spectral_norm validated (sanity check) before any training-mode forward",
+        "spectral_norm evaluated (validate() before fit) before any training-mode forward",
         "one training-mode forward first",
         ("validation_mode",),
         ("spectral", "power iteration", "training-mode forward"),
@@ -223,6 +223,7 @@ def run_one(name: str, *, buggy: bool) -> list[dict[str, Any]]:
     from stethoscope.testing import CapturingSink
 
     model, data, val, trainer_kw = BUILDERS[name](buggy)
+    validate_first = trainer_kw.pop("validate_first", False)  # an evaluation before training
     sink = CapturingSink()
     trainer = L.Trainer(
         max_epochs=-1,
@@ -236,6 +237,8 @@ def run_one(name: str, *, buggy: bool) -> list[dict[str, Any]]:
         **({"limit_val_batches": 0} if val is None else {}),
         **trainer_kw,
     )
+    if validate_first:
+        trainer.validate(model, val, verbose=False)
     trainer.fit(model, data, val)
     return [f.to_dict(json_safe=True) for f in sink.findings]
 

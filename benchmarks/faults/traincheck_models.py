@@ -302,9 +302,10 @@ def build_transformers_33844(buggy: bool) -> Built:
 # -- pytorch-51800 -----------------------------------------------------------------------
 class SpectralNet(_Classifier):
     """The report's model: dense layers initialised orthogonally, two of them under
-    ``torch.nn.utils.spectral_norm``, PReLU between. Lightning validates before training
-    (its sanity check), and spectral norm's power iteration runs only in training-mode
-    forwards. The fix (the report's): one training-mode forward before validating."""
+    ``torch.nn.utils.spectral_norm``, PReLU between, evaluated before training to judge
+    its initialisation (``trainer.validate()`` before ``fit``); spectral norm's power
+    iteration runs only in training-mode forwards. The fix (the report's): one
+    training-mode forward before evaluating."""
 
     def __init__(self, buggy: bool) -> None:
         super().__init__()
@@ -322,9 +323,7 @@ class SpectralNet(_Classifier):
         nn.init.zeros_(out.bias)
         nn.init.orthogonal_(out.weight)
         self.net = nn.Sequential(*layers, out)
-
-    def on_fit_start(self) -> None:
-        if not self.buggy:  # the report's fix: a dummy forward in training mode first
+        if not buggy:  # the report's fix: a dummy forward in training mode first
             self.train()
             with torch.no_grad():
                 self(torch.zeros(1, FEATURES))
@@ -332,7 +331,8 @@ class SpectralNet(_Classifier):
 
 def build_pytorch_51800(buggy: bool) -> Built:
     train, val = _loader(_gaussian(512, seed=0)), _loader(_gaussian(128, seed=1), shuffle=False)
-    return SpectralNet(buggy), train, val, {"max_steps": 16, "val_check_interval": 8}
+    kw = {"max_steps": 16, "val_check_interval": 8, "validate_first": True}
+    return SpectralNet(buggy), train, val, kw
 
 
 # -- mmpretrain-702 ----------------------------------------------------------------------

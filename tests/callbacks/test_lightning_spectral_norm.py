@@ -93,7 +93,7 @@ def _fit(how: str, *, sanity: int = 2, validate_first: bool = False) -> Capturin
 
 
 BUGS = [
-    ("hooked", "fc2.weight"),  # Lightning's sanity check before any training step
+    ("hooked", "fc2.weight"),  # a trainer.validate() before any training step
     ("conv", "fc2.weight"),
     (
         "parametrized-then-initialized",
@@ -104,7 +104,7 @@ BUGS = [
 
 @pytest.mark.parametrize(("how", "weight"), BUGS, ids=[b[0] for b in BUGS])
 def test_a_validation_that_divides_by_a_random_sigma_is_named_once(how, weight):
-    sink = _fit(how)
+    sink = _fit(how, validate_first=True)
     found = sink.by_detector("validation_mode")
     assert len(found) == 1 and found[0].severity == "warning", found
     message = found[0].message
@@ -113,6 +113,16 @@ def test_a_validation_that_divides_by_a_random_sigma_is_named_once(how, weight):
     assert found[0].step == 0 and found[0].value >= 2.0
     assert "critic" not in message  # the validation never ran it
     assert [f for f in sink.at_least("warning") if f.detector != "validation_mode"] == []
+
+
+@pytest.mark.parametrize("how", ["hooked", "conv"])
+def test_the_sanity_check_alone_is_an_info_lightning_discards_its_numbers(how):
+    sink = _fit(how)  # the sanity check, before any training step, validates
+    found = sink.by_detector("validation_mode")
+    assert len(found) == 1 and found[0].severity == "info", found
+    assert found[0].message.startswith("Lightning's sanity check divided")
+    assert "discards the sanity check's numbers" in found[0].message
+    assert sink.at_least("warning") == []
 
 
 @pytest.mark.parametrize("sanity", [2, 0], ids=["then-sanity-check", "no-sanity-check"])

@@ -39,7 +39,8 @@ class ValidationMode(Detector):
     And during the first batch of the first validation, the sanity check included: a
     spectrally normalized weight whose stored estimate ``u @ W @ v`` is off its true
     largest singular value by 2x or more (or of the wrong sign), with ``u`` not where
-    power iteration leaves it (its cosine to ``W @ v`` under 0.5): a warning, once,
+    power iteration leaves it (its cosine to ``W @ v`` under 0.5): a warning, once (an
+    info when it was Lightning's sanity check, whose numbers Lightning discards),
     naming the weights, both sigmas and how many times too large the weight is.
 
     Sources: ``F.dropout(x, p)`` in ``forward`` (its ``training`` defaults to True),
@@ -138,14 +139,25 @@ class ValidationMode(Detector):
                 "initialize or load the weight before registering spectral norm, or run "
                 "one training-mode forward after setting it"
             )
+        # Lightning discards what its sanity check computes: the same validation run by
+        # trainer.validate() before fit, or by the user's own loop, is what misleads
+        sanity = obs.val_spectral_when == "sanity check"
+        which = "Lightning's sanity check" if sanity else f"The first validation (step {obs.step})"
+        discarded = (
+            " Lightning discards the sanity check's numbers, so nothing was lost here; a "
+            "trainer.validate() before fit, or an evaluation of your own before training, "
+            "reports them."
+            if sanity
+            else ""
+        )
         return [
             self.finding(
                 obs,
-                "warning",
-                f"The first validation (step {obs.step}) divided spectrally normalized "
+                "info" if sanity else "warning",
+                f"{which} divided spectrally normalized "
                 f"weights by stale estimates of their largest singular value: {shown}{more}. "
                 f"Power iteration did not run on them: {'; and '.join(causes)}. "
-                f"{_sentence('; or '.join(fixes))}.",
+                f"{_sentence('; or '.join(fixes))}.{discarded}",
                 value=_off(wrong[0][1], wrong[0][2]),
                 threshold=_SIGMA_OFF,
                 where=wrong[0][0],

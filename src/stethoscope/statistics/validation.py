@@ -56,6 +56,14 @@ VALIDATION_STATISTICS: tuple[Statistic, ...] = (
                 "largest singular value, and the cosine between ``u`` and ``W @ v`` "
                 "(1 where power iteration left them; empty: none used).",
             ),
+            Field(
+                "val_spectral_when",
+                "str",
+                'Which validation that was: ``"sanity check"`` (Lightning\'s, before '
+                'training, whose numbers it discards), ``"validate"`` (a '
+                '``trainer.validate()`` before the fit) or ``"validation"``.',
+                default="",
+            ),
         ),
         cadence=Cadence.EVENT,
         across_replicas=AcrossReplicas.NONE,

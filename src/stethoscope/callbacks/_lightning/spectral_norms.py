@@ -148,12 +148,15 @@ class FirstSpectralNorms:
         self._ran: dict[str, Parts] = {}
         self._handles: list[Any] = []
         self._result: tuple | None = None
+        #: Which validation measured them (see the ``val_spectral_when`` field).
+        self.when = ""
 
-    def validation_start(self, model: nn.Module, *, wanted: bool) -> None:
-        """A validation begins: find the spectrally normalized weights, once."""
+    def validation_start(self, model: nn.Module, *, wanted: bool, when: str) -> None:
+        """A validation begins (``when``: which, see ``val_spectral_when``): find the
+        spectrally normalized weights, once."""
         if not wanted or self._done:
             return
-        self._done = True
+        self._done, self.when = True, when
         self._weights = normalized_weights(model)
         if not self._weights:
             self._result = ()

@@ -56,7 +56,9 @@ class ValidationMeasures:
         self._modes.validation_start(module, wanted=wanted)
         alone = trainer.state.fn in ("fit", "validate") and trainer.world_size == 1
         spectral = alone and self.reads("val_spectral") and not compiled(module)
-        self._spectral.validation_start(module, wanted=spectral)
+        when = "validate" if trainer.state.fn == "validate" else "validation"
+        when = "sanity check" if trainer.sanity_checking else when
+        self._spectral.validation_start(module, wanted=spectral, when=when)
 
     def batch_start(self, trainer: pl.Trainer, batch: Any, dataloader_idx: int) -> None:
         if self._printing and not trainer.sanity_checking and dataloader_idx == 0:
@@ -75,6 +77,7 @@ class ValidationMeasures:
             "val_prints": prints,
             "val_training_calls": self._modes.take(),
             "val_spectral": self._spectral.take(),
+            "val_spectral_when": self._spectral.when,
         }
 
     def for_fit(self, inputs_of: Callable[[Any], Any]) -> ValidationMeasures:
@@ -93,10 +96,14 @@ class ValidationMeasures:
 
     def _before_training(self) -> dict[str, Any] | None:
         """What was found of the spectral norms before training (None: nothing to judge
-        then; a model without them waits for the first validation's other fields)."""
+        then; a model without them waits for the first validation's other fields): a
+        ``trainer.validate()``'s before the fit, whose numbers the user saw, over the
+        fit's own sanity check, whose numbers Lightning discards."""
         spectral = self._spectral.take(found_only=True)
         held, self._held = self._held, None
-        return held if spectral is None else {"val_spectral": spectral}
+        if spectral is None or held is not None:
+            return held
+        return {"val_spectral": spectral, "val_spectral_when": self._spectral.when}
 
     def close(self) -> None:
         """Leave nothing on the model (a validation batch that raised)."""
