@@ -623,3 +623,13 @@ def test_epochs_and_validations_shorter_than_the_interval_are_measured_as_often_
         hot.observe(Observation(step=step, epoch=step, loss=1.0))
         assert hot.reads("val_prints") and hot.reads("val_prints")  # asked twice: the same
         hot.end_epoch(step)
+
+
+def test_an_epoch_with_one_sampled_step_says_one_step():
+    m = Monitor(detectors=default_detectors(), escalate=False)
+    m.begin(fresh=True)
+    m.observe(make_obs(0))
+    for step in range(1, 10):
+        m.observe(make_obs(step, probes=()))
+    verdict = m.end_epoch(0).verdict
+    assert "gradients on 1 step;" in verdict or "gradients on 1 step)" in verdict, verdict

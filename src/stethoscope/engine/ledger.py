@@ -257,7 +257,7 @@ class Ledger:
             return verdict
         return (
             f"Healthy: no warnings in {extent} "
-            f"({self._loss_checked()}, gradients on {len(self._grad_steps)} steps{budget})"
+            f"({self._loss_checked()}, gradients on {_steps(len(self._grad_steps))}{budget})"
         )
 
     def _loss_checked(self) -> str:
@@ -268,7 +268,7 @@ class Ledger:
             return "loss checked every step"
         if n == 0:
             return "no loss seen, so the loss was not checked"
-        return f"loss checked on {n} steps"
+        return f"loss checked on {_steps(n)}"
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -303,3 +303,8 @@ def _recovery_row(stats: dict[str, Any]) -> SummaryRow:
         count=stats["count"],
         verdict=", ".join(words),
     )
+
+
+def _steps(n: int) -> str:
+    """``n`` steps, in words: "1 step", "4 steps"."""
+    return f"{n} step" if n == 1 else f"{n} steps"
