@@ -124,6 +124,11 @@ class TrainingSetup:
         loader_workers: The worker processes the training loader loads batches in, each
             with its own copy of the dataset (``DataLoader(num_workers=...)``); 0: the
             main process loads them, or it is not known.
+        whole_batches: Whether the training loader serves batches that its dataset (or
+            iterable) makes whole, rather than collating samples it draws one by one
+            (``DataLoader(batch_size=None)``: a dataset of ready batches, the whole
+            training set as each item of a full-batch run); False: it collates them, or
+            it is not known.
     """
 
     framework: str = ""
@@ -140,6 +145,7 @@ class TrainingSetup:
     line_search: str = ""
     vocabulary: int = 0
     loader_workers: int = 0
+    whole_batches: bool = False
 
     @property
     def loss_scaled(self) -> bool:

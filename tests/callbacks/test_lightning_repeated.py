@@ -316,3 +316,65 @@ def test_a_loader_stuck_on_one_batch_is_stuck_under_workers_too():
     _, sink = fit(TinyMLP(), steps=6, data=data)
     (found,) = repeated(sink)
     assert "same batch again and again" in found.message and "its 2 workers" in found.message
+
+
+# -- full-batch training, served as an epoch of many steps ---------------------------------------
+class Copies(Dataset):
+    """The whole training set as each of ``n`` items: full-batch training for ``n`` steps
+    an epoch (pytorch/examples' LBFGS and forward-forward loops, in a loader)."""
+
+    def __init__(self, n: int) -> None:
+        self.batch, self.n = dataset(SAMPLES)[:], n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.batch
+
+
+class Yielded(torch.utils.data.IterableDataset):
+    """The whole training set, yielded ``n`` times."""
+
+    def __init__(self, n: int) -> None:
+        self.batch, self.n = dataset(SAMPLES)[:], n
+
+    def __iter__(self):
+        return iter([self.batch] * self.n)
+
+
+@pytest.mark.parametrize("data", [Copies, Yielded], ids=["a-dataset-of-copies", "an-iterable"])
+def test_the_whole_training_set_at_every_step_is_full_batch_training(data):
+    """DataLoader(batch_size=None) over the whole training set as each item: the same
+    batch from the first step on is the data, said once (was a stuck loader's warning)."""
+    _, sink = fit(TinyMLP(), steps=40, data=DataLoader(data(40), batch_size=None))
+    (found,) = repeated(sink)
+    assert found.severity == "info" and "full-batch training" in found.message
+    assert problems(sink) == []
+
+
+def test_the_whole_training_set_stuck_on_a_collating_loader_is_stuck():
+    """The twin: the same samples drawn one by one (batch_size=32 over a dataset whose
+    index never advances) are a stuck loader, whatever the loader's batch holds."""
+    (found,) = repeated(fit(TinyMLP(), steps=40, data=DataLoader(StuckDataset(), batch_size=32))[1])
+    assert found.severity == "warning" and "same batch again and again" in found.message
+
+
+class ReadyBatches(Dataset):
+    """Batches of 32 made whole by the dataset, and from step ``stuck`` on its first again
+    (a batch cache that stops advancing)."""
+
+    def __init__(self, stuck: int) -> None:
+        self.data, self.stuck = dataset(SAMPLES), stuck
+
+    def __len__(self) -> int:
+        return STEPS_PER_EPOCH
+
+    def __getitem__(self, i: int):
+        return self.data[32 * (0 if i >= self.stuck else i) : 32 * (i + 1 if i < self.stuck else 1)]
+
+
+def test_ready_batches_that_stop_advancing_are_stuck():
+    data = DataLoader(ReadyBatches(stuck=4), batch_size=None)
+    (found,) = repeated(fit(TinyMLP(), steps=12, data=data)[1])
+    assert found.severity == "warning" and "same batch again and again" in found.message

@@ -181,13 +181,27 @@ def test_an_actor_critic_agent_is_left_to_its_game():
     assert sink.by_detector("class_imbalance") == sink.by_detector("unshuffled_data") == []
 
 
+def test_an_agents_gradient_that_grows_with_its_episodes_is_no_explosion():
+    """The loss is summed over the episode, the batch: an episode 10x longer than the last
+    ones has a gradient 10x theirs, and no larger per sample (was: exploding_gradients'
+    warning at step 31 of this agent, as it began to balance). Said once, an info."""
+    torch.manual_seed(5)
+    agent = ActorCritic()
+    data = DataLoader(Episodes(agent, 40), batch_size=None)
+    _, sink = fit(agent, steps=40, data=data)
+    assert problems(sink) == []
+    (said,) = sink.by_detector("exploding_gradients")
+    assert said.severity == "info" and "per sample" in said.message
+
+
 # -- a linear regression on raw features ---------------------------------------------------------
 class Polynomial(L.LightningModule):
-    """regression/main.py: a linear model fitted to x, x^2, x^3, x^4 of x ~ N(0, 1)."""
+    """regression/main.py: a linear model fitted to x, x^2, ..., x^degree of x ~ N(0, 1)
+    (the example's degree is 4)."""
 
-    def __init__(self) -> None:
+    def __init__(self, degree: int = 4) -> None:
         super().__init__()
-        self.fc = nn.Linear(4, 1)
+        self.fc = nn.Linear(degree, 1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -197,16 +211,29 @@ class Polynomial(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def test_a_linear_models_raw_features_are_not_said_to_saturate_it():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 1, generator=g)
-    features = torch.cat([x**i for i in range(1, 5)], 1)
-    y = features @ torch.tensor([0.5, -1.0, 0.3, 0.2]) + 0.1
+def _linear_fit(features: torch.Tensor):
+    y = features @ torch.linspace(0.5, -0.2, features.shape[1]) + 0.1
     data = DataLoader(torch.utils.data.TensorDataset(features, y), batch_size=32, shuffle=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, sink = fit(Polynomial(), steps=16, data=data)
+        _, sink = fit(Polynomial(features.shape[1]), steps=16, data=data)
+    return sink
+
+
+def test_the_examples_four_raw_polynomial_features_are_left_alone():
+    """x, x^2, x^3, x^4 (RMS 1, 1.7, 3.9 and 10): the typical of four features is their
+    median, 2.8; their 90th percentile, 8.3, is the largest feature's alone (was a warning)."""
+    x = torch.randn(512, 1, generator=torch.Generator().manual_seed(0))
+    sink = _linear_fit(torch.cat([x**i for i in range(1, 5)], 1))
+    assert sink.by_detector("unnormalized_input") == []
+
+
+def test_a_linear_models_raw_features_are_not_said_to_saturate_it():
+    # four features in raw units, RMS 1, 10, 100 and 1000: a median of 55
+    x = torch.randn(512, 4, generator=torch.Generator().manual_seed(0))
+    sink = _linear_fit(x * torch.tensor([1.0, 10.0, 100.0, 1000.0]))
     (found,) = sink.by_detector("unnormalized_input")
+    assert "the typical (median) input feature" in found.message
     # there is no tanh nor sigmoid for it to saturate
     assert "so the first layer starts saturated" not in found.message
     assert "ill-conditioned" in found.message and "standardise each feature" in found.message

@@ -222,9 +222,11 @@ def test_unnormalized_input(batches, expected):
         pytest.approx(threshold),
     )
     if where == "p90":  # the typical feature is off: ``where`` names the largest one
+        few = rms.size < UnnormalizedInput.TYPICAL_FEATURES  # the typical one: the median
         assert f.where == f"input[{int(np.argmax(rms))}]"
-        assert f.value == pytest.approx(np.percentile(rms, 90))
-        assert "the typical (90th percentile) input feature has an RMS of" in f.message
+        assert f.value == pytest.approx(np.percentile(rms, 50 if few else 90))
+        label = "median" if few else "90th percentile"
+        assert f"the typical ({label}) input feature has an RMS of" in f.message
     else:
         assert f.where == where
         assert f.value == pytest.approx(rms.max())
@@ -237,6 +239,41 @@ def test_unnormalized_input(batches, expected):
     else:
         assert f.message.startswith("Inputs are not normalised")
         assert_sentence(f, "standardise each feature", "scale images to 0..1")
+
+
+def polynomial(degree: int, n: int = 320, seed: int = 0) -> np.ndarray:
+    """x, x^2, ..., x^degree of x ~ N(0, 1): raw polynomial features (RMS 1, 1.7, 3.9, 10,
+    31, 102, ...), as pytorch/examples' regression fits with one Linear."""
+    x = np.random.default_rng(seed).standard_normal((n, 1))
+    return np.concatenate([x**i for i in range(1, degree + 1)], axis=1)
+
+
+def test_the_typical_of_few_features_is_their_median_not_their_largest():
+    """Of four features the 90th percentile (8.3 here) lies between the two largest: it
+    read x^4 alone and warned; their median (2.8) is the typical feature. The largest,
+    10, is far under the 10 x scale bar of one outlying feature."""
+    assert run(UnnormalizedInput(), input_obs(mean_squares(polynomial(4)))) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "label"),
+    [
+        pytest.param(polynomial(6), "median", id="x-to-x^6-median-7"),
+        pytest.param(images(top=255), "median", id="three-raw-channels"),
+        pytest.param(one_feature_times(1000, features=10), "90th percentile", id="ten-features"),
+    ],
+)
+def test_the_typical_feature_is_named_by_its_statistic(data, label):
+    (f,) = run(UnnormalizedInput(), input_obs(mean_squares(data)))
+    assert f"the typical ({label}) input feature has an RMS of" in f.message
+
+
+def test_a_few_features_of_which_one_is_far_off_are_still_named():
+    """Among four, one raw feature 100x (RMS 100): the median is fine, the largest is not."""
+    x = standardised(features=4)
+    x[:, 2] *= 100
+    (f,) = run(UnnormalizedInput(), input_obs(mean_squares(x)))
+    assert f.where == "input[2]" and "input feature 2 has an RMS of 100" in f.message
 
 
 def test_unnormalized_input_names_the_outlying_feature():

@@ -10,6 +10,7 @@ from _helpers import (
     NUMEL,
     alarms,
     assert_actionable,
+    assert_resumes,
     decaying_loss,
     grad_obs,
     make_obs,
@@ -245,6 +246,132 @@ def test_gradient_detectors_quiet_while_gradients_decay_with_the_loss(detector, 
 def test_gradient_detectors_quiet_on_clipped_norms_swinging_2_to_5x(detector, seed):
     grads = clipped_grads(seed)
     assert alarms(run(detector(), grad_obs(grads))) == []
+
+
+# -- batches of varying size: a loss summed over its samples -------------------------------------
+def episodes(seed: int = 0, n: int = 150) -> np.ndarray:
+    """The lengths of an agent's episodes as it learns: about 10 steps, until at step 100
+    it learns to balance and they last about 250, each swinging 30% around its level (an
+    actor-critic on a cart-pole: from 10 to 225 within a few episodes)."""
+    rng = np.random.default_rng(seed)
+    level = np.where(np.arange(n) < 100, 10.0, 250.0)
+    return np.maximum(1, np.round(level * rng.lognormal(0.0, 0.3, n))).astype(int)
+
+
+def summed(sizes: np.ndarray, seed: int = 0, per: float = 0.5) -> np.ndarray:
+    """Gradient norms of a loss summed over each batch's samples: ``per`` a sample, with
+    lognormal noise (sigma 0.5 per step, as the agent's)."""
+    rng = np.random.default_rng(seed + 100)
+    level = per * sizes * rng.lognormal(0.0, 0.5, len(sizes))
+    return GRAD_SHAPE / np.linalg.norm(GRAD_SHAPE) * level[:, None]
+
+
+def sized(grads: np.ndarray, sizes, **kw) -> list:
+    observations = grad_obs(grads, **kw)
+    for o, n in zip(observations, sizes, strict=True):
+        o.grad_samples = int(n)
+    return observations
+
+
+def adaptive() -> ExplodingGradients:
+    from stethoscope.advice import TrainingSetup
+
+    d = ExplodingGradients()
+    d.setup = TrainingSetup(adaptive=True)
+    return d
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_norm_that_follows_its_batchs_size_is_no_explosion(seed):
+    """Episodes 25x longer than the last ones, summed over: their norms are 25x theirs,
+    their norms per sample are not (was: an error, three such episodes in a row, as the
+    agent learnt to balance). Said once, an info."""
+    sizes = episodes(seed)
+    grads = summed(sizes, seed)
+    assert alarms(run(adaptive(), grad_obs(grads)))  # judged on the norm alone
+    found = run(adaptive(), sized(grads, sizes))
+    assert [f.severity.value for f in found] == ["info"]
+    assert found[0].step >= 100 and "per sample" in found[0].message
+    assert "reduction='sum'" in found[0].message
+
+
+def test_the_info_names_the_sizes_once():
+    """Batches of 10, then of 200, later of 300: norms 20x and 30x their median, the
+    same per sample. Said once, at the first."""
+    sizes = np.r_[np.full(40, 10), [200], np.full(20, 10), [300]]
+    grads = GRAD_SHAPE / np.linalg.norm(GRAD_SHAPE) * 0.5 * sizes[:, None]  # the norm: 0.5 each
+    (found,) = run(adaptive(), sized(grads, sizes))
+    assert found.severity == "info" and found.step == 40
+    assert "10 to 200 samples over its last 33 measured steps" in found.message
+    assert "a batch of 200" in found.message
+
+
+def test_an_explosion_per_sample_under_batches_of_varying_size_is_named():
+    """The twin: the norm jumps 100x on three batches of the usual size, so 100x per
+    sample too: warnings, then an error."""
+    sizes = episodes(0)
+    grads = summed(sizes, 0)
+    sizes[60:63] = np.median(sizes[28:60])
+    level = np.median(global_norms(grads[28:60]))
+    grads[60:63] = GRAD_SHAPE / np.linalg.norm(GRAD_SHAPE) * 100 * level
+    found = run(adaptive(), sized(grads, sizes)[:63])
+    assert steps(found) == [(60, "warning"), (61, "warning"), (62, "error")]
+    assert "per sample (a batch of" in found[0].message
+
+
+@pytest.mark.parametrize(
+    ("faults", "expected"), [p for p in EXPLOSIONS if "nan" not in p.id and "during" not in p.id]
+)
+def test_batches_of_one_size_are_judged_as_before(faults, expected):
+    g = healthy_grads(0)
+    for mutate in faults:
+        mutate(g)
+    assert steps(run(ExplodingGradients(), sized(g, [32] * len(g)))) == expected
+
+
+def test_a_small_last_batch_of_a_mean_loss_changes_nothing():
+    """A loss averaged over its batch: the last batch of an epoch holds 4 samples, not 32;
+    its norm is the same, its norm per sample 8x: the norm did not jump, no explosion. An
+    explosion on a full batch after it is still one."""
+    g = healthy_grads(0)
+    sizes = [4 if t % 16 == 15 else 32 for t in range(len(g))]
+    assert run(ExplodingGradients(), sized(g, sizes)) == []
+    g[70] *= 20
+    assert steps(run(ExplodingGradients(), sized(g, sizes))) == [(70, "warning")]
+
+
+def test_the_bar_covers_the_windows_largest_batch():
+    sizes = episodes(0)
+    grads = summed(sizes, 0)
+    d, plain = adaptive(), adaptive()
+    run(d, sized(grads, sizes))
+    run(plain, grad_obs(grads))
+    assert d.threshold() >= plain.threshold()
+    same = adaptive()
+    run(same, sized(grads, [32] * len(grads)))
+    assert same.threshold() == pytest.approx(plain.threshold())
+
+
+def test_a_checkpoint_without_the_sizes_judges_the_norm_alone():
+    """A state from before the sizes were kept: its windows never line up with the sizes,
+    so the norm alone is judged, as it was."""
+    sizes = episodes(0)
+    grads = summed(sizes, 0)
+    d = adaptive()
+    run(d, grad_obs(grads)[:60])
+    state = {k: v for k, v in d.state_dict().items() if k not in ("sizes", "per_sample")}
+    resumed = adaptive()
+    resumed.load_state_dict(state)
+    whole = adaptive()
+    expected = run(whole, grad_obs(grads))
+    assert steps(run(resumed, sized(grads, sizes)[60:])) == steps(expected)
+
+
+def test_sizes_resume_through_a_checkpoint():
+    sizes = episodes(1)
+    observations = sized(summed(sizes, 1), sizes)
+    for at in (3, 30, 100):
+        assert_resumes(ExplodingGradients, observations, at)
 
 
 # -- vanishing_gradients --------------------------------------------------------------------------

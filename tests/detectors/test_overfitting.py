@@ -49,9 +49,6 @@ U_VAL = [1.0, 0.9, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05]
         pytest.param([1.0, 0.8, 0.9, NAN, 0.9], falling(5), [4], id="nan-skipped-not-a-break"),
         pytest.param([1.0, 0.8, None, 0.9, 0.9], falling(5), [4], id="none-skipped"),
         pytest.param(
-            [1.0, 0.8, 0.9, 0.9, 0.7, 0.8, 0.8], falling(7), [3, 6], id="new-best-then-again"
-        ),
-        pytest.param(
             [1.0, 0.8, 0.9, 0.9, 0.95, 1.0, 1.2], falling(7), [3], id="said-once-per-best"
         ),
         pytest.param(U_VAL, [1.0, 0.9, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05], [], id="train-rises-too"),
@@ -79,6 +76,54 @@ def test_overfitting_fires_at_the_expected_validation(vals, trains, expected):
             f.message
         )
         assert_sentence(f, "stop early", "weight decay", names=("validation",))
+
+
+def test_overfitting_new_best_then_again_must_rise_past_the_rise_it_undid():
+    """Above its best by 12.5% twice (a warning), then a new best, 0.7, that undid that
+    rise: the next rise must pass 12.5% of 0.7, and 0.8 (14%) twice does."""
+    found = run(Overfitting(), val_obs([1.0, 0.8, 0.9, 0.9, 0.7, 0.8, 0.8], falling(7)))
+    assert [f.epoch for f in found] == [3, 6]
+    assert [f.threshold for f in found] == [pytest.approx(0.88), pytest.approx(0.7 * 1.125)]
+
+
+# a healthy run whose validation loss is noisy: the zoo's small ResNet at SGD lr 0.1
+# (momentum 0.9) on digits, validated each epoch (seed 2, measured: 2.87, 0.143, 0.483,
+# 0.122, 0.075, 0.0997), its first validation put at 0.6 so that the scale of the task
+# does not hide the rise, and two more validations of the same noise
+NOISY_VAL = [0.6, 0.1432, 0.4827, 0.1223, 0.0751, 0.0997, 0.0952, 0.0612]
+NOISY_TRAIN = [0.2665, 0.0882, 0.0848, 0.0766, 0.0273, 0.0139, 0.0122, 0.0101]
+
+
+def test_a_noisy_validation_loss_is_no_overfitting():
+    """0.14 to 0.48 and back to 0.12: the validation loss swings 240% over its best and
+    undoes it, so 0.0997 and 0.0952, 33% and 27% over its best 0.075, are its noise (was:
+    a warning at the second, two validations more than 10% above the best)."""
+    assert run(Overfitting(), val_obs(NOISY_VAL, NOISY_TRAIN)) == []
+
+
+def test_the_rises_undone_long_ago_are_forgotten():
+    """Twelve validations after the noisy start, its 240% swing no longer counts: the
+    model that then overfits is named at its second validation 50% above its best (the
+    bar: 10% above it)."""
+    vals = [*NOISY_VAL[:5], *np.linspace(0.074, 0.06, 10), 0.09, 0.095]
+    found = run(Overfitting(), val_obs(vals, falling(len(vals), 0.3, 0.001)))
+    assert [f.epoch for f in found] == [len(vals) - 1]
+    assert found[0].threshold == pytest.approx(0.06 * 1.1)
+    assert run(Overfitting(), val_obs(vals[:13] + vals[-2:], falling(15, 0.3, 0.001))) == []
+
+
+def test_a_swing_that_was_not_undone_is_no_noise():
+    """The U of overfitting: the validation loss rises and never comes back below its
+    best, so no rise was undone and 10% is the bar."""
+    d = Overfitting()
+    run(d, val_obs(U_VAL, falling(8)))
+    assert d.state["undone"] == []
+
+
+def test_the_undone_rises_survive_a_resume():
+    obs = val_obs(NOISY_VAL, NOISY_TRAIN)
+    for at in (2, 3, 4, 6):
+        assert assert_resumes(Overfitting, obs, at) == []
 
 
 def test_overfitting_message_says_when_the_best_was():

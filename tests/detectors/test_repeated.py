@@ -339,3 +339,79 @@ def test_a_full_batch_run_validated_on_part_of_its_batch_is_still_an_overlap():
     others = 1_000_003.0 * (np.arange(SAMPLES, 2 * SAMPLES) + 1)
     (found,) = validate(d, 2, np.r_[graph[:32], others[:32]])
     assert found.severity == "warning" and found.where == "validation data"
+
+
+# -- full-batch training served as many steps an epoch ---------------------------------------------
+def with_setup(**setup) -> RepeatedData:
+    from stethoscope.advice import TrainingSetup
+
+    d = RepeatedData()
+    d.setup = TrainingSetup(**setup)
+    return d
+
+
+WHOLE = {"whole_batches": True}  # DataLoader(batch_size=None): the dataset makes each batch
+LBFGS = {"line_search": "LBFGS"}  # a full-batch method
+
+
+@pytest.mark.parametrize(
+    "setup", [WHOLE, LBFGS, {**WHOLE, **LBFGS}], ids=["whole", "lbfgs", "both"]
+)
+@pytest.mark.parametrize("steps", [list(range(10)), [0, 16, 17, 32, 33]], ids=["every", "sampled"])
+def test_one_batch_at_every_step_since_the_first_is_full_batch_training(setup, steps):
+    """The whole training set as each of an epoch's items (a dataset of one batch, n times;
+    an iterable that yields it n times), or LBFGS's line search over one objective: the
+    same batch from the run's first step on is the data, said once, an info (was a
+    warning of a stuck loader)."""
+    everything = np.arange(SAMPLES, dtype=float) + 1
+    d = with_setup(**setup)
+    (found,) = judge([obs(t, 0, everything) for t in steps], d)
+    assert found.severity == "info" and found.step == steps[2 if steps[1] == 16 else 1]
+    assert "full-batch training" in found.message
+    assert ("full-batch method" in found.message) == ("line_search" in setup)
+    assert_sentence(found, "__getitem__")
+    later = [obs(t, 1, everything) for t in range(steps[-1] + 1, steps[-1] + 20)]
+    assert judge(later, d) == []  # said once; a new epoch of the same batch says no more
+
+
+@pytest.mark.parametrize("setup", [WHOLE, LBFGS])
+def test_a_loader_that_served_other_batches_and_then_sticks_is_stuck_all_the_same(setup):
+    """The fault suite's batch_served_again: batches that change, then one again and again
+    (the suite's loader has batch_size=None and a sampler of index lists)."""
+    order = np.arange(SAMPLES)
+    batches = [obs(t, 0, batch_prints(order, t)) for t in range(3)]
+    batches += [obs(t, 0, batch_prints(order, 3)) for t in range(3, 6)]
+    (found,) = judge(batches, with_setup(**setup))
+    assert found.severity == "warning" and "same batch again and again" in found.message
+
+
+def test_a_collating_loader_stuck_from_the_first_step_is_stuck():
+    """DataLoader(batch_size=32) over a dataset whose index never advances: its batches
+    are drawn sample by sample, so one batch at every step is a stuck index."""
+    stuck = batch_prints(np.arange(SAMPLES), 0)
+    (found,) = judge([obs(t, 0, stuck) for t in range(4)], with_setup(whole_batches=False))
+    assert found.severity == "warning" and found.step == 1
+
+
+def test_a_checkpoint_from_before_the_first_batch_was_kept_judges_as_before():
+    """A state without ``only`` (an older checkpoint) does not know the run's first batch:
+    a batch served again is a stuck loader, as it was."""
+    stuck = batch_prints(np.arange(SAMPLES), 0)
+    d = with_setup(**WHOLE)
+    judge([obs(0, 0, stuck)], d)
+    state = d.state_dict()
+    del state["only"]
+    fresh = with_setup(**WHOLE)
+    fresh.load_state_dict(state)
+    (found,) = judge([obs(1, 0, stuck)], fresh)
+    assert found.severity == "warning"
+
+
+def test_one_batch_survives_a_resume():
+    everything = np.arange(SAMPLES, dtype=float) + 1
+    d = with_setup(**WHOLE)
+    judge([obs(0, 0, everything)], d)
+    fresh = resumed(d)
+    fresh.setup = d.setup
+    (found,) = judge([obs(t, 0, everything) for t in range(1, 4)], fresh)
+    assert found.severity == "info"

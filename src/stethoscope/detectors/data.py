@@ -113,19 +113,23 @@ class UnnormalizedInput(Detector):
 
     Rule: the per-feature root mean square ``sqrt(mean(x^2))`` (channels for
     images) is accumulated over the sampled batches until ``samples`` samples
-    were seen; then, once, it is a warning when the 90th percentile of the
-    features' RMS is above ``scale``, when any feature's RMS is above ``10 x
-    scale``, or when every feature's RMS is below ``1 / (100 x scale)``. The RMS
-    of a standardised feature is exactly 1 however heavy its tails, so values
-    beyond ±1 (which standardised data has all the time) never count; images in
-    0..1 have an RMS of ~0.5.
+    were seen; then, once, it is a warning when the typical feature's RMS is above
+    ``scale``, when any feature's RMS is above ``10 x scale``, or when every
+    feature's RMS is below ``1 / (100 x scale)``. The typical feature is the 90th
+    percentile of the features' RMS, and the median where there are fewer than
+    ``TYPICAL_FEATURES`` features: below ten, one feature is more than a tenth of
+    them, so the 90th percentile lies between the two largest and reads the largest
+    feature alone (of x, x^2, x^3, x^4 of a normal x, RMS 1, 1.7, 3.9 and 10: 8.3),
+    which the ``10 x scale`` bar judges. The RMS of a standardised feature is
+    exactly 1 however heavy its tails, so values beyond ±1 (which standardised data
+    has all the time) never count; images in 0..1 have an RMS of ~0.5.
 
     Sources: UMLAUT flags inputs outside [-1, 1] and so warns on standardised
     data; SageMaker Debugger ``check_input_images`` flags |mean| > 0.2 after 500
     samples, which fires on every image set scaled to 0..1.
 
     Args:
-        scale: Largest healthy RMS of the typical (90th percentile) feature.
+        scale: Largest healthy RMS of the typical (90th percentile, or median) feature.
         samples: Samples to see before judging.
     """
 
@@ -133,6 +137,8 @@ class UnnormalizedInput(Detector):
     needs = frozenset({"inputs"})
     base_interval = 16
     advice = "standardise inputs (mean 0, std 1)"
+    #: Features from which the typical one is the 90th percentile (fewer: the median).
+    TYPICAL_FEATURES = 10
 
     def __init__(self, *, scale: float = 5.0, samples: int = 256) -> None:
         check_positive(self.name, "scale", scale)
@@ -161,19 +167,22 @@ class UnnormalizedInput(Detector):
             return []
         st["judged"] = True
         rms = np.sqrt(np.asarray(st["sq"]) / st["count"])
-        p90, top = float(np.percentile(rms, 90)), int(np.argmax(rms))
-        if p90 > self.scale or rms[top] > 10 * self.scale:
+        few = rms.size < self.TYPICAL_FEATURES
+        typical, top = float(np.percentile(rms, 50 if few else 90)), int(np.argmax(rms))
+        if typical > self.scale or rms[top] > 10 * self.scale:
             if rms.size == 1:
                 detail = f"the input has an RMS of {rms[top]:.3g}"
-            elif p90 > self.scale:
+            elif typical > self.scale:
                 detail = (
-                    f"the typical (90th percentile) input feature has an RMS of {p90:.3g} "
-                    f"(the largest: feature {top}, {rms[top]:.3g})"
+                    f"the typical ({'median' if few else '90th percentile'}) input feature "
+                    f"has an RMS of {typical:.3g} (the largest: feature {top}, {rms[top]:.3g})"
                 )
             else:
                 detail = f"input feature {top} has an RMS of {rms[top]:.3g}"
             value, threshold = (
-                (p90, self.scale) if p90 > self.scale else (float(rms[top]), 10 * self.scale)
+                (typical, self.scale)
+                if typical > self.scale
+                else (float(rms[top]), 10 * self.scale)
             )
             return [
                 self.finding(

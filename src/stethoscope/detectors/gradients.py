@@ -40,6 +40,16 @@ class ExplodingGradients(Detector):
     batch to the next, on a run that learns; judged on its own (a baseline per player)
     it jumps as far. ``patience`` in a row is an error, as everywhere.
 
+    Where the batches vary in size (``grad_samples``, the samples behind a step's
+    gradients, differs over the window), a jump must also be one of the norm per sample,
+    judged by the same rule on its own history: the gradient of a loss summed over its
+    samples grows with their number (an actor-critic on a cart-pole, each episode a batch
+    of 8 to 335 steps, measured: its norm from 0.3 to 2600 over 150 episodes as it learns
+    to balance, its norm per sample within 0.03 to 8), and a loss averaged over them does
+    not, so a norm that follows the
+    batch's size is no explosion, whichever the loss does. Said once, an info, where it
+    keeps the run from a finding. Batches of one size make both rules one.
+
     Sources: Megatron flags gradients 10x their usual size (``factor=10``); the
     robust z of 6 is OLMo-core's spike rule; requiring the initial norm keeps a
     converged run, whose tiny gradients jump by orders of magnitude on a hard
@@ -95,16 +105,51 @@ class ExplodingGradients(Detector):
         super().__init__()
 
     def _initial_state(self) -> dict:
-        # log10 norms; ``initial`` is frozen after the warm-up
-        return {"history": [], "initial": None, "seen": 0, "streak": 0, "last": None}
+        # log10 norms; ``initial`` is frozen after the warm-up. per_sample: log10 of each
+        # norm over its samples (None: unknown), sizes: those samples (0: unknown), both
+        # alongside history; per_initial: the per-sample initial; told: the info said
+        return {
+            "history": [],
+            "initial": None,
+            "seen": 0,
+            "streak": 0,
+            "last": None,
+            "per_sample": [],
+            "sizes": [],
+            "per_initial": None,
+            "told": False,
+        }
 
-    def _baseline(self) -> tuple[float, float]:
-        """The median log10 norm of the window, and the margin (in decades) above it that
-        an explosion must pass when the z-score applies."""
-        hist = self.state["history"]
+    def _baseline(self, hist: list[float] | None = None) -> tuple[float, float]:
+        """The median log10 norm of the window (``hist``: another history of the same
+        kind), and the margin (in decades) above it that an explosion must pass when the
+        z-score applies."""
+        hist = self.state["history"] if hist is None else hist
         center = median(hist)
         spread = MAD_TO_SIGMA * median([abs(h - center) for h in hist])
         return center, max(math.log10(self.factor), self.z * spread)
+
+    def _jump(self, hist: list[float], initial: float, value: float) -> tuple[float, float, bool]:
+        """How far ``value`` (log10) is above the median of ``hist``, the margin it must
+        pass to be an explosion, and whether it does (and is at least ``initial``)."""
+        center, margin = self._baseline(hist)
+        if value - initial >= math.log10(self.initial_factor):
+            margin = math.log10(self.factor)  # far above where the run started: no z
+        over = value - center
+        return over, margin, over > margin and value >= initial
+
+    def _per_sample(self, samples: int) -> bool:
+        """Whether a step of ``samples`` samples is judged per sample too: every size of
+        the window is known and they are not all this one."""
+        st = self.state
+        sizes = st.get("sizes", [])
+        return (
+            samples > 0
+            and st.get("per_initial") is not None
+            and len(sizes) == len(st["history"])
+            and all(n > 0 for n in sizes)
+            and any(n != samples for n in sizes)
+        )
 
     def threshold(self) -> float | None:
         """The global gradient norm above which the next step is an explosion (a warning
@@ -120,11 +165,21 @@ class ExplodingGradients(Detector):
         key = (st["seen"], st["initial"])  # the bar moves only when the detector runs
         if self._bar_cache[0] == key:
             return self._bar_cache[1]
-        center, margin = self._baseline()
-        with_z = max(center + margin, st["initial"])
-        far = max(st["initial"] + math.log10(self.initial_factor), center + math.log10(self.factor))
-        self._bar_cache = (key, 10 ** min(with_z, far))
-        return self._bar_cache[1]
+        bar = self._bar(st["history"], st["initial"])
+        sizes = st.get("sizes", [])
+        if self._per_sample(max(sizes, default=0)):
+            # batches of several sizes: a norm is an explosion past the per-sample bar
+            # too, for a batch of a size not known before the step; the window's largest
+            bar = max(bar, self._bar(st["per_sample"], st["per_initial"]) * max(sizes))
+        self._bar_cache = (key, bar)
+        return bar
+
+    def _bar(self, hist: list[float], initial: float) -> float:
+        """The rule's two cases folded into one number, for a history of log10 norms."""
+        center, margin = self._baseline(hist)
+        with_z = max(center + margin, initial)
+        far = max(initial + math.log10(self.initial_factor), center + math.log10(self.factor))
+        return 10 ** min(with_z, far)
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -133,44 +188,96 @@ class ExplodingGradients(Detector):
         if not (math.isfinite(total) and total > 0):
             return []  # non-finite: nonfinite_gradients owns it; zero: nothing to compare
         log_norm = math.log10(total)
+        samples = int(obs.grad_samples or 0)
+        per = math.log10(total / samples) if samples > 0 else None
         last, st["last"] = st["last"], [float(v) for v in norms]
         hist = st["history"]
         findings: list[Finding] = []
         if st["seen"] >= self.warmup:
-            center, margin = self._baseline()
-            over = log_norm - center
-            if log_norm - st["initial"] >= math.log10(self.initial_factor):
-                margin = math.log10(self.factor)  # far above where the run started: no z
-            if over > margin / 2:
+            over, margin, explodes = self._jump(hist, st["initial"], log_norm)
+            # the same of the norm per sample, where the batches' sizes vary
+            each = (
+                self._jump(st["per_sample"], st["per_initial"], per)
+                if per is not None and self._per_sample(samples)
+                else (over, margin, explodes)
+            )
+            if over > margin / 2 and each[0] > each[1] / 2:
                 self.suspect = f"gradient norm {total:.3g} is {10**over:.3g}x its recent median"
-            if over <= margin or log_norm < st["initial"]:
+            if not explodes:
                 st["streak"] = 0
+            elif not each[2]:
+                st["streak"] = 0
+                findings += self._follows_the_batch(obs, total, over, samples)
             else:
                 st["streak"] += 1
-                at_once = over >= 2 * math.log10(self.factor) and not self.setup.adaptive
+                jump = min(over, each[0])
+                at_once = jump >= 2 * math.log10(self.factor) and not self.setup.adaptive
                 severe = at_once or st["streak"] >= self.patience
                 # in a game a lone jump is the other player's move: a suspicion (set above)
                 if severe or not self.setup.adversarial:
+                    center = log_norm - over
                     where = _largest_jump(obs.names, norms, last, self.factor)
+                    per_sample = (
+                        f", {10 ** each[0]:.3g}x per sample (a batch of {samples})"
+                        if each[0] != over
+                        else ""
+                    )
                     findings.append(
                         self.finding(
                             obs,
                             "error" if severe else "warning",
                             f"Gradient norm {total:.3g} is {10**over:.3g}x its recent median "
-                            f"{10**center:.3g} at step {obs.step} (it jumps first in {where}, "
-                            "in backward order): the learning rate is likely too high for "
-                            f"this point of training; lower it, {warmup_advice(self.setup)}, "
-                            f"or {clipping_advice(self.setup)}.",
+                            f"{10**center:.3g}{per_sample} at step {obs.step} (it jumps first "
+                            f"in {where}, in backward order): the learning rate is likely too "
+                            f"high for this point of training; lower it, "
+                            f"{warmup_advice(self.setup)}, or {clipping_advice(self.setup)}.",
                             value=total,
                             threshold=10 ** (center + margin),
                             where=where,
                         )
                     )
-        st["seen"] += 1
-        push(hist, log_norm, self.window)
-        if st["seen"] == self.warmup:
-            st["initial"] = median(hist)
+        self._keep(log_norm, per, samples)
         return findings
+
+    def _keep(self, log_norm: float, per: float | None, samples: int) -> None:
+        """Take a step's norm into the window, its norm per sample and size beside it."""
+        st = self.state
+        st["seen"] += 1
+        aligned = len(st.setdefault("sizes", [])) == len(st["history"])
+        push(st["history"], log_norm, self.window)
+        if aligned:  # a checkpoint from before the sizes were kept: never aligned again
+            push(st.setdefault("per_sample", []), per, self.window)
+            push(st["sizes"], samples, self.window)
+        if st["seen"] == self.warmup:
+            st["initial"] = median(st["history"])
+            known = [v for v in st["per_sample"] if v is not None]
+            aligned = len(known) == len(st["history"])
+            st["per_initial"] = median(known) if known and aligned else None
+
+    def _follows_the_batch(
+        self, obs: Observation, total: float, over: float, samples: int
+    ) -> list[Finding]:
+        """A jump of the norm that its batch's size explains, said once."""
+        st = self.state
+        if st.get("told"):
+            return []
+        st["told"] = True
+        sizes = [*st["sizes"], samples]
+        return [
+            self.finding(
+                obs,
+                "info",
+                f"exploding_gradients judges this run's gradient norm per sample too: its "
+                f"batches vary in size ({min(sizes)} to {max(sizes)} samples over its last "
+                f"{len(sizes)} measured steps), and the norm of {total:.3g} at step "
+                f"{obs.step}, {10**over:.3g}x its recent median, came with a batch of "
+                f"{samples}, so that per sample it did not jump: the gradient of a loss "
+                "summed over its samples (reduction='sum', an episode's terms) grows with "
+                "their number, which is no explosion.",
+                value=total,
+                where="gradients",
+            )
+        ]
 
 
 def _largest_jump(

@@ -8,6 +8,7 @@ import hashlib
 
 import numpy as np
 
+from stethoscope.advice import TrainingSetup
 from stethoscope.detectors.base import Detector
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
@@ -44,7 +45,13 @@ class RepeatedData(Detector):
 
     - *stuck*: a batch equal to the one just before it in the same epoch (a batch seen
       before, on a sampled step or at an epoch's start, asks for the next step's batch
-      too): the loader serves one batch again and again;
+      too): the loader serves one batch again and again. Where that batch is the only
+      one the run has seen since its first step, and the loader serves batches its
+      dataset makes whole (``TrainingSetup.whole_batches``: the whole training set as
+      each of an epoch's items) or the optimizer is a line search, a full-batch method
+      (``TrainingSetup.line_search``: LBFGS), the data is one batch on purpose: said
+      once, an info. A loader that collates samples it draws by index, or that served
+      other batches before, is stuck;
     - *workers*: under a loader with ``W > 1`` worker processes (see
       ``TrainingSetup.loader_workers``), a batch served two to ``W`` times in a row, and
       then another: each worker serves the same batches, as workers that share one
@@ -110,7 +117,8 @@ class RepeatedData(Detector):
         # of the first batch measured after the epoch's first, next_before: the last
         # epoch's; order: whether this epoch began with the last one's first batch, until
         # its next batch tells; run: [key, times] of a batch served several times in a
-        # row, until the next batch tells how many
+        # row, until the next batch tells how many; only: the key of the run's first
+        # batch while it is the only one seen ("" once another came)
         return {
             "epoch": None,
             "start": 0,
@@ -126,6 +134,7 @@ class RepeatedData(Detector):
             "next_before": None,
             "order": False,
             "run": None,
+            "only": None,
         }
 
     def finished(self, step: int) -> bool:
@@ -155,6 +164,11 @@ class RepeatedData(Detector):
         prints = np.asarray(obs.sample_prints)
         st = self.state
         key, step = batch_key(prints), obs.step
+        if st.get("only") is None:
+            # a checkpoint from before this was kept: its batches are not known
+            st["only"] = key if st["epoch"] is None else ""
+        elif st["only"] != key:
+            st["only"] = ""
         found: list[Finding] = []
         if st["epoch"] != obs.epoch:
             found += self._new_epoch(obs, key, resumed)
@@ -279,8 +293,8 @@ class RepeatedData(Detector):
         """A resumed run's first batch, in the epoch the checkpoint was taken in."""
         st = self.state
         again = obs.step - st["start"]
-        if key != st["first"] or again <= 0:
-            return []
+        if key != st["first"] or again <= 0 or st["only"] == key:
+            return []  # the run's one batch so far tells nothing of where its loader is
         lost = f", and its last {again} never" if st["length"] else ""
         return self._warn(
             obs,
@@ -309,6 +323,8 @@ class RepeatedData(Detector):
                 st["run"] = [key, times]
                 self.request = self.needs
                 return []
+            if st["only"] == key and (self.setup.whole_batches or self.setup.line_search):
+                return self._one_batch(obs, times)
             return self._warn(
                 obs,
                 "stuck",
@@ -340,6 +356,14 @@ class RepeatedData(Detector):
             st["cycle"] = [step, earlier]
             self.request = self.needs
         return []
+
+    def _one_batch(self, obs: Observation, times: int) -> list[Finding]:
+        """The run's one batch, served at every step since its first: the data is that
+        batch (full-batch training), said once."""
+        if "one batch" in self.state["warned"]:
+            return []
+        self.state["warned"].append("one batch")
+        return [self.finding(obs, "info", _one_batch(self.setup, obs.step), value=float(times))]
 
     def _shared_workers(self, obs: Observation, times: int) -> list[Finding]:
         """A batch came ``times`` times in a row, no more than the loader has workers,
@@ -401,3 +425,20 @@ class RepeatedData(Detector):
         return [
             self.finding(obs, "warning", message, value=value, threshold=threshold, where=where)
         ]
+
+
+def _one_batch(setup: TrainingSetup, step: int) -> str:
+    """The info that the run's one batch at every step is full-batch training."""
+    why = (
+        f"its optimizer, {setup.line_search}, is a full-batch method (its line search and "
+        "curvature need the same objective at every step)"
+        if setup.line_search
+        else "its loader serves batches its dataset makes whole (batch_size=None)"
+    )
+    return (
+        "The training loader serves one batch at every step: every batch measured since the "
+        f"run's first, up to step {step}, is the same one (the same samples, in the same "
+        f"order), and {why}, so this is taken for full-batch training, the whole training "
+        "set at every step, and left alone; if the dataset holds more than this one batch, "
+        "its __getitem__ ignores its index or the loader caches one batch."
+    )

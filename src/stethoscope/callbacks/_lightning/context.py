@@ -84,6 +84,7 @@ def training_setup(trainer: Any) -> TrainingSetup:
         line_search=_line_search(trainer.optimizers),
         vocabulary=_vocabulary(module),
         loader_workers=_loader_workers(trainer),
+        whole_batches=_whole_batches(trainer),
     )
 
 
@@ -92,6 +93,19 @@ def _loader_workers(trainer: Any) -> int:
     that is no ``DataLoader``, or several)."""
     workers = getattr(getattr(trainer, "train_dataloader", None), "num_workers", 0)
     return workers if isinstance(workers, int) else 0
+
+
+def _whole_batches(trainer: Any) -> bool:
+    """Whether the training loader is a ``DataLoader`` that collates nothing: no
+    ``batch_size`` nor ``batch_sampler``, so each item its dataset gives is a batch as it
+    is (torch's ``DataLoader._auto_collation`` is private: its two public attributes say
+    the same)."""
+    from torch.utils.data import DataLoader
+
+    loader = getattr(trainer, "train_dataloader", None)
+    if not isinstance(loader, DataLoader):
+        return False
+    return loader.batch_size is None and loader.batch_sampler is None
 
 
 def _vocabulary(module: Any) -> int:

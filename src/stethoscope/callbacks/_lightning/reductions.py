@@ -54,6 +54,7 @@ from stethoscope.statistics import DISTRIBUTION_BINS
 __all__ = [
     "Distributions",
     "GradNorms",
+    "GradientSamples",
     "ReductionSet",
     "StaleGrads",
     "UnitRows",
@@ -64,8 +65,30 @@ __all__ = [
 ]
 
 
+class GradientSamples(Reduction):
+    """The samples behind a step's gradients, every micro-batch's (``measures.samples``),
+    counted once for the statistics that carry them (the gradient norms, the units).
+
+    Args:
+        samples: ``batch -> samples in it`` on every rank (0: unknown).
+    """
+
+    statistics = frozenset({"grads", "units"})
+    name = "samples"
+
+    def __init__(self, samples: Callable[[Any], int]) -> None:
+        self.samples = samples
+
+    def at_start(self, measures: StepMeasures, batch: Any) -> None:
+        measures.samples = self.samples(batch)
+
+    def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
+        measures.samples += self.samples(batch)  # the gradients hold every micro-batch
+
+
 class GradNorms(Reduction):
-    """Each gradient's L2 norm, in one fused kernel per optimizer.
+    """Each gradient's L2 norm, in one fused kernel per optimizer, and the samples behind
+    them (counted by :class:`GradientSamples`).
 
     Under sharded parameters, the first sampled step also takes the strategy's own norm of
     each whole gradient (a collective per tensor, once) as a reference for the norms combined
@@ -90,15 +113,17 @@ class GradNorms(Reduction):
         for kind, norms, combine in parts:
             if measures.grad_scale is not None:
                 norms = norms / measures.grad_scale
-            measures.add("grads", norms, (kind, len(indices)), combine=combine)
+            # every micro-batch of the step has started by now: the samples are complete
+            measures.add("grads", norms, (kind, len(indices), measures.samples), combine=combine)
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         parts: dict[str, list[np.ndarray]] = {"norms": [], "reference": []}
         at = 0
-        for kind, n in contexts:  # per optimizer: its norms, then any reference
+        for kind, n, _ in contexts:  # per optimizer: its norms, then any reference
             parts[kind].append(values[at : at + n])
             at += n
         obs.grad_norm = np.concatenate(parts["norms"])
+        obs.grad_samples = contexts[-1][2]
         if parts["reference"] and obs.rank == 0:
             check_combined(obs.grad_norm, np.concatenate(parts["reference"]))
 
@@ -294,26 +319,14 @@ class UnitRows(Reduction):
     Args:
         probe: The watched parameters.
         layers: ``(name, index of its weight, module)`` of each layer with units.
-        samples: ``batch -> samples in it`` on every rank (0: unknown).
     """
 
     statistics = frozenset({"units"})
     name = "units"
     per_parameter = True
 
-    def __init__(
-        self,
-        probe: ParameterProbe,
-        layers: Sequence[tuple[str, int, Any]],
-        samples: Callable[[Any], int],
-    ) -> None:
-        self.probe, self.layers, self.samples = probe, layers, samples
-
-    def at_start(self, measures: StepMeasures, batch: Any) -> None:
-        measures.samples = self.samples(batch)
-
-    def micro_batch(self, measures: StepMeasures, batch: Any) -> None:
-        measures.samples += self.samples(batch)  # the gradient rows hold every micro-batch
+    def __init__(self, probe: ParameterProbe, layers: Sequence[tuple[str, int, Any]]) -> None:
+        self.probe, self.layers = probe, layers
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         chosen = set(indices)
@@ -504,8 +517,9 @@ def make_reductions(
         TrainMode(model),
         ForwardStatistics(forward),
         StaleGrads(probe),
+        GradientSamples(batch.samples),  # before the two that read its count
         GradNorms(probe),
-        UnitRows(probe, layers, batch.samples),
+        UnitRows(probe, layers),
         GradientPrecision(probe),  # before UpdateNorms: it reads the snapshots unspent
         UpdateNorms(probe),
         Distributions(probe),
