@@ -557,3 +557,44 @@ def test_a_game_that_keeps_exploding_is_still_named():
     found = run(exploding(game=True), players(d, g))
     assert steps(found) == [(16 * 32, "error")]
     assert "D.weight" in found[0].message
+
+
+def test_the_next_stage_of_layer_wise_training_starts_the_baseline_again():
+    """Forward-forward trains layer 0, then layer 1: layer 1's first gradients dwarf layer
+    0's converged ones (a 29x jump stopped a healthy run at the switch). The parameters
+    that receive gradients changed, and the new ones carry the norm: the window measured
+    other parameters. An explosion of the same parameters is still one."""
+    from stethoscope.detectors.gradients import ExplodingGradients
+    from stethoscope.observation import Observation
+
+    det = ExplodingGradients()
+    stage0, stage1 = ("l0.weight", "l0.bias"), ("l0.weight", "l0.bias", "l1.weight", "l1.bias")
+    found = []
+    rng = np.random.default_rng(0)
+    for step in range(0, 640, 16):  # layer 0 converged: from 0.01 to 1e-3, then flat
+        level = 1e-2 if step < 80 else 1e-3
+        norms = np.full(2, level * 10 ** rng.normal(0, 0.03))
+        found += det.update(Observation(step=step, names=stage0, grad_norm=norms))
+    for step in range(640, 1280, 16):  # layer 1 starts, at 0.03; layer 0's stale grads stay
+        norms = np.array([1e-3, 1e-3, 0.03, 0.01])
+        found += det.update(Observation(step=step, names=stage1, grad_norm=norms))
+    assert [f.severity for f in found] == ["info"], found
+    assert "l1.weight and 1 more" in found[0].message and found[0].step == 640
+    # the same parameters exploding is still an explosion
+    for step in range(1280, 1344, 16):
+        norms = np.array([1e-3, 1e-3, 3.0, 1.0])
+        found += det.update(Observation(step=step, names=stage1, grad_norm=norms))
+    assert any(f.severity >= "warning" for f in found[1:]), found
+
+
+def test_a_part_that_comes_and_goes_with_little_of_the_norm_changes_nothing():
+    from stethoscope.detectors.gradients import ExplodingGradients
+    from stethoscope.observation import Observation
+
+    det = ExplodingGradients()
+    found = []
+    for step in range(0, 800, 16):  # an expert of a mixture, in and out, 1% of the norm
+        names = ("body.weight",) + (("expert.weight",) if (step // 16) % 2 else ())
+        norms = np.array([1.0, 0.1][: len(names)])
+        found += det.update(Observation(step=step, names=names, grad_norm=norms))
+    assert found == [] and det.state["seen"] == 50

@@ -118,6 +118,8 @@ class ExplodingGradients(Detector):
             "sizes": [],
             "per_initial": None,
             "told": False,
+            "names": None,
+            "restarted": False,
         }
 
     def _baseline(self, hist: list[float] | None = None) -> tuple[float, float]:
@@ -193,7 +195,10 @@ class ExplodingGradients(Detector):
         last, st["last"] = st["last"], [float(v) for v in norms]
         hist = st["history"]
         findings: list[Finding] = []
-        if st["seen"] >= self.warmup:
+        new = self._newly_trained(obs.names, norms, total)
+        if new:  # the window measured other parameters
+            findings += self._restart(obs, new)
+        elif st["seen"] >= self.warmup:
             over, margin, explodes = self._jump(hist, st["initial"], log_norm)
             # the same of the norm per sample, where the batches' sizes vary
             each = (
@@ -238,6 +243,42 @@ class ExplodingGradients(Detector):
                     )
         self._keep(log_norm, per, samples)
         return findings
+
+    def _newly_trained(self, names: tuple[str, ...], norms: np.ndarray, total: float) -> list[str]:
+        """The parameters that have a gradient now and had none at the last sample, where
+        they carry most of the norm (over half its square): the next stage of layer-wise
+        training, a part unfrozen. [] otherwise: a parameter that comes and goes with
+        little of the norm (an expert of a mixture) changes nothing."""
+        before, self.state["names"] = self.state.get("names"), list(names)
+        if before is None or list(names) == before:
+            return []
+        known = set(before)
+        new = np.array([n not in known for n in names], dtype=bool)
+        share = float(np.sum(np.square(norms[new], dtype=np.float64))) / total**2
+        return [n for n, is_new in zip(names, new, strict=True) if is_new] if share > 0.5 else []
+
+    def _restart(self, obs: Observation, new: list[str]) -> list[Finding]:
+        """Start the window again: its norms were of other parameters. Said once, an info."""
+        st = self.state
+        judged = st["seen"] >= self.warmup
+        st.update(history=[], seen=0, initial=None, streak=0, per_sample=[], sizes=[])
+        st["per_initial"] = None
+        if st.get("restarted") or not judged:  # in the warm-up: nothing was judged yet
+            return []
+        st["restarted"] = True
+        more = f" and {len(new) - 1} more" if len(new) > 1 else ""
+        return [
+            self.finding(
+                obs,
+                "info",
+                f"exploding_gradients starts its baseline again at step {obs.step}: the "
+                f"parameters that receive gradients changed ({new[0]}{more} now have one "
+                "and carry most of the norm: the next stage of layer-wise training, or a "
+                "part unfrozen), so the norms before measured other parameters.",
+                value=global_norm(obs.grad_norm),
+                where=new[0],
+            )
+        ]
 
     def _keep(self, log_norm: float, per: float | None, samples: int) -> None:
         """Take a step's norm into the window, its norm per sample and size beside it."""
