@@ -319,6 +319,15 @@ class SuiteModule(L.LightningModule):
             return nn.functional.nll_loss(torch.log(out.clamp_min(1e-12)), y)
         if kind == "nll_raw":
             return nn.functional.nll_loss(out, y)
+        if kind == "softmax_in_step":  # a softmax in the step, before a loss that has one
+            return nn.functional.cross_entropy(torch.softmax(out, dim=1), y)
+        if kind == "log_softmax_in_step":  # the same place, written right
+            return nn.functional.nll_loss(torch.log_softmax(out, dim=1), y)
+        if kind == "smoothed":
+            return nn.functional.cross_entropy(out, y, label_smoothing=0.1)
+        if kind == "probabilities_smoothed":  # label-smoothed nll of the log-probabilities
+            logp = torch.log(out.clamp_min(1e-12))
+            return 0.9 * nn.functional.nll_loss(logp, y) - 0.1 * logp.mean(dim=1).mean()
         return nn.functional.cross_entropy(out, y)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

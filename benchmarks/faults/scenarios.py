@@ -264,7 +264,12 @@ class TrainSpec:
             of the output itself (a bug when the output is logits); ``"mse"``: the mean
             squared error of a one-output regression, shapes matched;
             ``"mse_broadcast"``: the same written ``((output - y) ** 2).mean()`` with an
-            ``(N, 1)`` output and an ``(N,)`` target (a bug: Lightning only).
+            ``(N, 1)`` output and an ``(N,)`` target (a bug: Lightning only);
+            ``"softmax_in_step"``: ``cross_entropy(softmax(output))`` written in the
+            training step (a bug), ``"log_softmax_in_step"``: ``nll_loss(log_softmax(
+            output))`` there (right); ``"smoothed"``: ``cross_entropy`` with
+            ``label_smoothing=0.1``; ``"probabilities_smoothed"``: ``nll_loss`` of the
+            log of probabilities, label-smoothed by 0.1 (Lightning only, all four).
     """
 
     optimizer: str = "adam"
@@ -858,6 +863,30 @@ SCENARIOS: tuple[Scenario, ...] = (
         window=150,
     ),
     Scenario(
+        "softmax_in_training_step",
+        "pipeline",
+        "the classifier's logits through torch.softmax in the training step, then "
+        "cross_entropy, which applies its own: a softmax applied twice where no module "
+        "shows it",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="softmax_in_step"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "smoothed_softmax_then_cross_entropy",
+        "pipeline",
+        "a softmax after the classifier, fed to cross_entropy with label_smoothing=0.1: "
+        "a softmax applied twice, under a loss that is no plain cross-entropy",
+        model=ModelSpec(output="softmax"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="smoothed"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "logits_as_probabilities",
         "pipeline",
         "the classifier's logits fed to a loss that takes probabilities (Keras' "
@@ -937,6 +966,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         window=64,
         # what flushes to zero is a zero gradient, and what is left learns slowly
         collateral=("all_zero", "vanishing_gradients", "small_updates", "loss_not_decreasing"),
+    ),
+    Scenario(
+        "fp16_gradients_flush_to_zero",
+        "precision",
+        "float16 weights and gradients with no loss scaling (16-true), the loss weighted "
+        "by 1e-6 (SGD 3e4): the whole backward pass falls below float16's smallest "
+        "subnormal, every gradient exactly zero and none subnormal",
+        train=TrainSpec(
+            optimizer="sgd", lr=3e4, max_steps=200, precision="16-true", loss_weight=1e-6
+        ),
+        onset=0,
+        expect=("gradient_underflow",),
+        window=64,
+        # every gradient is zero, so nothing moves: what the flush does
+        collateral=(
+            "all_zero",
+            "vanishing_gradients",
+            "frozen_weights",
+            "small_updates",
+            "loss_not_decreasing",
+        ),
+        frameworks=("lightning",),  # not yet run in Keras (its float16 policy)
     ),
     Scenario(
         "loss_scale_collapse",
@@ -1122,6 +1173,31 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="probabilities"),
     ),
     Scenario(
+        "healthy_log_softmax_in_step",
+        "healthy",
+        "the classifier's logits through torch.log_softmax in the training step, then "
+        "nll_loss (the twin of softmax_in_training_step: the same place, written right)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="log_softmax_in_step"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_label_smoothing",
+        "healthy",
+        "the classifier's logits to cross_entropy with label_smoothing=0.1 (the twin of "
+        "smoothed_softmax_then_cross_entropy)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="smoothed"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_smoothed_probabilities",
+        "healthy",
+        "a softmax after the classifier, and nll_loss of its log label-smoothed by 0.1 "
+        "(the twin of smoothed_softmax_then_cross_entropy, probabilities taken as such)",
+        model=ModelSpec(output="softmax"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="probabilities_smoothed"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "healthy_regression",
         "healthy",
         "the same regression with the output squeezed to the target's shape (the twin "
@@ -1155,6 +1231,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="sgd", lr=100.0, max_steps=300, precision="16-mixed", loss_weight=1e-3
         ),
+    ),
+    Scenario(
+        "healthy_fp16_flush_scaled",
+        "healthy",
+        "float16 mixed precision with a loss scaler (16-mixed), the loss weighted by 1e-6 "
+        "(SGD 3e4; the twin of fp16_gradients_flush_to_zero): the scale lifts the "
+        "gradients out of the flush",
+        train=TrainSpec(
+            optimizer="sgd", lr=3e4, max_steps=200, precision="16-mixed", loss_weight=1e-6
+        ),
+        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_fp16_adam_mixed",

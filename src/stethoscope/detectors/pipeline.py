@@ -269,6 +269,10 @@ def probability_floor(classes: int) -> float:
     return math.log(math.e + classes - 1) - 1
 
 
+#: The most label smoothing a loss is taken to mix in (``label_smoothing=0.1`` is usual).
+SMOOTHING = 0.5
+
+
 def _matches(loss: float, candidate: float | None, other: float | None) -> bool:
     """Whether ``loss`` is ``candidate`` (within float rounding) and not ``other``."""
     if candidate is None or not math.isfinite(candidate):
@@ -277,6 +281,33 @@ def _matches(loss: float, candidate: float | None, other: float | None) -> bool:
     if abs(loss - candidate) > tolerance:
         return False
     return other is None or not math.isfinite(other) or abs(loss - other) > 10 * tolerance
+
+
+def _apart(loss: float, one: float | None, other: float | None) -> bool:
+    """Whether two ways of taking the output give losses far apart (ten times float
+    rounding) on this step: where they agree (a fresh model's), no step tells them apart."""
+    if one is None or other is None or not (math.isfinite(one) and math.isfinite(other)):
+        return False
+    return abs(one - other) > 10 * 1e-3 * max(abs(loss), 1e-3)
+
+
+def _smoothing(
+    loss: float, at_labels: float | None, uniform: float | None, held: list | None
+) -> list | None:
+    """The label smoothings (an interval within [0, :data:`SMOOTHING`]) for which
+    ``loss`` is ``(1 - e) * at_labels + e * uniform`` on this step and on every earlier
+    step of ``held`` (the interval so far; None at the start): None when there is none,
+    which rules that way of taking the output out. ``uniform`` unmeasured: 0 alone."""
+    lo, hi = held if held is not None else (0.0, SMOOTHING)
+    if at_labels is None or not math.isfinite(at_labels):
+        return None
+    tolerance = 1e-3 * max(abs(loss), 1e-3)
+    gap = (uniform - at_labels) if uniform is not None and math.isfinite(uniform) else 0.0
+    if abs(gap) <= tolerance:  # the two agree: the loss must be at_labels, any smoothing
+        return [lo, hi] if abs(loss - at_labels) <= 2 * tolerance else None
+    e, spread = (loss - at_labels) / gap, tolerance / abs(gap)
+    lo, hi = max(lo, e - spread), min(hi, e + spread)
+    return [lo, hi] if lo <= hi else None
 
 
 class LogitsMismatch(_Persistent):
@@ -299,11 +330,19 @@ class LogitsMismatch(_Persistent):
       probabilities;
     - where it does not (a loss computed in a Lightning training step), the training
       loss is set against what it would be for each way of taking the output, computed
-      from the same output and the batch's class labels: probabilities whose loss is
-      their cross-entropy as logits (and not the log-likelihood of the probabilities)
-      went through a softmax twice; logits whose loss is their negative mean at the
-      labels (``nll_loss`` of raw scores, and not their cross-entropy) were never
-      log-softmaxed. A loss that is neither (regularised, label-smoothed) is left alone.
+      from the same output and the batch's class labels, each as it is or label-smoothed
+      by one constant up to :data:`SMOOTHING` (between its cross-entropy at the labels
+      and against the uniform distribution) on every sampled step, where the other
+      way was ruled out on one of them: probabilities whose loss is their cross-entropy
+      as logits (and not the log-likelihood of the probabilities) went through a softmax
+      twice, whatever module or function made them; logits whose loss is the
+      cross-entropy of their softmax taken as logits (and not of themselves) went
+      through a softmax written after the model's last module (in ``forward`` or in the
+      training step) and then the loss's own; logits whose loss is their negative mean
+      at the labels (``nll_loss`` of raw scores, and not their cross-entropy) were never
+      log-softmaxed. The classes lie on the last axis, or on the second of a sequence's
+      ``(N, C, T)`` scores. A loss that is none of these (regularised, class-weighted) is
+      left alone.
 
     Sources: softmax-then-cross-entropy is among the commonest silent bugs (its loss
     falls a little, then stalls above a floor it cannot pass); Keras warns of a softmax
@@ -362,19 +401,48 @@ class LogitsMismatch(_Persistent):
             )
         ]
 
+    def _initial_state(self) -> dict:
+        # smoothing: per way of taking the output, the label smoothings its loss has fit
+        # on every sampled step so far ([lo, hi]), or None once one step ruled it out
+        return {**super()._initial_state(), "smoothing": {}}
+
+    def _consistent(self, way: str, loss: float, at_labels, uniform) -> bool:
+        """Whether the loss has been this way of taking the output, label-smoothed by
+        one constant, on every sampled step so far (this one too)."""
+        held = self.state.setdefault("smoothing", {})
+        if way in held and held[way] is None:
+            return False
+        held[way] = _smoothing(loss, at_labels, uniform, held.get(way))
+        return held[way] is not None
+
     def _fed_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
         """What is wrong with a loss the training step computed itself (None: nothing
-        seen): which way of taking the output its value is."""
-        if probs and _matches(loss, obs.loss_as_logits, obs.loss_as_probs):
-            floor = probability_floor(obs.output_width)
+        seen): which way of taking the output its value is, label-smoothed or not."""
+        floor = probability_floor(obs.output_width)
+        if probs:
+            twice = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
+            right = self._consistent("probs", loss, obs.loss_as_probs, obs.uniform_as_probs)
+            if twice and not right and _apart(loss, obs.loss_as_logits, obs.loss_as_probs):
+                return (
+                    f"the model outputs probabilities of {obs.output_width} classes and the "
+                    "loss is their cross-entropy as if they were logits, so a softmax is "
+                    f"applied twice and the loss cannot fall below {floor:.3f}; return "
+                    "logits from the model (cross_entropy applies log-softmax itself), or "
+                    "take log() of the probabilities and use nll_loss"
+                )
+            return None
+        twice = self._consistent("softmax", loss, obs.loss_as_softmax, obs.uniform_as_softmax)
+        right = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
+        if twice and not right and _apart(loss, obs.loss_as_softmax, obs.loss_as_logits):
             return (
-                f"the model outputs probabilities of {obs.output_width} classes and the "
-                "loss is their cross-entropy as if they were logits, so a softmax is "
-                f"applied twice and the loss cannot fall below {floor:.3f}; return logits "
-                "from the model (cross_entropy applies log-softmax itself), or take log() "
-                "of the probabilities and use nll_loss"
+                f"the model outputs logits of {obs.output_width} classes and the loss is the "
+                "cross-entropy of their softmax taken as logits again: a softmax written "
+                "between the model's last layer and a loss that applies its own (in "
+                "forward after the last module, or in the training step), so a softmax is "
+                f"applied twice and the loss cannot fall below {floor:.3f}; pass the logits "
+                "to cross_entropy, or take log() of the probabilities and use nll_loss"
             )
-        if not probs and _matches(loss, obs.loss_as_log_probs, obs.loss_as_logits):
+        if _matches(loss, obs.loss_as_log_probs, obs.loss_as_logits):
             return (
                 "the model outputs logits and the loss is nll_loss of them as they are, "
                 "which takes log-probabilities, so it falls without bound; apply "

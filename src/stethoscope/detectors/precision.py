@@ -218,7 +218,11 @@ class GradientUnderflow(_ShareStreak):
     subnormal in it (``grad_subnormal``). A warning when one reaches ``fraction`` on
     ``patience`` measured steps in a row; the finding names the worst gradient, its dtype,
     and the share that is exactly zero beside it. (A gradient of exact zeros alone is a
-    dead unit's or an unused input's: subnormals are the mark of an underflow.)
+    dead unit's or an unused input's: subnormals are the mark of an underflow.) A
+    backward pass flushed whole leaves no subnormal: with no loss scaling and a finite
+    loss above zero, every element of every 16-bit gradient exactly zero, the output
+    layer's too (which a dead unit or an unused input leaves standing), counts as all of
+    them past ``fraction``.
 
     Args:
         fraction: Share of a gradient's elements that are subnormal.
@@ -240,10 +244,21 @@ class GradientUnderflow(_ShareStreak):
             return "scale the loss (mixed_float16) or mixed_bfloat16"
         return self.advice
 
+    def _flushed(self, obs: Observation, judged: np.ndarray) -> bool:
+        """Whether the whole 16-bit backward pass flushed to zero (see the class)."""
+        zero = np.asarray(obs.grad_zero, dtype=np.float64)
+        loss = obs.loss
+        if self.setup.loss_scaled or loss is None or not np.isfinite(loss) or loss <= 0:
+            return False
+        return bool(judged.any() and np.all(zero[judged] >= 1.0))
+
     def _update(self, obs: Observation) -> list[Finding]:
         subnormal = np.asarray(obs.grad_subnormal, dtype=np.float64)
         judged = _half(obs) & np.isfinite(subnormal)
-        said = self._worst(obs, subnormal, judged, "{share:.0%} of {name}'s gradient is subnormal")
+        flushed = self._flushed(obs, judged) if obs.grad_zero is not None else False
+        shares = np.where(judged, 1.0, subnormal) if flushed else subnormal
+        what = "{name}'s gradient is zero" if flushed else "{share:.0%} of {name}'s is subnormal"
+        said = self._worst(obs, shares, judged, what)
         if said is None:
             return []
         worst, past = said
@@ -251,17 +266,25 @@ class GradientUnderflow(_ShareStreak):
         share, dtype = float(subnormal[worst]), obs.dtypes[worst]
         fmt = FORMATS[dtype]
         zero = float(np.asarray(obs.grad_zero, dtype=np.float64)[worst])
+        what = (
+            f"The {dtype} gradients underflow to zero: every element of all "
+            f"{int(judged.sum())} {dtype} gradients, the output layer's too, is exactly zero "
+            f"at step {obs.step} (since step {st['since']}) although the loss is "
+            f"{obs.loss:.3g} and no loss scaling is on: the backward pass fell below "
+            f"{fmt.smallest:.2g} and flushed to zero"
+            if flushed
+            else f"The {dtype} gradient of {obs.names[worst]} underflows: {share:.0%} of its "
+            f"elements are subnormal (below {fmt.tiny:.2g}, keeping fewer than "
+            f"{fmt.bits} significant bits) and {zero:.0%} are exactly zero at step "
+            f"{obs.step} ({int(past.sum())} of {int(judged.sum())} {dtype} gradients "
+            f"past {self.fraction:.0%} since step {st['since']})"
+        )
         return [
             self.finding(
                 obs,
                 "warning",
-                f"The {dtype} gradient of {obs.names[worst]} underflows: {share:.0%} of its "
-                f"elements are subnormal (below {fmt.tiny:.2g}, keeping fewer than "
-                f"{fmt.bits} significant bits) and {zero:.0%} are exactly zero at step "
-                f"{obs.step} ({int(past.sum())} of {int(judged.sum())} {dtype} gradients "
-                f"past {self.fraction:.0%} since step {st['since']}). What flushes to zero "
-                f"never trains; {_loss_scaling(self.setup)}.",
-                value=share,
+                f"{what}. What flushes to zero never trains; {_loss_scaling(self.setup)}.",
+                value=1.0 if flushed else share,
                 threshold=self.fraction,
                 where=obs.names[worst],
             )

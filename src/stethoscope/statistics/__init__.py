@@ -325,6 +325,30 @@ STATISTICS: dict[str, Statistic] = {
                     "(``nll_loss(log(output), labels)``).",
                 ),
                 Field(
+                    "loss_as_softmax",
+                    "float | None",
+                    "The same with the output's softmax taken as logits "
+                    "(``cross_entropy(softmax(output), labels)``: a softmax before a loss "
+                    "that applies its own).",
+                ),
+                Field(
+                    "uniform_as_logits",
+                    "float | None",
+                    "Cross-entropy of the uniform distribution with the output taken as "
+                    "logits: what label smoothing mixes into ``loss_as_logits``.",
+                ),
+                Field(
+                    "uniform_as_probs",
+                    "float | None",
+                    "The same with the output taken as probabilities (into ``loss_as_probs``).",
+                ),
+                Field(
+                    "uniform_as_softmax",
+                    "float | None",
+                    "The same with the output's softmax taken as logits (into "
+                    "``loss_as_softmax``).",
+                ),
+                Field(
                     "loss_expects",
                     "str",
                     'What the loss is configured to take: ``"logits"``, ``"probabilities"`` '

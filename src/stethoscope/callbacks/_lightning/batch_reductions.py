@@ -153,6 +153,8 @@ class Predictions(Reduction):
         obs.output_probs, obs.output_width = float(values[0]), contexts[0]
         if not np.isnan(values[1]):
             obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[1:4].tolist()
+            obs.loss_as_softmax, obs.uniform_as_logits = values[4:6].tolist()
+            obs.uniform_as_probs, obs.uniform_as_softmax = values[6:8].tolist()
 
 
 class LossGraph(Reduction):

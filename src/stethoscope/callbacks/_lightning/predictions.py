@@ -29,18 +29,21 @@ def output_tensor(output: Any) -> torch.Tensor | None:
 
 
 def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int] | None:
-    """Decided on the device, as one float tensor of 4: 1.0 when every row of a model's
-    output is probabilities (several columns, the last axis: non-negative and summing to
+    """Decided on the device, as one float tensor of 8: 1.0 when every row of a model's
+    output is probabilities (several columns, the class axis: non-negative and summing to
     1; one column: within [0, 1]), else 0.0; then, with integer class labels for its rows
-    (negative ones ignored), the loss with the output taken as logits, as
-    log-probabilities and as probabilities (NaN: no labels, or not that many rows). Then
-    the columns. None: no dense float tensor (a sparse or nested output has no rows to
-    read)."""
+    (negative ones ignored), the seven losses of :func:`_losses` (NaN: no labels, or not
+    that many rows). Then the columns. The class axis is the last, or the second of an
+    output of three or more dimensions whose labels lack that one (``cross_entropy``'s
+    ``(N, C, T)`` against ``(N, T)``). None: no dense float tensor (a sparse or nested
+    output has no rows to read)."""
     t = output_tensor(output)
     if t is None or not _dense(t) or not t.is_floating_point() or t.dim() < 1 or not t.numel():
         return None
     with torch.no_grad():
         t = t.detach()
+        if _classes_second(t, labels):
+            t = t.movedim(1, -1)
         width = int(t.shape[-1]) if t.dim() >= 2 else 1
         rows = t.reshape(-1, width).float()
         if width >= 2:  # a 16-bit softmax's rows sum to 1 within its rounding only
@@ -50,15 +53,19 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
             probs = ((rows >= 0) & (rows <= 1)).all()
         losses = _losses(rows, labels) if width >= 2 else None
         if losses is None:
-            losses = torch.full((3,), math.nan, device=rows.device)
+            losses = torch.full((7,), math.nan, device=rows.device)
         return torch.cat([probs.float().reshape(1), losses]), width
 
 
 def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
-    """The three losses of :func:`probability_rows` (NaN where no label is kept), or None
-    without matching labels. Each reads the labels' entries of the rows, gathered, and a
-    log-sum-exp per row: no selection whose size depends on the labels (on a GPU that
-    would wait for the device), and no log of every entry."""
+    """The losses of :func:`probability_rows` (NaN where no label is kept), or None
+    without matching labels: the cross-entropy at the labels with the output taken as
+    logits, as log-probabilities, as probabilities, and as logits whose softmax is taken
+    as logits again (a softmax written before a loss that applies its own); then, for
+    the first, third and fourth, the cross-entropy against the uniform distribution,
+    which label smoothing mixes in (``(1 - e) * loss + e * uniform``). Each reads the
+    labels' entries of the rows, gathered, and a log-sum-exp per row: no selection whose
+    size depends on the labels (on a GPU that would wait for the device)."""
     if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_floating_point():
         return None
     y = labels.detach().reshape(-1)
@@ -66,13 +73,39 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
         return None
     y = y.long()
     kept = y >= 0  # ignore_index (-100) and other negative targets are left out
-    picked = rows.gather(1, torch.where(kept, y, 0)[:, None]).squeeze(1)
+    at = torch.where(kept, y, 0)[:, None]
     weight = kept.to(rows.dtype)
     count = weight.sum()
-    as_logits = ((torch.logsumexp(rows, dim=1) - picked) * weight).sum() / count
-    as_log_probs = -(picked * weight).sum() / count
-    as_probs = -(torch.log(picked.clamp_min(1e-30)) * weight).sum() / count
-    return torch.stack([as_logits, as_log_probs, as_probs])
+
+    def mean(per_row: torch.Tensor) -> torch.Tensor:
+        return (per_row * weight).sum() / count
+
+    picked = rows.gather(1, at).squeeze(1)
+    lse = torch.logsumexp(rows, dim=1)
+    soft = torch.softmax(rows, dim=1)
+    soft_lse = torch.logsumexp(soft, dim=1)
+    logs = torch.log(rows.clamp_min(1e-30))
+    return torch.stack(
+        [
+            mean(lse - picked),
+            mean(-picked),
+            mean(-logs.gather(1, at).squeeze(1)),
+            mean(soft_lse - soft.gather(1, at).squeeze(1)),
+            mean(lse - rows.mean(dim=1)),
+            mean(-logs.mean(dim=1)),
+            mean(soft_lse - soft.mean(dim=1)),
+        ]
+    )
+
+
+def _classes_second(t: torch.Tensor, labels: Any) -> bool:
+    """Whether ``t``'s classes lie on its second axis: an output of three or more
+    dimensions whose integer labels have its shape without that axis, and not without
+    its last (``cross_entropy`` of ``(N, C, T)`` scores against ``(N, T)`` labels)."""
+    if t.dim() < 3 or not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        return False
+    shape = tuple(labels.shape)
+    return shape == (t.shape[0], *t.shape[2:]) and shape != tuple(t.shape[:-1])
 
 
 def _dense(t: torch.Tensor) -> bool:
