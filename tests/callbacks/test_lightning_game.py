@@ -139,3 +139,55 @@ def test_two_optimizers_after_one_backward_pass_are_not_a_game():
     assert not [m for m in said if "several optimizers by hand" in m]
     # and it returned nothing: its loss is the one it backpropagated
     assert not [m for m in said if "no scalar loss" in m]
+
+
+class LayerByLayer(GAN):
+    """Greedy layer-wise training, one optimizer per layer: the first layer fits its own
+    objective until it has converged, then the second takes over with one of its own (a
+    loss that starts far above the first's end, as forward-forward's next layer does)."""
+
+    def __init__(self, per_layer: int) -> None:
+        super().__init__()
+        self.per_layer, self.it = per_layer, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        k = 0 if self.it < self.per_layer else 1
+        self.it += 1
+        net, opt = (self.D, self.G)[k], self.optimizers()[1 - k]
+        z = x if k == 0 else torch.randn(len(x), 8)
+        target = x.sum(1, keepdim=True) if k == 0 else x
+        loss = (net(z) - target).pow(2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.G.parameters(), 1e-2),
+            torch.optim.Adam(self.D.parameters(), 1e-2),
+        ]
+
+
+def test_the_next_stage_of_layer_wise_training_is_not_a_loss_spike():
+    torch.manual_seed(0)
+    sink = CapturingSink()
+    _train(LayerByLayer(per_layer=192), sink, epochs=5)  # 64 batches an epoch: the switch
+    alarms = [(f.step, f.detector, f.severity.value) for f in sink.at_least("warning")]
+    assert alarms == []
+
+
+def test_a_stage_begins_where_every_optimizer_differs_from_the_batch_befores():
+    from stethoscope.callbacks._lightning.game import GameWatch
+
+    optimizers = [torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1) for _ in range(3)]
+    watch = GameWatch(optimizers)
+    stages = []
+    for batch, ks in enumerate([[0]] * 5 + [[1]] * 5 + [[2]] * 5 + [[0, 1]] * 3):
+        for k in ks:
+            optimizers[k].step()
+        watch.batch_done()
+        stages += [batch] if watch.new_stage else []
+    assert stages == [5, 10]  # layer 1 takes over, then layer 2; 0 and 1 again: no new one
+    watch.close()

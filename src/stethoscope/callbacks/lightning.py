@@ -256,10 +256,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._clock.start(self.monitor, sampled=measures.sampled)
         self._hooks.set("on_before_optimizer_step", measures.sampled or self.recoverer is not None)
-        backward = self._train_losses.hearing or not plan.isdisjoint(
-            self._reductions.before_backward
-        )
-        self._hooks.backward(backward)  # the backward hook: only where it has work
+        wanted = not plan.isdisjoint(self._reductions.before_backward)
+        self._hooks.backward(wanted or self._train_losses.hearing)  # only where it has work
         if measures.sampled:
             for r in self._reductions.run(plan):
                 r.at_start(measures, batch)
@@ -286,6 +284,11 @@ class LightningStethoscope(StethoscopeBase, Callback):
         batch_idx: int,
     ) -> None:
         measures = self._measures
+        if self._game is not None and self._game.batch_done():  # before the loss is judged
+            self.monitor.plays_a_game()
+            self._game = None
+        elif self._game is not None and self._game.new_stage:
+            self.monitor.new_stage(measures.step)
         if self._scale_skips is not None and trainer.global_step != measures.step:
             self._scale_skips.step_done(first=measures.step == 0)
         lr = measures.lr
@@ -313,9 +316,6 @@ class LightningStethoscope(StethoscopeBase, Callback):
             self._drain(trainer, wait=False)
         if self._recovery is not None and trainer.global_step != measures.step:
             self._recovery.after_step(trainer, pl_module, measures.step)
-        if self._game is not None and self._game.batch_done():
-            self.monitor.plays_a_game()
-            self._game = None
         if self._ranks is not None:
             self._ranks.batch_done(trainer, measures.step)
 

@@ -20,7 +20,6 @@ from stethoscope.engine.settings import Settings
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import RunContext, Sink
-from stethoscope.statistics import EVERY_STEP
 from stethoscope.summary import EpochSummary
 
 __all__ = ["Monitor"]
@@ -96,14 +95,8 @@ class Monitor:
         return self.planner.plan(step)
 
     def first_sampled(self, start: int, steps: int) -> tuple[int, frozenset[str]]:
-        """The first of ``steps`` steps from ``start`` that measures more than the
-        every-step statistics, and its plan; ``(-1, frozenset())`` if none does (an
-        execution of several steps measures at most one of them)."""
-        for step in range(start, start + steps):
-            planned = self.planner.plan(step)
-            if not planned <= EVERY_STEP:
-                return step, planned
-        return -1, frozenset()
+        """See ``Planner.first_sampled``."""
+        return self.planner.first_sampled(start, steps)
 
     def due(self, step: int) -> frozenset[str]:
         """The names of the detectors the schedule runs at ``step``."""
@@ -402,6 +395,10 @@ class Monitor:
         if self.schedule.play_a_game(warn=self.rank == 0):
             for d in self.detectors:
                 d.setup = dataclasses.replace(d.setup, adversarial=True)
+
+    def new_stage(self, step: int) -> None:
+        """A new stage of training began at ``step`` (see ``Schedule.new_stage``)."""
+        self.schedule.new_stage(step)
 
     def cannot_measure(self, statistics: frozenset[str], why: str) -> list[str]:
         """The adapter cannot measure ``statistics`` in this run (``why``: a few words):

@@ -168,6 +168,16 @@ class Planner:
             hit = self._agreed[due] = with_requirements(wanted) & REPLICATED
         return hit
 
+    def first_sampled(self, start: int, steps: int) -> tuple[int, frozenset[str]]:
+        """The first of ``steps`` steps from ``start`` that measures more than the
+        every-step statistics, and its plan; ``(-1, frozenset())`` if none does (an
+        execution of several steps measures at most one of them)."""
+        for step in range(start, start + steps):
+            planned = self.plan(step)
+            if not planned <= EVERY_STEP:
+                return step, planned
+        return -1, frozenset()
+
     def is_quiet(self, step: int) -> bool:
         """Whether ``step`` measures no more than the every-step statistics (the loss)."""
         return self.plan(step) <= EVERY_STEP

@@ -158,6 +158,16 @@ class Schedule:
         if self._measures_for_rank_zero:
             self.planner.measure_shards(self._rank_idle - self._not_applying - self._sat_out)
 
+    def new_stage(self, step: int) -> None:
+        """A new stage of training began at ``step``: an optimizer that had not stepped
+        took over from those that stepped the batch before (layer-wise training's next
+        layer). The loss a step returns from then on is another objective's, so the
+        detectors that judge the loss alone start again from it, as at a run's start: its
+        first value is the new objective's start, not a spike of the old one's."""
+        for d in self.planner.loss_readers():
+            d.reset()
+        self.planner.changed()
+
     def _shortest_sampled(self) -> int:
         """The shortest declared interval of a sampled detector that takes part."""
         idle = self.planner.idle

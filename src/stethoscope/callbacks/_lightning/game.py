@@ -15,6 +15,10 @@ backward pass descend one loss: they step in turn too, but they are not a game. 
 backward passes are heard through ``manual_backward`` (Lightning's
 ``on_before_backward``); a run that calls ``loss.backward()`` itself is heard through none,
 and is judged by the order of its steps alone.
+
+Layer-wise training is no game, but it has stages: a batch whose optimizers all differ
+from the batch before's, one of them never heard before, begins one (forward-forward's
+next layer takes over). Its loss is another objective's from then on (``new_stage``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class GameWatch:
         self.span = span
         #: Whether the optimizers play a game (found once: then nothing is heard any more).
         self.found = False
+        #: Whether the batch just done began a new stage (see the module's docstring).
+        self.new_stage = False
+        self._now: set[int] = set()  # the optimizers that stepped in this batch
+        self._before: set[int] = set()  # those of the last batch that stepped any
+        self._ever: set[int] = set()
         self._batch = 0
         self._order = 0  # counts the steps heard, to order them
         self._backwards = 0  # counts the backward passes heard
@@ -55,8 +64,13 @@ class GameWatch:
         ]
 
     def batch_done(self) -> bool:
-        """A batch ended: whether the game was found in it (True once)."""
+        """A batch ended: whether the game was found in it (True once); whether it began a
+        new stage is :attr:`new_stage`."""
         self._batch += 1
+        now, self._now = self._now, set()
+        self.new_stage = bool(self._ever and now - self._ever and not now & self._before)
+        self._ever |= now
+        self._before = now or self._before
         if self.found and self._handles:
             self.close()
             return True
@@ -75,6 +89,7 @@ class GameWatch:
     def _stepped(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Optimizer ``k`` stepped (torch's post-step hook)."""
         self._order += 1
+        self._now.add(k)
         last = self._last.get(k)
         self._last[k] = (self._batch, self._order, self._backwards)
         if self.found or last is None or self._batch - last[0] > self.span:
