@@ -43,7 +43,12 @@ from lightning.pytorch.callbacks import Callback
 
 from benchmarks._dispatch import call_hook
 from benchmarks.faults.data import make_data
-from benchmarks.faults.lightning_suite import SuiteModule, make_loader, setting_kwargs
+from benchmarks.faults.lightning_suite import (
+    ON_ONE_CPU,
+    SuiteModule,
+    make_loader,
+    setting_kwargs,
+)
 from benchmarks.faults.scenarios import Scenario
 from benchmarks.overhead import Segment, StepClock, schedule
 from stethoscope import LightningStethoscope
@@ -203,12 +208,7 @@ def measure_overhead(
     trainer = L.Trainer(
         max_steps=total + 1,  # +1: the last timed step ends at the next batch start
         max_epochs=-1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **ON_ONE_CPU,
         gradient_clip_val=sc.train.clip,
         num_sanity_val_steps=0,
         limit_val_batches=0,

@@ -72,6 +72,7 @@ from stethoscope.testing import CapturingSink
 
 __all__ = [
     "FRAMEWORK",
+    "ON_ONE_CPU",
     "SuiteModule",
     "WatchedStethoscope",
     "baseline_callbacks",
@@ -94,6 +95,18 @@ try:  # SpikeDetection ships with Lightning >= 2.2 and needs torchmetrics >= 1.0
 except ImportError as exc:  # pragma: no cover - depends on the installed Lightning
     SpikeDetection = None  # type: ignore[assignment,misc]
     SPIKE_DETECTION = f"SpikeDetection is not available: {exc}"
+
+
+#: The Trainer arguments of every benchmark fit: one CPU process, nothing written, no
+#: bar or summary printed.
+ON_ONE_CPU: dict[str, Any] = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
 
 
 def quiet() -> None:
@@ -129,16 +142,22 @@ def environment() -> dict[str, Any]:
 
 
 class _GRUNet(nn.Module):
-    """One GRU layer; a linear classifier on its last output."""
+    """One GRU layer; a linear classifier on its last output, or on every step's
+    (``ModelSpec.output`` ``"steps"``: scores ``(N, C, T)`` as ``cross_entropy`` takes a
+    sequence's; ``"steps_softmax"``: their softmax over the classes, dim 1)."""
 
-    def __init__(self, features: int, hidden: int, classes: int) -> None:
+    def __init__(self, features: int, hidden: int, classes: int, output: str = "logits") -> None:
         super().__init__()
         self.gru = nn.GRU(features, hidden, batch_first=True)
         self.head = nn.Linear(hidden, classes)
+        self.output = output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.gru(x)
-        return self.head(out[:, -1])
+        if not self.output.startswith("steps"):
+            return self.head(out[:, -1])
+        scores = self.head(out).transpose(1, 2)  # (N, T, C) -> (N, C, T)
+        return scores.softmax(dim=1) if self.output == "steps_softmax" else scores
 
 
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
@@ -165,8 +184,9 @@ def build_net(
             mods.append(nn.Dropout(spec.dropout))
         head = nn.Linear(width, classes)
         layers.append(head)
-        if spec.output == "softmax":
-            mods += [head, nn.Softmax(dim=1)]
+        if spec.output in ("softmax", "sigmoid"):
+            last = nn.Softmax(dim=1) if spec.output == "softmax" else nn.Sigmoid()
+            mods += [head, last]
             return nn.Sequential(*mods), layers
         return nn.Sequential(*mods, head), layers
     if spec.arch == "cnn":
@@ -184,7 +204,7 @@ def build_net(
             mods.append(nn.Dropout(spec.dropout))
         return nn.Sequential(*mods, head), [c1, c2, head]
     if spec.arch == "gru":
-        net = _GRUNet(input_shape[-1], spec.width, classes)
+        net = _GRUNet(input_shape[-1], spec.width, classes, spec.output)
         return net, [net.gru, net.head]
     raise ValueError(f"arch={spec.arch!r}; use 'mlp', 'cnn' or 'gru'")
 
@@ -323,6 +343,12 @@ class SuiteModule(L.LightningModule):
             return nn.functional.cross_entropy(torch.softmax(out, dim=1), y)
         if kind == "log_softmax_in_step":  # the same place, written right
             return nn.functional.nll_loss(torch.log_softmax(out, dim=1), y)
+        if kind == "bce_with_logits":  # multi-label targets (see _targets)
+            return nn.functional.binary_cross_entropy_with_logits(out, y)
+        if kind == "bce":  # the same of probabilities
+            return nn.functional.binary_cross_entropy(out, y)
+        if kind == "sigmoid_in_step":  # a sigmoid in the step, before a loss that has one
+            return nn.functional.binary_cross_entropy_with_logits(torch.sigmoid(out), y)
         if kind == "smoothed":
             return nn.functional.cross_entropy(out, y, label_smoothing=0.1)
         if kind == "probabilities_smoothed":  # label-smoothed nll of the log-probabilities
@@ -453,6 +479,21 @@ def _corrupt(
     elif kind == "corrupt_labels":
         y = (y + 1) % classes
     return x, y
+
+
+#: Losses of multi-label targets: each label one-hot, as float (see ``TrainSpec.loss``).
+MULTI_LABEL = ("bce_with_logits", "bce", "sigmoid_in_step")
+
+
+def _targets(sc: Scenario, arrays: Arrays, y: np.ndarray | None = None) -> np.ndarray:
+    """The targets the loss is fed: the labels, one-hot as float for a multi-label loss,
+    or repeated at every step of a sequence whose every step is scored (``(N, T)``)."""
+    y = arrays.y if y is None else y
+    if sc.train.loss in MULTI_LABEL:
+        return np.eye(arrays.classes, dtype=np.float32)[y]
+    if sc.model.output.startswith("steps"):
+        return np.repeat(y[:, None], arrays.input_shape[0], axis=1)
+    return y
 
 
 def make_loader(
@@ -674,13 +715,19 @@ def run_scenario(
     t = sc.train
     stuck = sc.onset if sc.fault is not None and sc.fault.kind == "stuck_batch" else -1
     train = make_loader(
-        arrays.x, arrays.y, t.batch_size, seed, order=sc.data.loader_order, stuck_from=stuck
+        arrays.x,
+        _targets(sc, arrays),
+        t.batch_size,
+        seed,
+        order=sc.data.loader_order,
+        stuck_from=stuck,
     )
     val = None
     if t.validate:
         if arrays.x_val is None:
             raise ValueError(f"{sc.name}: validate=True needs DataSpec.n_val > 0")
-        val = make_loader(arrays.x_val, arrays.y_val, 256, seed, order="sequential")
+        y_val = _targets(sc, arrays, arrays.y_val)
+        val = make_loader(arrays.x_val, y_val, 256, seed, order="sequential")
     watchers = [WatchedStethoscope(s, **setting_kwargs(s)) for s in settings]
     result = RunResult(scenario=sc.name, seed=seed, framework=FRAMEWORK, steps_per_epoch=len(train))
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -690,12 +737,7 @@ def run_scenario(
         trainer = L.Trainer(
             max_steps=t.max_steps,
             max_epochs=t.max_epochs if t.max_epochs is not None else -1,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **ON_ONE_CPU,
             gradient_clip_val=t.clip,
             accumulate_grad_batches=t.accumulate,
             **precision_arguments(t.precision),

@@ -218,6 +218,7 @@ def run_one(name: str, *, buggy: bool) -> list[dict[str, Any]]:
     """Fit one bug of one process (or its twin) under stethoscope; its findings."""
     import lightning as L
 
+    from benchmarks.faults.lightning_suite import ON_ONE_CPU
     from benchmarks.faults.traincheck_models import BUILDERS
     from stethoscope import LightningStethoscope
     from stethoscope.testing import CapturingSink
@@ -227,12 +228,7 @@ def run_one(name: str, *, buggy: bool) -> list[dict[str, Any]]:
     sink = CapturingSink()
     trainer = L.Trainer(
         max_epochs=-1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **ON_ONE_CPU,
         callbacks=[LightningStethoscope(sinks=[sink])],
         **({"limit_val_batches": 0} if val is None else {}),
         **trainer_kw,

@@ -54,7 +54,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from benchmarks.faults.lightning_suite import quiet
+from benchmarks.faults.lightning_suite import ON_ONE_CPU, quiet
 from benchmarks.faults.zoo_models import WORKLOADS, Workload
 from stethoscope import LightningStethoscope
 from stethoscope.findings import Finding, Severity
@@ -139,12 +139,7 @@ def fit(
             module = built.module
             callbacks = [LightningStethoscope(sinks=[sink])] if watched else []
             trainer = L.Trainer(
-                accelerator="cpu",
-                devices=1,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
+                **ON_ONE_CPU,
                 deterministic=True,
                 default_root_dir=tmp,
                 callbacks=callbacks,
