@@ -204,8 +204,12 @@ class ModelSpec:
         frozen: Layers whose parameters do not require grad (a frozen backbone).
         frozen_bn: The batch norms frozen as fine-tuning does: their parameters do not
             require grad and they stay in eval mode, on their running statistics.
-        output: ``"logits"`` (the classifier's scores) or ``"softmax"`` (a softmax after
-            the classifier: probabilities).
+        output: ``"logits"`` (the classifier's scores), ``"softmax"`` (a softmax after
+            the classifier: probabilities) or ``"sigmoid"`` (a sigmoid after it: one
+            probability per class, multi-label; Lightning's MLP only). The GRU also
+            takes ``"steps"``: its classifier on every step, scores ``(N, C, T)`` against
+            the label repeated at each step ``(N, T)``, as ``cross_entropy`` takes a
+            sequence's, and ``"steps_softmax"``: their softmax over dim 1 (Lightning only).
     """
 
     arch: str = "mlp"
@@ -269,7 +273,12 @@ class TrainSpec:
             training step (a bug), ``"log_softmax_in_step"``: ``nll_loss(log_softmax(
             output))`` there (right); ``"smoothed"``: ``cross_entropy`` with
             ``label_smoothing=0.1``; ``"probabilities_smoothed"``: ``nll_loss`` of the
-            log of probabilities, label-smoothed by 0.1 (Lightning only, all four).
+            log of probabilities, label-smoothed by 0.1 (Lightning only, all four);
+            ``"bce_with_logits"``: ``binary_cross_entropy_with_logits`` of the output
+            against each label one-hot as float (multi-label targets), ``"bce"``:
+            ``binary_cross_entropy`` there (of probabilities), ``"sigmoid_in_step"``:
+            ``binary_cross_entropy_with_logits(sigmoid(output))`` written in the training
+            step (a bug; Lightning only, all three).
     """
 
     optimizer: str = "adam"
@@ -887,6 +896,52 @@ SCENARIOS: tuple[Scenario, ...] = (
         frameworks=("lightning",),
     ),
     Scenario(
+        "sigmoid_then_bce_with_logits",
+        "pipeline",
+        "a sigmoid after the classifier, fed to binary_cross_entropy_with_logits against "
+        "multi-label targets: the loss applies its own sigmoid, so a sigmoid is applied twice",
+        model=ModelSpec(output="sigmoid"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="bce_with_logits"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=200,  # a sigmoid's output must stay within [0, 1] for a span of steps
+        # the outer sigmoid is flat where the inner one saturates: small gradients, a stall
+        collateral=(
+            "saturated_activation",
+            "vanishing_gradients",
+            "small_updates",
+            "loss_not_decreasing",
+        ),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "sigmoid_in_training_step",
+        "pipeline",
+        "the classifier's logits through torch.sigmoid in the training step, then "
+        "binary_cross_entropy_with_logits against multi-label targets: a sigmoid applied "
+        "twice where no module shows it",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="sigmoid_in_step"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+        collateral=("vanishing_gradients", "small_updates", "loss_not_decreasing"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "sequence_softmax_then_cross_entropy",
+        "pipeline",
+        "a GRU scoring every step, a softmax over the classes (dim 1 of its (N, C, T) "
+        "output) fed to cross_entropy against (N, T) labels: a softmax applied twice, "
+        "classes on the second axis",
+        model=ModelSpec(arch="gru", width=32, output="steps_softmax"),
+        data=SEQ,
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "logits_as_probabilities",
         "pipeline",
         "the classifier's logits fed to a loss that takes probabilities (Keras' "
@@ -979,14 +1034,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         onset=0,
         expect=("gradient_underflow",),
         window=64,
-        # every gradient is zero, so nothing moves: what the flush does
-        collateral=(
-            "all_zero",
-            "vanishing_gradients",
-            "frozen_weights",
-            "small_updates",
-            "loss_not_decreasing",
-        ),
+        # nothing moves, so the loss stays; the zero gradients themselves are precision's
+        # (all_zero, vanishing_gradients, frozen_weights and small_updates leave them)
+        collateral=("loss_not_decreasing",),
         frameworks=("lightning",),  # not yet run in Keras (its float16 policy)
     ),
     Scenario(
@@ -1195,6 +1245,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(the twin of smoothed_softmax_then_cross_entropy, probabilities taken as such)",
         model=ModelSpec(output="softmax"),
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="probabilities_smoothed"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_sigmoid_bce",
+        "healthy",
+        "a sigmoid after the classifier, and binary_cross_entropy of its probabilities "
+        "against multi-label targets (the twin of sigmoid_then_bce_with_logits)",
+        model=ModelSpec(output="sigmoid"),
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="bce"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_bce_with_logits",
+        "healthy",
+        "the classifier's logits to binary_cross_entropy_with_logits against multi-label "
+        "targets (the twin of sigmoid_in_training_step)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="bce_with_logits"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "healthy_sequence_logits",
+        "healthy",
+        "a GRU scoring every step, its (N, C, T) logits to cross_entropy against (N, T) "
+        "labels (the twin of sequence_softmax_then_cross_entropy)",
+        model=ModelSpec(arch="gru", width=32, output="steps"),
+        data=SEQ,
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
         frameworks=("lightning",),
     ),
     Scenario(

@@ -18,7 +18,7 @@ from stethoscope.detectors import (
     LossDividedTwice,
     UnzeroedGradients,
 )
-from stethoscope.detectors.pipeline import probability_floor
+from stethoscope.detectors.pipeline import SMOOTHING, _smoothing, probability_floor
 from stethoscope.observation import Observation
 
 
@@ -300,3 +300,110 @@ class _DividedByFour(LossDividedTwice):
 def test_loss_divided_twice_resumes(at):
     (f,) = assert_resumes(_DividedByFour, measured([4, 8]), at=at)
     assert f.step == 4 and f.value == 4.0
+
+
+# -- logits_mismatch under label smoothing (one constant that fits every sampled step) -----------
+def test_the_smoothing_interval_holds_the_constant_that_mixes_the_two_losses():
+    # 0.9 * 1.0 + 0.1 * 3.0 = 1.2: a smoothing of 0.1, within rounding
+    lo, hi = _smoothing(1.2, 1.0, 3.0, None)
+    assert lo <= 0.1 <= hi and hi - lo < 2e-3
+    lo, hi = _smoothing(1.0, 1.0, 3.0, None)  # unsmoothed: 0
+    assert lo == 0.0 <= hi < 1e-3
+    # a later step narrows the interval, or rules the way out with another constant
+    held = _smoothing(1.2, 1.0, 3.0, None)
+    assert _smoothing(0.9 * 0.5 + 0.1 * 2.0, 0.5, 2.0, held) is not None
+    assert _smoothing(0.7 * 0.5 + 0.3 * 2.0, 0.5, 2.0, held) is None
+    assert _smoothing(0.4 * 1.0 + 0.6 * 3.0, 1.0, 3.0, None) is None  # past SMOOTHING
+    assert _smoothing(0.5, 1.0, 3.0, None) is None  # below the labels' own loss
+    assert _smoothing(1.0, None, 3.0, None) is None  # that way unmeasured
+    # where the two agree the loss must be the labels' (any smoothing fits)
+    assert _smoothing(1.0, 1.0, 1.0, None) == [0.0, SMOOTHING]
+    assert _smoothing(1.5, 1.0, 1.0, None) is None
+    # the uniform loss unmeasured: unsmoothed alone
+    assert _smoothing(1.0, 1.0, None, None) is not None
+    assert _smoothing(1.2, 1.0, None, None) is None
+
+
+def _smoothed(t: int, e: float, *, probs: bool, ways: dict) -> Observation:
+    """A step with each way of taking the output's losses, ``way: (at_labels, uniform)``;
+    the training loss is the first way's, mixed with the uniform by ``e``."""
+    fields = {}
+    for way, (at, uniform) in ways.items():
+        fields[f"loss_as_{way}"], fields[f"uniform_as_{way}"] = at, uniform
+    at, uniform = next(iter(ways.values()))
+    return predicted(t, probs=probs, loss=(1 - e) * at + e * uniform, **fields)
+
+
+def test_probabilities_label_smoothed_through_cross_entropy_went_through_a_softmax_twice():
+    seq = [
+        _smoothed(t, 0.1, probs=True, ways={"logits": (1.3 - t / 100, 1.39), "probs": (0.4, 2.5)})
+        for t in range(0, 64, 16)
+    ]
+    (found,) = run(LogitsMismatch(), seq)
+    assert "applied twice" in found.message
+
+
+def test_logits_whose_loss_is_their_softmaxs_cross_entropy_had_a_softmax_in_the_step():
+    ways = {"softmax": (1.35, 1.386), "logits": (0.6, 2.0)}
+    seq = [_smoothed(t, 0.0, probs=False, ways=ways) for t in range(0, 64, 16)]
+    (found,) = run(LogitsMismatch(), seq)
+    assert "training step" in found.message and "applied twice" in found.message
+
+
+def test_a_label_smoothed_cross_entropy_of_logits_is_left_alone():
+    seq = [
+        _smoothed(
+            t, 0.1, probs=False, ways={"logits": (0.6 - t / 1000, 2.0), "softmax": (1.3, 1.386)}
+        )
+        for t in range(0, 128, 16)
+    ]
+    assert run(LogitsMismatch(), seq) == []
+
+
+def test_a_smoothing_that_changes_from_step_to_step_fits_no_way():
+    """A loss between the two ways by a different share on each step (a regulariser's
+    own term) is no constant label smoothing: left alone."""
+    ways = {"logits": (1.3, 1.39), "probs": (0.4, 2.5)}
+    seq = [
+        _smoothed(t, 0.05 + 0.1 * (i % 3), probs=True, ways=ways)
+        for i, t in enumerate(range(0, 128, 16))
+    ]
+    assert run(LogitsMismatch(), seq) == []
+
+
+# -- logits_mismatch of a binary or multi-label output ------------------------------------------
+def _binary(t: int, *, unit: bool, loss: float, **bce) -> Observation:
+    fields = {f"bce_as_{k}": v for k, v in bce.items()}
+    return Observation(
+        step=t, loss=loss, output_probs=0.0, output_width=3, output_in_unit=float(unit), **fields
+    )
+
+
+def test_a_sigmoids_output_fed_to_bce_with_logits_must_stay_within_0_and_1_for_a_span():
+    span = LogitsMismatch.one_column_span
+    ways = {"logits": 0.75, "probs": 0.3, "sigmoid": 0.8}
+    seq = [_binary(t, unit=True, loss=0.75, **ways) for t in range(0, span + 1, 16)]
+    (found,) = run(LogitsMismatch(), seq)
+    assert found.step == span and "sigmoid is applied twice" in found.message
+    assert_sentence(found, "binary_cross_entropy")
+    # a fresh model's logits within [0, 1] that leave as it learns are never named
+    fresh = [_binary(t, unit=t < 64, loss=0.75, **ways) for t in range(0, 2 * span, 16)]
+    assert run(LogitsMismatch(), fresh) == []
+
+
+def test_logits_whose_loss_is_their_sigmoids_bce_had_a_sigmoid_in_the_step():
+    seq = [
+        _binary(t, unit=False, loss=0.8, logits=0.4, probs=float("nan"), sigmoid=0.8)
+        for t in range(0, 48, 16)
+    ]
+    (found,) = run(LogitsMismatch(), seq)
+    assert "written between" in found.message and "applied twice" in found.message
+
+
+@pytest.mark.parametrize(
+    ("unit", "loss"), [(False, 0.4), (True, 0.3), (False, 0.55)]
+)  # logits to with_logits, probabilities to bce, neither (a weighted loss)
+def test_a_binary_loss_taken_the_right_way_is_left_alone(unit, loss):
+    ways = {"logits": 0.4, "probs": 0.3, "sigmoid": 0.8}
+    seq = [_binary(t, unit=unit, loss=loss, **ways) for t in range(0, 512, 16)]
+    assert run(LogitsMismatch(), seq) == []

@@ -103,6 +103,23 @@ def test_zeros_without_subnormals_are_a_dead_units_not_an_underflow():
     assert feed(d, zero)[0] == []
 
 
+def test_a_float16_backward_pass_flushed_whole_unscaled_is_an_underflow():
+    """No subnormal is left where every gradient fell below float16's smallest one: every
+    element of every 16-bit gradient, the output layer's too, exactly zero for a loss
+    above zero and no loss scaling."""
+    flush = dict(dtype="float16", grad_subnormal=np.zeros(4), grad_zero=np.ones(4))
+    [f] = feed(low(GradientUnderflow()), [obs(s, loss=1.4e-6, **flush) for s in (0, 1)])[0]
+    assert f.step == 1 and f.value == 1.0 and "underflow to zero" in f.message
+    assert "every element of all 4 float16 gradients" in f.message and "16-mixed" in f.message
+    # not under a loss scaler, for a loss of zero or none, nor with one gradient standing
+    scaled = low(GradientUnderflow(patience=1), loss_scaler="GradScaler")
+    assert feed(scaled, [obs(0, loss=1.4e-6, **flush)])[0] == []
+    for loss in (0.0, None, float("nan")):
+        assert feed(low(GradientUnderflow(patience=1)), [obs(0, loss=loss, **flush)])[0] == []
+    standing = {**flush, "grad_zero": np.array([1.0, 1.0, 1.0, 0.0])}
+    assert feed(low(GradientUnderflow(patience=1)), [obs(0, loss=1.4e-6, **standing)])[0] == []
+
+
 def test_a_streak_broken_starts_again():
     d = low(GradientUnderflow(patience=2))
     bad, good = np.full(4, 0.2), np.zeros(4)

@@ -7,6 +7,7 @@ import numpy as np
 
 from stethoscope.advice import optimizer_advice, unoptimized_advice
 from stethoscope.detectors._stats import is_finite, median
+from stethoscope.detectors._underflow import flushed
 from stethoscope.detectors._updates import MOVED, listed, unmoved_cause
 from stethoscope.detectors.base import Detector, check_positive
 from stethoscope.findings import Finding
@@ -42,6 +43,8 @@ class FrozenWeights(Detector):
       not, at a learning rate whose steps float32 could not round away (the update
       does not reach the parameters: a stale optimizer, weights restored after each
       step): a warning, once. Not a small learning rate: ``small_updates`` skips it.
+      Nor gradients that a 16-bit backward pass flushed whole to zero with no loss
+      scaling: the format lost them (``gradient_underflow``'s finding).
     A parameter held in 16 bits that does not move under a non-zero learning rate has
     its updates rounded away (``rounded_updates``' finding, not this one).
 
@@ -172,6 +175,9 @@ class FrozenWeights(Detector):
         cause = unmoved_cause(obs, self.setup.adaptive)
         still = np.isfinite(obs.update_norm) & (obs.update_norm == 0)
         if cause is None or not still.any() or not np.all(still | ~np.isfinite(obs.update_norm)):
+            st["unmoved"] = 0
+            return None
+        if cause == "no gradient" and flushed(obs, self.setup):  # gradient_underflow's
             st["unmoved"] = 0
             return None
         if is_finite(obs.loss) and obs.loss == 0:  # a loss of 0 has nothing left to learn

@@ -8,6 +8,7 @@ import numpy as np
 
 from stethoscope.advice import clipping_advice, warmup_advice
 from stethoscope.detectors._stats import MAD_TO_SIGMA, is_finite, median, push
+from stethoscope.detectors._underflow import underflow_format
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.observation import Observation, global_norm
@@ -350,7 +351,10 @@ class VanishingGradients(Detector):
     converged model has tiny gradients for a tiny loss: SageMaker's absolute
     1e-7 fires on any classifier trained to a loss of ~1e-6. Either only counts
     while the loss is still above ``loss_fraction`` of its initial level.
-    ``patience`` vanishing samples in a row raise a warning.
+    ``patience`` vanishing samples in a row raise a warning. A gradient held in a
+    16-bit format with no loss scaling, whose root-mean-square is below the format's
+    smallest normal value (float16: 6.1e-5), is subnormal or flushed to zero there: the
+    format lost it, ``gradient_underflow``'s finding, and this rule leaves it alone.
 
     Args:
         rms_threshold: Global gradient RMS, per unit of loss, below which
@@ -434,6 +438,8 @@ class VanishingGradients(Detector):
         # loss (cross-entropy: |dL/dlogit| ~ 2 x loss), which is not vanishing.
         scale = abs(obs.loss) if is_finite(obs.loss) and obs.loss != 0 else 1.0
         if rms < self.rms_threshold * scale:
+            if underflow_format(obs, self.setup, np.ones(len(norms), bool), rms) is not None:
+                return None  # 16-bit gradients below the format's normal range: precision's
             return (
                 f"Gradients have vanished at step {obs.step}: RMS gradient {rms:.2g} for a loss "
                 f"of {scale:.3g} (< {self.rms_threshold:.0e} per unit of loss); {fix}.",
@@ -446,6 +452,9 @@ class VanishingGradients(Detector):
             return None
         first, last = float(norms[mats[0]]), float(norms[mats[-1]])
         if first < self.first_layer_threshold * scale and first < self.ratio * last:
+            per_element = first / math.sqrt(max(float(numel[mats[0]]), 1.0))
+            if underflow_format(obs, self.setup, mats[:1], per_element) is not None:
+                return None
             return (
                 f"Gradients vanish on the way back at step {obs.step}: {obs.names[mats[0]]} gets "
                 f"a gradient norm of {first:.2g}, {last / max(first, 1e-300):.2g}x smaller than "

@@ -385,7 +385,10 @@ class LogitsMismatch(_Persistent):
             )
         elif not expects and loss is not None:
             why = self._fed_in_the_step(obs, loss, probs)
-        one_column = expects == "logits" and probs and obs.output_width == 1
+        # a fresh model's logits can lie within [0, 1] and leave as it learns; a
+        # sigmoid's stay there (Keras' one column, and any output a binary loss takes)
+        unit = not expects and obs.output_in_unit == 1.0 and obs.bce_as_logits is not None
+        one_column = (expects == "logits" and probs and obs.output_width == 1) or unit
         span = self.one_column_span if one_column else 0
         if not self._held(why is not None, step=obs.step, span=span):
             return []
@@ -418,6 +421,8 @@ class LogitsMismatch(_Persistent):
     def _fed_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
         """What is wrong with a loss the training step computed itself (None: nothing
         seen): which way of taking the output its value is, label-smoothed or not."""
+        if obs.bce_as_logits is not None:  # targets of the output's shape: binary ways
+            return self._binary_in_the_step(obs, loss)
         floor = probability_floor(obs.output_width)
         if probs:
             twice = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
@@ -449,6 +454,42 @@ class LogitsMismatch(_Persistent):
                 "log_softmax before nll_loss, or use cross_entropy on the logits"
             )
         return None
+
+    def _binary_in_the_step(self, obs: Observation, loss: float) -> str | None:
+        """The same for a binary or multi-label output and its targets: a sigmoid's
+        output whose loss is their binary cross-entropy as logits (and not of the
+        probabilities), or logits whose loss is that of their sigmoid as logits (and not
+        of themselves), went through a sigmoid twice. No label smoothing here: torch's
+        binary losses have none."""
+        width = obs.output_width
+        what = "one output" if width <= 1 else f"{width} outputs (multi-label)"
+        where = (
+            "a sigmoid output fed to"
+            if obs.output_in_unit == 1.0
+            else "a sigmoid written between the model's last layer and"
+        )
+        if obs.output_in_unit == 1.0:
+            twice = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
+            right = self._consistent("bce_probs", loss, obs.bce_as_probs, None)
+            ways = (obs.bce_as_logits, obs.bce_as_probs)
+            fix = (
+                "drop the sigmoid (binary_cross_entropy_with_logits applies its own), or "
+                "use binary_cross_entropy on the probabilities"
+            )
+        else:
+            twice = self._consistent("bce_sigmoid", loss, obs.bce_as_sigmoid, None)
+            right = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
+            ways = (obs.bce_as_sigmoid, obs.bce_as_logits)
+            fix = "pass the logits to binary_cross_entropy_with_logits, which applies it"
+        if not (twice and not right and _apart(loss, *ways)):
+            return None
+        return (
+            f"the model has {what} and the loss is their binary cross-entropy with their "
+            f"sigmoid taken as logits again ({where} binary_cross_entropy_with_logits or "
+            "BCEWithLogitsLoss), so a sigmoid is applied twice: every prediction lies "
+            "within [0.5, 0.731] and the loss cannot fall below 0.313 for a target of 1, "
+            f"nor 0.693 for one of 0; {fix}"
+        )
 
 
 class BroadcastLoss(_Persistent):

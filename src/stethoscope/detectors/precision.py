@@ -15,6 +15,8 @@ from collections import deque
 import numpy as np
 
 from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup, epsilon_advice
+from stethoscope.detectors._underflow import flushed as backward_flushed
+from stethoscope.detectors._underflow import half as _half
 from stethoscope.detectors.base import Detector, SetupCheck, check_fraction, check_positive
 from stethoscope.findings import Finding
 from stethoscope.number_formats import E4M3, E5M2, FORMATS, HALF
@@ -84,11 +86,6 @@ def _nothing_moved(lost: np.ndarray, dtype: str) -> str:
         f"own arithmetic in {dtype} may cancel every update (Adam's beta_2=0.999 is 1.0 in "
         "bfloat16, and its bias correction then 0)."
     )
-
-
-def _half(obs: Observation) -> np.ndarray:
-    """Which parameters of ``obs`` are held in a 16-bit format."""
-    return np.array([d in HALF for d in obs.dtypes], dtype=bool)
 
 
 class _LowPrecision(Detector):
@@ -244,18 +241,10 @@ class GradientUnderflow(_ShareStreak):
             return "scale the loss (mixed_float16) or mixed_bfloat16"
         return self.advice
 
-    def _flushed(self, obs: Observation, judged: np.ndarray) -> bool:
-        """Whether the whole 16-bit backward pass flushed to zero (see the class)."""
-        zero = np.asarray(obs.grad_zero, dtype=np.float64)
-        loss = obs.loss
-        if self.setup.loss_scaled or loss is None or not np.isfinite(loss) or loss <= 0:
-            return False
-        return bool(judged.any() and np.all(zero[judged] >= 1.0))
-
     def _update(self, obs: Observation) -> list[Finding]:
         subnormal = np.asarray(obs.grad_subnormal, dtype=np.float64)
         judged = _half(obs) & np.isfinite(subnormal)
-        flushed = self._flushed(obs, judged) if obs.grad_zero is not None else False
+        flushed = obs.grad_zero is not None and backward_flushed(obs, self.setup, judged)
         shares = np.where(judged, 1.0, subnormal) if flushed else subnormal
         what = "{name}'s gradient is zero" if flushed else "{share:.0%} of {name}'s is subnormal"
         said = self._worst(obs, shares, judged, what)

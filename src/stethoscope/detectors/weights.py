@@ -11,6 +11,7 @@ from stethoscope.advice import (
     epsilon_cause,
 )
 from stethoscope.detectors._stats import is_finite, median
+from stethoscope.detectors._underflow import flushed
 from stethoscope.detectors._updates import line_search_note, unmoved_cause, update_ratios
 from stethoscope.detectors.base import Detector, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -257,6 +258,11 @@ class AllZero(Detector):
       reaches it (a detached branch, a dead layer after it): warning;
     * a layer whose output is all zero (seen when activations are observed): warning.
 
+    A 16-bit backward pass flushed whole to zero with no loss scaling (every 16-bit
+    gradient zero, the output layer's too, for a loss above zero) is no dead layer's:
+    the format lost the gradients, ``gradient_underflow``'s finding, and the second case
+    leaves those steps to it.
+
     A bias or weight that merely starts at zero (biases, LoRA's B matrix) moves
     at the first step and is never flagged.
 
@@ -298,13 +304,15 @@ class AllZero(Detector):
         loss_nonzero = not is_finite(obs.loss) or obs.loss != 0
         mats = np.flatnonzero(obs.is_matrix) if obs.is_matrix is not None else []
         grads = obs.grad_norm
+        # a 16-bit backward pass flushed whole, unscaled: gradient_underflow's finding
+        flush = grads is not None and flushed(obs, self.setup)
         for i in mats:
             name = obs.names[i]
             w_zero = bool(obs.weight_norm[i] == 0)
             g_zero = grads is not None and bool(grads[i] == 0)
             if self._bump(f"stuck|{name}", w_zero and g_zero):
                 hits["stuck"].append(name)
-            elif self._bump(f"grad|{name}", g_zero and not w_zero and loss_nonzero):
+            elif self._bump(f"grad|{name}", g_zero and not (w_zero or flush) and loss_nonzero):
                 hits["grad"].append(name)
         if obs.act_max is not None:
             for name, kind, m in zip(obs.act_names, obs.act_kinds, obs.act_max, strict=True):

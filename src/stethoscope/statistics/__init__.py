@@ -33,6 +33,7 @@ from stethoscope.statistics.declaration import (
     Statistic,
 )
 from stethoscope.statistics.precision import PRECISION_STATISTICS
+from stethoscope.statistics.predictions import PREDICTIONS
 from stethoscope.statistics.validation import VALIDATION_STATISTICS
 
 __all__ = [
@@ -288,77 +289,7 @@ STATISTICS: dict[str, Statistic] = {
                 ),
             ),
         ),
-        Statistic(
-            "predictions",
-            "Whether the model's output, which the loss is fed, is rows of probabilities, "
-            "what the loss expects, and what the loss would be for each way of taking it.",
-            (
-                Field(
-                    "output_probs",
-                    "float | None",
-                    "1.0 when every row of the model's output is probabilities (several "
-                    "columns: non-negative and summing to 1; one column: within [0, 1]), "
-                    "0.0 when not (logits).",
-                ),
-                Field(
-                    "output_width",
-                    "int",
-                    "The output's columns (its last axis: the classes).",
-                    default=0,
-                ),
-                Field(
-                    "loss_as_logits",
-                    "float | None",
-                    "Cross-entropy of the batch's class labels with the output taken as "
-                    "logits (``cross_entropy(output, labels)``).",
-                ),
-                Field(
-                    "loss_as_log_probs",
-                    "float | None",
-                    "The same with the output taken as log-probabilities "
-                    "(``nll_loss(output, labels)``).",
-                ),
-                Field(
-                    "loss_as_probs",
-                    "float | None",
-                    "The same with the output taken as probabilities "
-                    "(``nll_loss(log(output), labels)``).",
-                ),
-                Field(
-                    "loss_as_softmax",
-                    "float | None",
-                    "The same with the output's softmax taken as logits "
-                    "(``cross_entropy(softmax(output), labels)``: a softmax before a loss "
-                    "that applies its own).",
-                ),
-                Field(
-                    "uniform_as_logits",
-                    "float | None",
-                    "Cross-entropy of the uniform distribution with the output taken as "
-                    "logits: what label smoothing mixes into ``loss_as_logits``.",
-                ),
-                Field(
-                    "uniform_as_probs",
-                    "float | None",
-                    "The same with the output taken as probabilities (into ``loss_as_probs``).",
-                ),
-                Field(
-                    "uniform_as_softmax",
-                    "float | None",
-                    "The same with the output's softmax taken as logits (into "
-                    "``loss_as_softmax``).",
-                ),
-                Field(
-                    "loss_expects",
-                    "str",
-                    'What the loss is configured to take: ``"logits"``, ``"probabilities"`` '
-                    '(Keras\' cross-entropies, by ``from_logits``) or ``""`` (unknown: a '
-                    "loss computed in the training step).",
-                    default="",
-                ),
-            ),
-            across_replicas=AcrossReplicas.SAME,
-        ),
+        PREDICTIONS,  # in its place: the observation's fields keep their order
         Statistic(
             "loss_graph",
             "Whether the loss's last operations broadcast a prediction against a target of "

@@ -155,6 +155,9 @@ class Predictions(Reduction):
             obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[1:4].tolist()
             obs.loss_as_softmax, obs.uniform_as_logits = values[4:6].tolist()
             obs.uniform_as_probs, obs.uniform_as_softmax = values[6:8].tolist()
+        if len(values) >= 12 and not np.isnan(values[8]):
+            obs.output_in_unit = float(values[8])
+            obs.bce_as_logits, obs.bce_as_probs, obs.bce_as_sigmoid = values[9:12].tolist()
 
 
 class LossGraph(Reduction):

@@ -29,11 +29,12 @@ def output_tensor(output: Any) -> torch.Tensor | None:
 
 
 def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int] | None:
-    """Decided on the device, as one float tensor of 8: 1.0 when every row of a model's
+    """Decided on the device, as one float tensor of 12: 1.0 when every row of a model's
     output is probabilities (several columns, the class axis: non-negative and summing to
     1; one column: within [0, 1]), else 0.0; then, with integer class labels for its rows
     (negative ones ignored), the seven losses of :func:`_losses` (NaN: no labels, or not
-    that many rows). Then the columns. The class axis is the last, or the second of an
+    that many rows); then, with targets of the output's shape, the four of
+    :func:`_binary` (NaN: none). Then the columns. The class axis is the last, or the second of an
     output of three or more dimensions whose labels lack that one (``cross_entropy``'s
     ``(N, C, T)`` against ``(N, T)``). None: no dense float tensor (a sparse or nested
     output has no rows to read)."""
@@ -54,7 +55,10 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
         losses = _losses(rows, labels) if width >= 2 else None
         if losses is None:
             losses = torch.full((7,), math.nan, device=rows.device)
-        return torch.cat([probs.float().reshape(1), losses]), width
+        binary = _binary(t, labels)
+        if binary is None:
+            binary = torch.full((4,), math.nan, device=rows.device)
+        return torch.cat([probs.float().reshape(1), losses, binary]), width
 
 
 def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
@@ -96,6 +100,38 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
             mean(soft_lse - soft.mean(dim=1)),
         ]
     )
+
+
+def _binary(t: torch.Tensor, labels: Any) -> torch.Tensor | None:
+    """With targets of ``t``'s shape (``(N,)`` against a one-column ``(N, 1)`` too),
+    within [0, 1]: 1.0 when every element of ``t`` is within [0, 1] (a sigmoid's output),
+    else 0.0; then the binary cross-entropy with ``t`` taken as logits
+    (``binary_cross_entropy_with_logits``), as probabilities (``binary_cross_entropy``,
+    whose logs torch clamps at -100), and as logits whose sigmoid is taken as logits again
+    (a sigmoid written before a loss that applies its own). NaN where a target is outside
+    [0, 1] (decided on the device). None without such targets: a binary or multi-label
+    output's targets, one per element."""
+    if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_complex():
+        return None
+    if labels.numel() != t.numel() or t.dim() < 1:
+        return None
+    squeezed = tuple(s for s in t.shape if s != 1) == tuple(s for s in labels.shape if s != 1)
+    if tuple(labels.shape) != tuple(t.shape) and not squeezed:
+        return None
+    x, y = t.reshape(-1).float(), labels.detach().reshape(-1).float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    log_p, log_q = torch.log(x).clamp_min(-100), torch.log1p(-x).clamp_min(-100)
+    losses = torch.stack(
+        [
+            bce(x, y),
+            -(y * log_p + (1 - y) * log_q).mean(),
+            bce(torch.sigmoid(x), y),
+        ]
+    )
+    targets = ((y >= 0) & (y <= 1)).all()
+    losses = torch.where(targets, losses, torch.full_like(losses, math.nan))
+    unit = ((x >= 0) & (x <= 1)).all().float().reshape(1)
+    return torch.cat([unit, losses])
 
 
 def _classes_second(t: torch.Tensor, labels: Any) -> bool:
