@@ -384,3 +384,24 @@ def test_dead_relu_still_names_units_dead_under_a_loss_of_one_sign():
     # learns) does not excuse it
     late = run(DeadRelu(), agent_units(np.r_[np.linspace(3, 12, 139), -1.0]))
     assert steps(late) == [(17, "warning")]
+
+
+@pytest.mark.parametrize(
+    ("loss", "in_unit", "warned"),
+    [
+        pytest.param(0.05, 1.0, False, id="its-likelihood: a confident classifier"),
+        pytest.param(0.31, 1.0, True, id="another-loss: BCE with logits of probabilities"),
+        pytest.param(0.05, 0.0, True, id="an-output-outside-0-1"),
+    ],
+)
+def test_an_output_sigmoid_under_its_own_likelihood_is_not_saturated(loss, in_unit, warned):
+    """The output's sigmoid fed to binary_cross_entropy of its probabilities: the gradient
+    through both is p - y, which its tails do not shrink (a healthy multi-label classifier
+    was warned as it grew confident). Fed to a loss that takes logits, it saturates."""
+    det = SaturatedActivation()
+    found = []
+    for step in range(5):
+        obs = act_obs(step, tanh=0.01, sigmoid=0.9)
+        obs.loss, obs.bce_as_probs, obs.output_in_unit = loss, 0.05, in_unit
+        found += det.update(obs)
+    assert [f.where for f in found] == (["act1"] if warned else [])

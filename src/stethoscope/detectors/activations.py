@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from stethoscope.detectors._stats import is_finite, sign_bit
@@ -185,6 +187,12 @@ class SaturatedActivation(Detector):
     gradient is under 1/5000 of its peak) is measured on sampled steps. Above
     ``threshold`` on ``patience`` sampled steps in a row is a warning.
 
+    The sigmoid that makes a binary or multi-label model's output is left alone where
+    the loss is that output's log-likelihood (``binary_cross_entropy`` of its
+    probabilities, told by the ``predictions`` statistic: the loss equals their BCE): the
+    gradient through both is ``p - y``, which its tails do not shrink, so a confident
+    classifier is not a saturated one.
+
     Sources: DeepDiagnosis (> 50% of tanh / sigmoid inputs with |x| >= 5);
     SageMaker Debugger ``saturated_activation`` (bounds ±9.5 for tanh and
     (-23, 17) for sigmoid, layer fraction 50%). Only ``nn.Tanh`` / ``nn.Sigmoid``
@@ -198,6 +206,7 @@ class SaturatedActivation(Detector):
 
     name = "saturated_activation"
     needs = frozenset({"activations"})
+    wants = frozenset({"predictions"})  # whether the output's sigmoid is its likelihood's
     base_interval = 16
     advice = "smaller init/LR, normalise inputs, or ReLU"
 
@@ -213,8 +222,9 @@ class SaturatedActivation(Detector):
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
         findings: list[Finding] = []
+        output = _likelihood_output(obs)
         for name, kind, frac in zip(obs.act_names, obs.act_kinds, obs.act_saturated, strict=True):
-            if kind not in SATURATION_BOUNDS or not np.isfinite(frac):
+            if kind not in SATURATION_BOUNDS or not np.isfinite(frac) or name == output:
                 continue
             if frac <= self.threshold:
                 st["streaks"][name] = 0
@@ -243,3 +253,18 @@ class SaturatedActivation(Detector):
                 )
             )
         return findings
+
+
+def _likelihood_output(obs: Observation) -> str | None:
+    """The sigmoid that makes the model's output, where the step's loss is the binary
+    cross-entropy of that output's probabilities (None: not so, or not measured): the last
+    sigmoid the activations name, the output being within [0, 1]."""
+    loss, bce = obs.loss, obs.bce_as_probs
+    if not obs.output_in_unit or loss is None or bce is None:
+        return None
+    if not (math.isfinite(loss) and math.isfinite(bce)):
+        return None
+    if not math.isclose(loss, bce, rel_tol=1e-3, abs_tol=1e-7):
+        return None
+    sigmoids = [n for n, k in zip(obs.act_names, obs.act_kinds, strict=True) if k == "sigmoid"]
+    return sigmoids[-1] if sigmoids else None
