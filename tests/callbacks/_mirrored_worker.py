@@ -308,6 +308,62 @@ def recover() -> dict:
     return out
 
 
+class OwnStep(keras.Model):
+    """A train step of its own, never calling compute_loss: ``style`` ``own`` returns the
+    step's loss tensor, ``named`` the result of a ``Mean`` named ``total_loss``."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.head = keras.layers.Dense(CLASSES)
+        self.style, self.tracker = style, keras.metrics.Mean(name="total_loss")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            xent = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            loss = keras.ops.mean(xent)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        if self.style == "own":
+            return {"loss": loss}
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def own_loss() -> dict:
+    """Each replica's share of the loss its own train step logs, summed: the global
+    batch's, as on one device (a learning rate of 0: the replicas' gradients, summed,
+    would otherwise move the weights twice as far as one device's)."""
+    x, y = data()
+    out: dict[str, Any] = {}
+    for style in ("own", "named"):
+        for name, strategy in (("mirrored", STRATEGY), ("single", None)):
+            keras.utils.set_random_seed(0)
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
+                model = OwnStep(style)
+                model(x[:1])
+                model.compile(keras.optimizers.SGD(0.0), jit_compile=False)
+            spy = Spy({"loss"})
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fit(model, [KerasStethoscope(detectors=[spy], sinks=[])], x, y)
+            out[f"{style}/{name}"] = {
+                "losses": [float(o.loss) for o in spy.seen],
+                "warnings": [str(w.message) for w in caught if "stethoscope" in str(w.message)],
+                "clean": clean(model),
+            }
+    return out
+
+
 SCENARIOS = {
     "healthy": healthy,
     "measured": measured,
@@ -316,6 +372,7 @@ SCENARIOS = {
     "exploding_lr": exploding_lr,
     "refusals": refusals,
     "recover": recover,
+    "own_loss": own_loss,
 }
 
 

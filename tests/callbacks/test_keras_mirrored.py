@@ -74,6 +74,16 @@ def test_the_loss_judged_is_the_global_loss_keras_logs(runs):
     )
 
 
+@pytest.mark.parametrize("style", ["own", "named"])
+def test_a_train_step_of_its_own_has_its_global_loss_judged(runs, style):
+    """Its loss comes from its logs (the step's tensor, or a tracker's share), one share
+    per replica, and the shares sum to the global batch's loss, as on one device."""
+    mirrored, single = runs["own_loss"][f"{style}/mirrored"], runs["own_loss"][f"{style}/single"]
+    assert mirrored["warnings"] == [] and single["warnings"] == []
+    assert len(mirrored["losses"]) == 256 // 32 and mirrored["clean"]
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+
+
 def test_sampled_steps_measure_the_global_batch_as_one_device_does(runs):
     mirrored, single = runs["measured"]["mirrored"], runs["measured"]["single"]
     assert mirrored["steps"] == single["steps"] == [0, 3, 6]

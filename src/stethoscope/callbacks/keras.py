@@ -330,9 +330,11 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         if not probe.saw_loss and not self._warned_no_loss:
             self._warned_no_loss = True
             warnings.warn(
-                "stethoscope: the train step never called model.compute_loss, so the loss "
-                "detectors are skipped; a custom train_step should compute its loss with "
-                "self.compute_loss(x, y, y_pred, sample_weight)",
+                "stethoscope: the train step neither called model.compute_loss nor returned "
+                f"its loss in its logs ({probe.wrappers.why_no_loss}), so the loss detectors are "
+                "skipped; return the step's loss as logs['loss'] (the loss itself, or the "
+                "result of a keras.metrics.Mean that took it with update_state), or compute "
+                "it with self.compute_loss(x, y, y_pred, sample_weight)",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -13,7 +13,12 @@ the traced train step itself and the callback reads the few numbers that come ou
 - :mod:`~stethoscope.callbacks._keras.variables`: the probe's variables, the host's
   reads and writes, and how replicas' copies combine;
 - :mod:`~stethoscope.callbacks._keras.wrappers`: the wrappers on ``compute_loss``,
-  ``optimizer.apply`` and the layers' ``call`` that run the reductions in the step;
+  ``train_step``, ``optimizer.apply`` and the layers' ``call`` that run the reductions
+  in the step;
+- :mod:`~stethoscope.callbacks._keras.store`: where those reductions go (handed back
+  with the logs, or into the variables), and what one trace carries between wrappers;
+- :mod:`~stethoscope.callbacks._keras.own_loss`: the loss a train step of the user's
+  own returns in its logs, when it never calls ``compute_loss``;
 - :mod:`~stethoscope.callbacks._keras.probe`: the train functions ``fit`` calls, the
   host's request for each execution, and reading a step back into an observation.
 """

@@ -18,8 +18,10 @@ class Patches:
         return bool(self._put)
 
     def put(self, owner: Any, attr: str, fn: Any) -> None:
-        """Set ``owner.attr = fn`` on the instance, where nothing else has set one."""
-        if attr in vars(owner):  # someone else's instance attribute: keep it, wrap it
+        """Set ``owner.attr = fn`` on the instance, where nothing else has set one (``fn``
+        may wrap one of these patches: the train step's, on torch with ``recover=``)."""
+        ours = any(o is owner and a == attr for o, a in self._put)
+        if attr in vars(owner) and not ours:  # someone else's instance attribute
             raise RuntimeError(
                 f"stethoscope: {type(owner).__name__}.{attr} is already replaced on this "
                 "instance (another KerasStethoscope in the same fit?); use one per model"

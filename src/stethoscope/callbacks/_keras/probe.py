@@ -182,7 +182,7 @@ class GraphProbe:
 
     @property
     def saw_loss(self) -> bool:
-        """Whether the train step called ``compute_loss`` (the loss detectors need it)."""
+        """Whether the train step had a loss: from compute_loss, or in its logs (OwnLoss)."""
         return self.wrappers.saw_loss
 
     # -- installing ------------------------------------------------------------------------

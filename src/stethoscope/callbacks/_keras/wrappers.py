@@ -1,10 +1,13 @@
 """The graph side of the Keras probe: wrappers that put the reductions inside the step.
 
 Keras hands callbacks neither gradients nor batches. :class:`StepWrappers` wraps the
-model's public ``compute_loss`` (and ``train_step``, where the step hands values back
-with its logs), its optimizer's ``apply`` (and, under ``MirroredStrategy``, the
-optimizer's all-reduce of the gradients) and the ``call`` of the watched leaf layers,
-as instance attributes that :meth:`StepWrappers.remove` takes off again. Inside them:
+model's public ``compute_loss`` and ``train_step`` (where the step hands values back with
+its logs, and where a train step of the user's own returns its loss: see
+:class:`~stethoscope.callbacks._keras.own_loss.OwnLoss`), its optimizer's ``apply``
+(and, under ``MirroredStrategy``, the optimizer's all-reduce of the gradients) and the
+``call`` of the watched leaf layers, as instance attributes that
+:meth:`StepWrappers.remove` takes off again. The reductions write to its
+:class:`~stethoscope.callbacks._keras.store.StepStore`. Inside them:
 
 - every step records its loss (the loss ring) and what catches a non-finite step: in
   the direct regime each gradient's sum of squares, handed back with the loss; else a
@@ -21,8 +24,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import keras
@@ -33,11 +34,13 @@ from stethoscope.callbacks._keras import ops as kops
 from stethoscope.callbacks._keras.gate import UpdateGate
 from stethoscope.callbacks._keras.loss_scale import ScaleSkips, carried_scale
 from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
+from stethoscope.callbacks._keras.own_loss import OwnLoss
 from stethoscope.callbacks._keras.patches import Patches
 from stethoscope.callbacks._keras.reductions import ForwardRows, KerasReduction, Layout
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import StepReplay
 from stethoscope.callbacks._keras.step_start import StepWatch
+from stethoscope.callbacks._keras.store import StepStore, StepTrace
 from stethoscope.callbacks._keras.switches import Switches, cond
 from stethoscope.callbacks._keras.variables import ProbeVariables
 
@@ -52,30 +55,6 @@ PROBES_KEY = "_stethoscope_probes"
 #: The key under which a step with ``recover=`` hands back its verdict (see
 #: :class:`~stethoscope.callbacks._keras.gate.UpdateGate`), taken out alike.
 VERDICT_KEY = "_stethoscope_verdict"
-
-#: A direct heavy step's forward row that a control-flow body wrote to the probe's
-#: variable (a tensor made there cannot leave it): read back after the loop.
-_IN_VARIABLE = object()
-
-
-@dataclass
-class _Trace:
-    """What one trace of the train step carries from wrapper to wrapper. A
-    ``MirroredStrategy`` traces each replica's step in a thread of its own, interleaved
-    with the others' at its collectives: one record per thread."""
-
-    loss: Any = None  # the step's loss, from compute_loss to apply
-    squares: dict[int, Any] = field(default_factory=dict)  # direct ring: by position
-    stored: dict[str, Any] = field(default_factory=dict)  # a direct heavy step's slots
-    rows: dict[int, Any] = field(default_factory=dict)  # ... and its forward rows
-    written: set[str] = field(default_factory=set)  # slots a control-flow body wrote
-    due: tuple | None = None  # (switches, forced), from apply to the all-reduce
-    verdict: Any = None  # recover=: the step's verdict, from apply to the logs
-    outer: Any = None  # the graph of the train step being traced
-    grads: dict[int, Any] = field(default_factory=dict)  # what the gradient hook measured
-    carried: Any = None  # the loss scale the gradients carry, from apply to the ring
-    scale: Any = None  # a LossScaleOptimizer's ScaleStep, from apply to the update hook
-    lr: Any = None  # a heavy step's learning rate, read before its update, to the logs
 
 
 class StepWrappers:
@@ -148,24 +127,37 @@ class StepWrappers:
             for hook in ("batch", "test_batch", "gradients", "before_update", "update")
         }
         self.switches = switches
+        #: Whether a train step had a loss: from compute_loss, or (a train step of the
+        #: user's own) in the logs it returned (see :class:`OwnLoss`).
         self.saw_loss = False
+        self.own_loss = OwnLoss(model, switches=switches, strategy=strategy)
         #: Whether a test step prints its batch (a detector reads a validation's prints).
         self.printing_validation = False
         # positions of the variables the train step hands optimizer.apply, and of those it
         # hands with a gradient: known once apply has been traced (every step when eager)
         self.handed: set[int] = set()
         self.with_grad: set[int] = set()
-        self._traces: dict[int, _Trace] = {}
+        #: Where the reductions go, and what each trace carries (see :class:`StepStore`).
+        self.store = StepStore(
+            self.optimizer,
+            regime=regime,
+            layout=layout,
+            variables=variables,
+            switches=switches,
+            forward=self.forward,
+            layers=len(layers),
+        )
         self._patches = Patches()
 
     # -- installing ------------------------------------------------------------------------
     def install(self) -> None:
         """Wrap compute_loss, optimizer.apply (and the all-reduce under a strategy), the
-        train step where it hands values back, and the watched layers' call."""
+        train step (its logs may hold its loss, and it hands values back), the model's
+        Mean metrics (see :class:`OwnLoss`) and the watched layers' call."""
         model, opt = self.model, self.optimizer
         self._patches.put(model, "compute_loss", self._compute_loss(model.compute_loss))
-        if self.regime.outputs:
-            self._patches.put(model, "train_step", self._train_step(model.train_step))
+        self._patches.put(model, "train_step", self._train_step(model.train_step))
+        self.own_loss.install(self._patches)
         self._patches.put(opt, "apply", self._apply(opt.apply))
         if self.gate is not None:
             self.gate.install(self._patches)
@@ -176,57 +168,19 @@ class StepWrappers:
             self._patches.put(layer, "call", self._call(row, layer.call))
 
     @property
+    def why_no_loss(self) -> str:
+        """Why a train step of the user's own gave no loss, in a few words."""
+        return self.own_loss.why_not or "its train step returned no logs"
+
+    @property
     def installed(self) -> bool:
         return bool(self._patches)
 
     def remove(self) -> None:
         """Take every wrapper off; forget what the traces carried."""
         self._patches.remove()
-        self._traces.clear()
+        self.store.forget()
         self.switches.forget()
-
-    # -- what a store of the reductions needs ----------------------------------------------
-    def variable(self, name: str) -> Any:
-        return self.variables[name]
-
-    def put(self, name: str, value: Any) -> None:
-        """Record a reduction: a direct heavy step hands it back with its logs (no write and
-        no read of a variable: two ops fewer); else it goes into its variable."""
-        if self.regime.direct and self.switches.heavy:
-            trace = self._trace()
-            if not self._nested(trace):
-                trace.stored[name] = value
-                return
-            trace.written.add(name)
-        self.variables[name].assign(value)
-
-    def gradients(self) -> dict[int, Any]:
-        return self._trace().grads
-
-    def loss_scale(self) -> Any:
-        return self._trace().scale
-
-    def put_row(self, name: str, row: int, value: Any) -> None:
-        if self.regime.direct:
-            trace = self._trace()
-            if not self._nested(trace):  # handed back with the logs (see put)
-                trace.rows[row] = value
-                return
-            trace.rows[row] = _IN_VARIABLE  # read back after the loop (see _handed_back)
-        kops.put(self.variables[name], row, value)
-
-    def _nested(self, trace: _Trace) -> bool:
-        """Whether the op being built sits in a control-flow body (a recurrent cell's while
-        loop, a cond) rather than in the train step's own graph: a tensor made there cannot
-        leave it, so it goes through its variable, read back after the loop."""
-        return trace.outer is not None and kops.graph() is not trace.outer
-
-    def _trace(self) -> _Trace:
-        thread = threading.get_ident()
-        trace = self._traces.get(thread)
-        if trace is None:
-            trace = self._traces[thread] = _Trace()
-        return trace
 
     # -- the wrappers --------------------------------------------------------------------------
     def _compute_loss(self, original: Any) -> Any:
@@ -241,26 +195,27 @@ class StepWrappers:
             if not training:  # a test step: a validation's, within fit
                 if self.printing_validation and not kops.is_symbolic(loss):
                     for r in self.at["test_batch"]:
-                        r.on_test_batch(self, x)
+                        r.on_test_batch(self.store, x)
                 return loss
             if self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
+            self.own_loss.computed()
             if self.gate is not None:  # what a replay computes again
                 self.gate.watch.batch = (x, y, sample_weight)
             regime = self.regime
             value = ops.cast(loss if kops.scalar(loss) else ops.reshape(loss, ()), "float32")
             if not regime.direct:  # the direct ring's loss is an output, never differentiated
                 value = ops.stop_gradient(value)
-                slot = 0 if regime.steps == 1 else ops.mod(self._step_index(), regime.steps)
+                slot = 0 if regime.steps == 1 else ops.mod(self.store.step_index(), regime.steps)
                 kops.put(self.variables["losses"], slot, value)
             if not regime.eager:  # apply tests it with the gradients, and the ring carries it
-                self._trace().loss = value
+                self.store.trace().loss = value
             any_on, own = self.switches.of(self.at["batch"])
 
             def batch() -> None:
                 for r, on in own.items():
-                    cond(on, lambda r=r: r.on_batch(self, x, y, y_pred))
+                    cond(on, lambda r=r: r.on_batch(self.store, x, y, y_pred))
 
             cond(any_on, batch)
             return loss
@@ -270,14 +225,20 @@ class StepWrappers:
     def _train_step(self, original: Any) -> Any:
         @functools.wraps(original)
         def train_step(*args, **kwargs):
-            trace = self._trace()
-            if not self.switches.off:
+            if self.switches.off:
+                return original(*args, **kwargs)
+            trace = self.store.trace()
+            self.own_loss.begin()
+            if not self.regime.direct and self.regime.steps > 1:  # apply counts the step
+                trace.slot = ops.mod(self.store.step_index(), self.regime.steps)
+            if self.regime.outputs:
                 trace.outer = kops.graph()
                 trace.lr = _learning_rate(self.optimizer) if self.switches.heavy else None
             logs = original(*args, **kwargs)
-            if self.switches.off:
+            own = self._own_loss(logs, trace)
+            if not self.regime.outputs:
                 return logs
-            value, squares = trace.loss, trace.squares
+            value, squares = trace.loss if own is None else own, trace.squares
             trace.loss, trace.squares = None, {}
             if not isinstance(logs, dict):
                 return logs
@@ -292,40 +253,29 @@ class StepWrappers:
                 verdict = trace.verdict if regime_direct else kops.value(self.variables["verdicts"])
                 out[VERDICT_KEY], trace.verdict = verdict, None
             if self.switches.heavy:
-                out[PROBES_KEY] = self._handed_back(trace)
+                out[PROBES_KEY] = self.store.handed_back(trace)
             elif self.regime.outputs and not regime_direct:
                 # how many steps the execution ran (an epoch's last may run fewer): an
                 # output of the step, where reading the variable after it costs the host
                 # a read op on every execution
-                out[PROBES_KEY] = {"iterations": self._step_index()}
+                out[PROBES_KEY] = {"iterations": self.store.step_index()}
             return out
 
         return train_step
 
-    def _handed_back(self, trace: _Trace) -> dict[str, Any]:
-        """The heavy step's measurements for its logs: a direct step's own tensors, else
-        the variables, read after its writes; with the step count and learning rate."""
-        if self.regime.direct:
-            out, rows, written = trace.stored, trace.rows, trace.written
-            trace.stored, trace.rows, trace.written = {}, {}, set()
-            # what a control-flow body (a recurrent cell's loop) wrote to variables instead
-            for name in written:
-                out[name] = kops.value(self.variables[name])
-            if "sampled_at" not in out:  # a step that planned no reduction storing it
-                out["sampled_at"] = self._step_index() - 1
-            if self.layers and (rows or self.switches.planned & self.forward.statistics):
-                table = self.variables["forward_rows"]
-                out["forward_rows"] = _forward_rows(rows, table, len(self.layers))
-        else:
-            out = {
-                name: ops.convert_to_tensor(self.variables[name])
-                for name, slot in self.variables.slots.items()
-                if slot.returned
-            }
-        out["iterations"] = self._step_index()  # the steps taken, skipped ones included
-        if trace.lr is not None:  # else the optimizer does not expose one number: the host asks
-            out["learning_rate"], trace.lr = trace.lr, None
-        return out
+    def _own_loss(self, logs: Any, trace: StepTrace) -> Any:
+        """A step that never called ``compute_loss``: the loss its logs hold (None: none,
+        or compute_loss gave it), into the loss ring variable unless the ring is the
+        step's own output. Found after the update, it takes no part in the tests before
+        it (a non-finite gradient is still caught; the host tests the loss itself)."""
+        slot, trace.slot = trace.slot, None
+        own = self.own_loss.of(logs)
+        if own is None:
+            return None
+        self.saw_loss = True
+        if not self.regime.direct:
+            kops.put(self.variables["losses"], 0 if slot is None else slot, own)
+        return own
 
     def _apply(self, original: Any) -> Any:
         @functools.wraps(original)
@@ -339,7 +289,7 @@ class StepWrappers:
                     self.handed.add(pos)
                     if g is not None:
                         self.with_grad.add(pos)
-            regime, trace = self.regime, self._trace()
+            regime, trace = self.regime, self.store.trace()
             # A non-finite loss or gradient: measure its step. TF's fused ReLU turns a NaN
             # input into 0 on some CPUs, leaving the loss finite and the kernel's gradient NaN,
             # so every gradient is tested. With a direct ring each gradient's sum of squares rides
@@ -384,9 +334,6 @@ class StepWrappers:
 
         return apply
 
-    def _step_index(self) -> Any:
-        return kops.step_index(self.optimizer, self.variables)
-
     def _all_reduce(self, original: Any) -> Any:
         """Under a strategy: the gradient statistics of the sampled (or non-finite) step,
         taken from the gradients summed across replicas, the ones the optimizer applies.
@@ -401,7 +348,7 @@ class StepWrappers:
             if self.gate is not None and self.gate.summed:  # summed before its cond already
                 return list(grads_and_vars)
             reduced = list(original(grads_and_vars))
-            trace = self._trace()
+            trace = self.store.trace()
             due, trace.due = trace.due, None
             if due is not None:
                 heavy, forced = due
@@ -430,7 +377,7 @@ class StepWrappers:
                 pred = self.forward.reads(row, self.switches.planned)
             else:
                 pred = self.switches.want(self.forward.group)
-            cond(pred, lambda: self.forward.on_layer(self, row, seen))
+            cond(pred, lambda: self.forward.on_layer(self.store, row, seen))
             return out
 
         return call
@@ -441,12 +388,12 @@ class StepWrappers:
         gradients still carry (None: none)."""
         any_on, own = self.switches.of(self.at["gradients"])
         # by position, for the update hook too (the step's own tensors: a cond may read them)
-        by_pos = self._trace().grads = kops.by_position(grads, tvars, self.position)
+        by_pos = self.store.trace().grads = kops.by_position(grads, tvars, self.position)
 
         def gradients() -> None:
             for r, on in own.items():
-                cond(on, lambda r=r: r.on_gradients(self, by_pos, scale))
-            self.put("sampled_at", self._step_index())
+                cond(on, lambda r=r: r.on_gradients(self.store, by_pos, scale))
+            self.store.put("sampled_at", self.store.step_index())
 
         cond(any_on, gradients)
 
@@ -459,9 +406,9 @@ class StepWrappers:
             on = self.switches.want(r.group)
             if isinstance(on, bool):
                 if on:
-                    kept[r] = r.before_update(self, tvars)
+                    kept[r] = r.before_update(self.store, tvars)
             else:
-                cond(on, lambda r=r: r.before_update(self, tvars))
+                cond(on, lambda r=r: r.before_update(self.store, tvars))
         return kept
 
     def _at_update(self, tvars: list, kept: dict[KerasReduction, Any]) -> None:
@@ -473,8 +420,8 @@ class StepWrappers:
                 pos: kops.value(v) for v in tvars if (pos := self.position.get(id(v))) is not None
             }
             for r, on in own.items():
-                cond(on, lambda r=r: r.on_update(self, now, kept.get(r)))
-            self.put("sampled_at", self._step_index() - 1)
+                cond(on, lambda r=r: r.on_update(self.store, now, kept.get(r)))
+            self.store.put("sampled_at", self.store.step_index() - 1)
 
         cond(any_on, update)
 
@@ -493,19 +440,6 @@ def _direct_ring(loss: Any, squares: dict[int, Any], count: int, scale: Any) -> 
         wide = ops.cast(halves, "float64") / ops.square(ops.cast(scale, "float64"))
         halves = ops.cast(wide, "float32")
     return ops.concatenate([ops.reshape(loss, (1,)), halves])
-
-
-def _forward_rows(rows: dict[int, Any], variable: Any, count: int) -> Any:
-    """A direct heavy step's forward rows, one per watched layer: those it made (``rows``,
-    by row), those a control-flow body wrote to ``variable`` instead (marked
-    ``_IN_VARIABLE``), and NaN for a layer the step did not call, or whose row no planned
-    probe reads."""
-    nan = ops.convert_to_tensor(np.full(kops.ROW, np.nan, dtype=np.float32))
-    in_variable = any(r is _IN_VARIABLE for r in rows.values())
-    table = kops.value(variable) if in_variable else None
-    return ops.stack(
-        [table[i] if rows.get(i) is _IN_VARIABLE else rows.get(i, nan) for i in range(count)]
-    )
 
 
 def _learning_rate(optimizer: Any) -> Any:
