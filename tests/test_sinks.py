@@ -1091,3 +1091,13 @@ def test_the_summary_never_splits_a_name_and_fits_the_width(width: int) -> None:
     else:
         assert "error   exploding_gradients  n=2  180 / 12.7" in out  # a row per line
         assert "quiet_detector" not in out  # counted by their row, not listed
+
+
+def test_a_severity_orders_against_a_severitys_name_as_a_severity() -> None:
+    """``finding.severity >= "warning"`` in a sink of the user's own: "error" sorts below
+    "warning" as a string, never as a severity."""
+    assert Severity.ERROR >= "warning" and Severity.ERROR > "warning"
+    assert not Severity.INFO >= "warning" and Severity.INFO < "error"
+    assert Severity.WARNING <= "warning" and not Severity.WARNING < "warning"
+    with pytest.raises(TypeError):
+        Severity.ERROR < 3  # noqa: B015

@@ -15,6 +15,20 @@ SAMPLER = "sampler"
 RECOVERY = "recovery"
 
 
+def _comparable(other: object) -> Severity | None:
+    """``other`` as a Severity to order against, or None: a severity's name compares as
+    the severity (``finding.severity >= "warning"``), not as the string it also is, by
+    which "error" sorts below "warning"."""
+    if isinstance(other, Severity):
+        return other
+    if isinstance(other, str):
+        try:
+            return Severity(other)
+        except ValueError:
+            return None
+    return None
+
+
 class Severity(str, Enum):
     """How bad a finding is. Ordered: ``INFO < WARNING < ERROR``."""
 
@@ -27,22 +41,26 @@ class Severity(str, Enum):
         return _RANK[self]
 
     def __lt__(self, other: object) -> bool:
-        if not isinstance(other, Severity):
+        other = _comparable(other)
+        if other is None:
             return NotImplemented
         return self.rank < other.rank
 
     def __le__(self, other: object) -> bool:
-        if not isinstance(other, Severity):
+        other = _comparable(other)
+        if other is None:
             return NotImplemented
         return self.rank <= other.rank
 
     def __gt__(self, other: object) -> bool:
-        if not isinstance(other, Severity):
+        other = _comparable(other)
+        if other is None:
             return NotImplemented
         return self.rank > other.rank
 
     def __ge__(self, other: object) -> bool:
-        if not isinstance(other, Severity):
+        other = _comparable(other)
+        if other is None:
             return NotImplemented
         return self.rank >= other.rank
 
