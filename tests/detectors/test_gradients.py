@@ -77,9 +77,9 @@ EXPLOSIONS = [
         id="20x-three-samples-error-at-the-third",
     ),
     pytest.param(
-        [_scale(slice(60, 62), 20), _scale(slice(63, 65), 20)],
+        [_scale(slice(60, 62), 40), _scale(slice(63, 65), 40)],
         [(60, "warning"), (61, "warning"), (63, "warning"), (64, "warning")],
-        id="20x-streak-broken-stays-warning",
+        id="40x-streak-broken-stays-warning",
     ),
     pytest.param([_scale(60, 20)], [(60, "warning")], id="20x-once"),
     pytest.param([_scale(60, 8)], [], id="8x-below-factor"),
@@ -336,7 +336,7 @@ def test_a_small_last_batch_of_a_mean_loss_changes_nothing():
     g = healthy_grads(0)
     sizes = [4 if t % 16 == 15 else 32 for t in range(len(g))]
     assert run(ExplodingGradients(), sized(g, sizes)) == []
-    g[70] *= 20
+    g[70] *= 40
     assert steps(run(ExplodingGradients(), sized(g, sizes))) == [(70, "warning")]
 
 
@@ -545,8 +545,9 @@ def exploding(*, game: bool) -> ExplodingGradients:
 
 def test_a_discriminators_routine_jump_is_no_explosion():
     observations = players(DCGAN_D, DCGAN_G)
-    # a new user's trial: the same jump, taken for an explosion outside a game
-    assert steps(run(exploding(game=False), observations)) == [(416, "warning")]
+    # outside a game the same lone jump, on a run still under 20x its initial norm, is a
+    # suspicion too: the run comes back from it (it was a warning before 2026-12-02)
+    assert run(exploding(game=False), observations) == []
     d = exploding(game=True)
     assert run(d, players(DCGAN_D, DCGAN_G)) == []
     assert d.threshold() is None  # nor a step skipped for one
@@ -598,3 +599,92 @@ def test_a_part_that_comes_and_goes_with_little_of_the_norm_changes_nothing():
         norms = np.array([1.0, 0.1][: len(names)])
         found += det.update(Observation(step=step, names=names, grad_norm=norms))
     assert found == [] and det.state["seen"] == 50
+
+
+# -- a calm run comes back from a hard batch -------------------------------------------------
+def polynomial_regression(seed: int, *, steps: int = 640, lr_from: tuple[int, float] = (0, 1.0)):
+    """Global gradient norms (weight, bias) of pytorch/examples' regression, every step:
+    a linear model on the raw x, x^2, x^3, x^4 of x ~ N(0, 1), MSE, SGD at 1e-3, batches
+    of 32 of 1024 samples reshuffled every epoch; from step ``lr_from[0]`` the learning
+    rate times ``lr_from[1]``. The norm starts high and falls as the model fits; a batch
+    holding a sample past 3 sigma (x^4 > 81) makes it jump 10-95x its median."""
+    rng = np.random.default_rng(seed)
+    true_w, true_b = rng.normal(size=(4, 1)) * 5, rng.normal() * 5
+    r = rng.normal(size=(1024, 1))
+    x = np.concatenate([r**i for i in range(1, 5)], axis=1)
+    y = x @ true_w + true_b
+    w, b = rng.normal(size=(4, 1)) * 0.5, 0.0
+    rows, losses = [], []
+    order = np.array([], dtype=int)
+    for step in range(steps):
+        if step % 32 == 0:
+            order = rng.permutation(1024)
+        batch = order[(step % 32) * 32 : (step % 32 + 1) * 32]
+        err = x[batch] @ w + b - y[batch]
+        gw, gb = 2 * x[batch].T @ err / 32, 2 * float(err.mean())
+        rows.append([float(np.linalg.norm(gw)), abs(gb)])
+        losses.append(float(np.mean(err**2)))
+        lr = 1e-3 * (lr_from[1] if step >= lr_from[0] else 1.0)
+        w, b = w - lr * gw, b - lr * gb
+    return np.asarray(rows), losses
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3, 6])  # seeds whose batches hold the 3-sigma samples
+def test_a_regressions_hard_batches_are_no_explosion(seed):
+    """Every step seen: its norm jumps 10x its median or more on dozens of steps, one or
+    two in a row, and comes back each time (was: a warning, on 2 of 3 Keras zoo seeds)."""
+    grads, losses = polynomial_regression(seed)
+    norms = global_norms(grads)
+    window = np.array([np.median(norms[max(0, t - 32) : t]) for t in range(32, len(norms))])
+    assert np.sum(norms[32:] > 10 * window) >= 10  # the jumps are there
+    assert losses[-1] < losses[0] / 30  # and the run trains
+    assert alarms(run(ExplodingGradients(), grad_obs(grads, losses))) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_regression_whose_learning_rate_jumps_is_still_named(seed):
+    """The twin: the learning rate 30x from step 320, past what the hard batches' curvature
+    allows: the norm climbs and stays up."""
+    grads, losses = polynomial_regression(seed, lr_from=(320, 30.0))
+    found = alarms(run(ExplodingGradients(), grad_obs(grads, np.nan_to_num(losses))))
+    assert found and 320 < found[0].step <= 340, steps(found)
+
+
+def calm_run(n: int = 80) -> np.ndarray:
+    """Norms that start at 100 and settle near 5 (a run that fits): a jump of 30x or 150x
+    their median is still well under 20x the initial norm."""
+    rng = np.random.default_rng(7)
+    level = 5 + 95 * np.exp(-np.arange(n) / 8)
+    return (level * rng.lognormal(0.0, 0.1, n))[:, None] * np.array([[0.8, 0.6]])
+
+
+@pytest.mark.parametrize(
+    ("jumps", "expected"),
+    [
+        pytest.param({50: 30}, [], id="a-lone-30x-jump-is-a-suspicion"),
+        pytest.param({50: 30, 51: 30}, [], id="two-in-a-row-came-back"),
+        pytest.param({50: 30, 51: 30, 52: 30}, [(52, "error")], id="three-in-a-row-an-error"),
+        pytest.param({50: 150}, [(50, "warning")], id="factor-squared-a-warning-at-once"),
+        pytest.param({50: 150, 51: 150}, [(50, "warning"), (51, "error")], id="twice-an-error"),
+        pytest.param(
+            {50: 150, 60: 120}, [(50, "warning")], id="within-the-tail-the-run-came-back-from"
+        ),
+    ],
+)
+def test_a_calm_run_judges_a_jump_by_whether_it_comes_back(jumps, expected):
+    g = calm_run()
+    for step, by in jumps.items():
+        g[step] *= by
+    detector = ExplodingGradients()
+    found = run(detector, grad_obs(g))
+    assert steps(found) == expected
+    if expected and expected[-1][1] == "error" and len(jumps) > 1:
+        assert f"{len(jumps)} sampled steps in a row" in found[-1].message
+
+
+def test_a_calm_runs_lone_jump_makes_the_sampler_look_at_every_step():
+    g = calm_run()
+    g[50] *= 30
+    detector = ExplodingGradients()
+    run(detector, grad_obs(g)[:51])
+    assert detector.suspect and "x its recent median" in detector.suspect
