@@ -12,8 +12,21 @@ biases); each hidden layer is a ``Dense`` (or ``Conv2D``) followed by an optiona
 modules. The probe reads no Dense output that only an activation layer reads (see
 "Why not in the stethoscope's fit" below): of the MLPs' layer outputs it reads the
 head's alone, where the Lightning probes read every linear layer's. The loss
-is ``SparseCategoricalCrossentropy(from_logits=True)``; Adam and SGD keep their
-Keras defaults (Adam's epsilon is 1e-7, not PyTorch's 1e-8).
+(:func:`make_loss`) is ``SparseCategoricalCrossentropy(from_logits=True)``, or the Keras
+form of ``TrainSpec.loss``: ``from_logits=False`` for probabilities;
+``CategoricalCrossentropy(label_smoothing=0.1)`` of one-hot labels for a smoothed loss
+(Keras' sparse loss has no smoothing); ``BinaryCrossentropy`` of the labels one-hot as
+float for the multi-label ones; and for a GRU scored at every step, whose ``(N, T, C)``
+scores are transposed to ``(N, C, T)`` (and, for ``"steps_softmax"``, put through
+``Softmax(axis=1)``), ``CategoricalCrossentropy(axis=1)`` of one-hot ``(N, C, T)``
+targets, the classes on axis 1 as in Lightning. A softmax, log-softmax or sigmoid "in the
+training step" is a ``train_step`` written by hand (``_StepFaultModel``) that applies it
+to the model's output before ``compute_loss``. (On TensorFlow, Keras' cross-entropies
+take the logits a softmax or sigmoid caches on its output when handed it straight, and
+warn: the softmax-twice scenarios train as their twins do, their mistake is the
+configuration, which the stethoscope names as Keras' warning does; on JAX and torch the
+softmax is applied twice.) Adam and SGD keep their Keras defaults (Adam's epsilon is
+1e-7, not PyTorch's 1e-8).
 
 Precision (``TrainSpec.precision``) is Keras' dtype policy of the same meaning
 (:data:`POLICIES`), set while the model is built and compiled and restored after:
@@ -136,9 +149,11 @@ __all__ = [
     "configure",
     "environment",
     "make_dataset",
+    "make_loss",
     "quiet",
     "relu_hiding_nan",
     "run_scenario",
+    "targets",
 ]
 
 FRAMEWORK = "keras"
@@ -297,6 +312,12 @@ class _StepFaultModel(keras.Sequential):
     _inf_path: str | None = None
     _steps: _StepCount | None = None  # inf_gradients: every step from _inf_at on
     _skip: tuple[str, ...] = ()
+    _in_step: Any = None  # applied to the model's output before the loss (TrainSpec.loss)
+
+    def in_step(self, fn: Any) -> None:
+        """Apply ``fn`` to the model's output in the train step, before ``compute_loss``
+        (a softmax or sigmoid written there, where no layer shows it)."""
+        self._in_step = fn
 
     def poison(self, variable: keras.Variable, step: int, *, every: bool = False) -> None:
         """Make element 0 of ``variable``'s gradient +Inf at global step ``step`` (the
@@ -319,6 +340,8 @@ class _StepFaultModel(keras.Sequential):
         x, y = data
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
+            if self._in_step is not None:
+                y_pred = self._in_step(y_pred)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
             scaled = self.optimizer.scale_loss(loss)  # a LossScaleOptimizer's scale
         tvars = list(self.trainable_variables)
@@ -367,6 +390,56 @@ def _activation(name: str, fault: FaultSpec | None) -> Any:
     return name
 
 
+#: The head's activation of each ``ModelSpec.output`` (the sequences' softmax, over the
+#: classes on axis 1, is a layer of its own after the transpose).
+_OUTPUTS = {
+    "logits": None,
+    "softmax": "softmax",
+    "sigmoid": "sigmoid",
+    "steps": None,
+    "steps_softmax": None,
+}
+
+#: What a train step written by hand applies to the output before the compiled loss
+#: (``TrainSpec.loss``): a softmax or sigmoid before a loss that applies its own (a bug),
+#: or a log-softmax, whose softmax is the logits' own (right).
+_IN_STEP = {
+    "softmax_in_step": ops.softmax,
+    "log_softmax_in_step": ops.log_softmax,
+    "sigmoid_in_step": ops.sigmoid,
+}
+
+#: The losses whose targets are the labels one-hot as float: multi-label targets for the
+#: binary cross-entropies, and Keras' label smoothing, which its sparse loss lacks.
+_ONE_HOT = ("bce_with_logits", "bce", "sigmoid_in_step", "smoothed", "probabilities_smoothed")
+
+
+def make_loss(spec: ModelSpec, train: TrainSpec) -> keras.losses.Loss:
+    """The compiled loss of ``train.loss``, as a Keras user writes each: a cross-entropy
+    that takes logits (``from_logits=True``) or probabilities, sparse labels or one-hot
+    targets (label-smoothed by 0.1, or multi-label for a binary cross-entropy); a
+    sequence scored at every step takes its one-hot targets with the classes on axis 1."""
+    loss, kl = train.loss, keras.losses
+    logits = loss not in ("probabilities", "probabilities_smoothed", "bce")
+    if loss in ("bce_with_logits", "bce", "sigmoid_in_step"):
+        return kl.BinaryCrossentropy(from_logits=logits)
+    if loss in ("smoothed", "probabilities_smoothed"):
+        return kl.CategoricalCrossentropy(from_logits=logits, label_smoothing=0.1)
+    if loss not in ("logits", "probabilities", "softmax_in_step", "log_softmax_in_step"):
+        raise ValueError(f"loss={loss!r} has no Keras form here")
+    if spec.output.startswith("steps"):
+        return kl.CategoricalCrossentropy(from_logits=logits, axis=1)
+    return kl.SparseCategoricalCrossentropy(from_logits=logits)
+
+
+def targets(spec: ModelSpec, train: TrainSpec, y: np.ndarray, classes: int, steps: int) -> Any:
+    """What the loss of :func:`make_loss` is fed for the labels ``y``: themselves, one-hot
+    as float, or one-hot at each of a sequence's ``steps``, classes on axis 1 ``(N, C, T)``."""
+    if spec.output.startswith("steps"):
+        return np.eye(classes, dtype=np.float32)[np.repeat(y[:, None], steps, 1)].transpose(0, 2, 1)
+    return np.eye(classes, dtype=np.float32)[y] if train.loss in _ONE_HOT else y
+
+
 def build_model(
     spec: ModelSpec,
     input_shape: tuple[int, ...],
@@ -374,8 +447,10 @@ def build_model(
     *,
     fault: FaultSpec | None = None,
     onset: int = -1,
+    loss: str = "logits",
 ) -> tuple[keras.Sequential, list[keras.layers.Layer]]:
-    """The network of ``spec`` (built) and its layers with weights, from the input."""
+    """The network of ``spec`` (built) and its layers with weights, from the input; a
+    ``loss`` of :data:`_IN_STEP` applies its function to the output in the train step."""
     mods: list[keras.layers.Layer] = [keras.Input(input_shape)]
     layers: list[keras.layers.Layer] = []
     if spec.arch == "mlp":
@@ -402,21 +477,30 @@ def build_model(
         if spec.dropout:
             mods.append(keras.layers.Dropout(spec.dropout))
     elif spec.arch == "gru":
-        gru = keras.layers.GRU(spec.width)  # its last output
+        steps = spec.output.startswith("steps")
+        gru = keras.layers.GRU(spec.width, return_sequences=steps)  # its last output, or all
         layers.append(gru)
         mods.append(gru)
     else:
         raise ValueError(f"arch={spec.arch!r}; use 'mlp', 'cnn' or 'gru'")
-    head = keras.layers.Dense(classes, activation="softmax" if spec.output == "softmax" else None)
+    if spec.output not in _OUTPUTS:
+        raise ValueError(f"output={spec.output!r}; use one of {[*_OUTPUTS]!r}")
+    head = keras.layers.Dense(classes, activation=_OUTPUTS[spec.output])
     layers.append(head)
     mods.append(head)
+    if spec.output.startswith("steps"):  # (N, T, C) -> (N, C, T): classes on axis 1
+        mods.append(keras.layers.Permute((2, 1)))
+        if spec.output == "steps_softmax":
+            mods.append(keras.layers.Softmax(axis=1))
     kind = fault.kind if fault is not None else None
-    if kind in ("inf_gradient", "inf_gradients", "exclude_layer"):
+    if kind in ("inf_gradient", "inf_gradients", "exclude_layer") or loss in _IN_STEP:
         model: keras.Sequential = _StepFaultModel(mods, name="sequential")
-        if kind != "exclude_layer":
-            model.poison(_weight(layers[fault["layer"]]), onset, every=kind == "inf_gradients")
-        else:
+        if loss in _IN_STEP:
+            model.in_step(_IN_STEP[loss])
+        if kind == "exclude_layer":
             model.leave_out(layers[fault["layer"]].trainable_variables)
+        elif kind in ("inf_gradient", "inf_gradients"):
+            model.poison(_weight(layers[fault["layer"]]), onset, every=kind == "inf_gradients")
     else:
         model = keras.Sequential(mods)
     _init_faults(fault, layers)
@@ -834,10 +918,12 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
         policy = keras.config.dtype_policy()
         keras.config.set_dtype_policy(POLICIES[t.precision])
         try:  # the layers take the policy when made; compile wraps a LossScaleOptimizer
-            model, layers = build_model(sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset)
+            model, layers = build_model(
+                sc.model, x.shape[1:], arrays.classes, fault=f, onset=onset, loss=t.loss
+            )
             model.compile(
                 optimizer=make_optimizer(t, f, onset, layers),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=t.loss == "logits"),
+                loss=make_loss(sc.model, t),
                 loss_weights=t.loss_weight if t.loss_weight != 1.0 else None,
             )
         finally:
@@ -851,9 +937,16 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
     epochs = -(-t.max_steps // per_epoch)
     if t.max_epochs is not None:
         epochs = min(epochs, t.max_epochs)
+    y, y_val = arrays.y, arrays.y_val
+    if sc.model.arch != "gan":
+        if f is not None and f.kind == "corrupt_labels" and t.loss != "logits":
+            raise ValueError(f"{sc.name}: corrupt_labels shifts sparse labels only")
+        y = targets(sc.model, t, y, arrays.classes, x.shape[1])
+        if y_val is not None:
+            y_val = targets(sc.model, t, y_val, arrays.classes, x.shape[1])
     data = make_dataset(
         x,
-        arrays.y,
+        y,
         t.batch_size,
         seed,
         epochs,
@@ -866,7 +959,7 @@ def _fit(sc: Scenario, seed: int, arrays: Arrays, setting: str | None, *, baseli
     if t.validate:
         if x_val is None:
             raise ValueError(f"{sc.name}: validate=True needs DataSpec.n_val > 0")
-        val = (x_val, arrays.y_val)
+        val = (x_val, y_val)
     driver = _Driver(f, onset, layers)
     watcher = WatchedKerasStethoscope(setting, **setting_kwargs(setting)) if setting else None
     others = baseline_callbacks(driver) if baselines else []

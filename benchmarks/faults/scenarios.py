@@ -206,10 +206,11 @@ class ModelSpec:
             require grad and they stay in eval mode, on their running statistics.
         output: ``"logits"`` (the classifier's scores), ``"softmax"`` (a softmax after
             the classifier: probabilities) or ``"sigmoid"`` (a sigmoid after it: one
-            probability per class, multi-label; Lightning's MLP only). The GRU also
+            probability per class, multi-label; the MLP only). The GRU also
             takes ``"steps"``: its classifier on every step, scores ``(N, C, T)`` against
             the label repeated at each step ``(N, T)``, as ``cross_entropy`` takes a
-            sequence's, and ``"steps_softmax"``: their softmax over dim 1 (Lightning only).
+            sequence's, and ``"steps_softmax"``: their softmax over dim 1 (Keras: the
+            ``(N, T, C)`` scores transposed, ``Softmax(axis=1)``).
     """
 
     arch: str = "mlp"
@@ -273,12 +274,15 @@ class TrainSpec:
             training step (a bug), ``"log_softmax_in_step"``: ``nll_loss(log_softmax(
             output))`` there (right); ``"smoothed"``: ``cross_entropy`` with
             ``label_smoothing=0.1``; ``"probabilities_smoothed"``: ``nll_loss`` of the
-            log of probabilities, label-smoothed by 0.1 (Lightning only, all four);
+            log of probabilities, label-smoothed by 0.1 (Keras: ``train_step`` applies the
+            softmax or log-softmax before a ``from_logits=True`` loss; the smoothed ones
+            are ``CategoricalCrossentropy(label_smoothing=0.1)``);
             ``"bce_with_logits"``: ``binary_cross_entropy_with_logits`` of the output
             against each label one-hot as float (multi-label targets), ``"bce"``:
             ``binary_cross_entropy`` there (of probabilities), ``"sigmoid_in_step"``:
             ``binary_cross_entropy_with_logits(sigmoid(output))`` written in the training
-            step (a bug; Lightning only, all three).
+            step (a bug; Keras: ``BinaryCrossentropy``, ``from_logits`` as the name says, the
+            sigmoid in ``train_step``).
     """
 
     optimizer: str = "adam"
@@ -881,7 +885,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         onset=0,
         expect=("logits_mismatch",),
         window=150,
-        frameworks=("lightning",),
     ),
     Scenario(
         "smoothed_softmax_then_cross_entropy",
@@ -893,7 +896,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         onset=0,
         expect=("logits_mismatch",),
         window=150,
-        frameworks=("lightning",),
     ),
     Scenario(
         "sigmoid_then_bce_with_logits",
@@ -912,7 +914,6 @@ SCENARIOS: tuple[Scenario, ...] = (
             "small_updates",
             "loss_not_decreasing",
         ),
-        frameworks=("lightning",),
     ),
     Scenario(
         "sigmoid_in_training_step",
@@ -925,7 +926,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=("logits_mismatch",),
         window=150,
         collateral=("vanishing_gradients", "small_updates", "loss_not_decreasing"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "sequence_softmax_then_cross_entropy",
@@ -939,7 +939,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         onset=0,
         expect=("logits_mismatch",),
         window=150,
-        frameworks=("lightning",),
     ),
     Scenario(
         "logits_as_probabilities",
@@ -1037,7 +1036,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         # nothing moves, so the loss stays; the zero gradients themselves are precision's
         # (all_zero, vanishing_gradients, frozen_weights and small_updates leave them)
         collateral=("loss_not_decreasing",),
-        frameworks=("lightning",),  # not yet run in Keras (its float16 policy)
     ),
     Scenario(
         "loss_scale_collapse",
@@ -1228,7 +1226,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the classifier's logits through torch.log_softmax in the training step, then "
         "nll_loss (the twin of softmax_in_training_step: the same place, written right)",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="log_softmax_in_step"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_label_smoothing",
@@ -1236,7 +1233,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the classifier's logits to cross_entropy with label_smoothing=0.1 (the twin of "
         "smoothed_softmax_then_cross_entropy)",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="smoothed"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_smoothed_probabilities",
@@ -1245,7 +1241,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         "(the twin of smoothed_softmax_then_cross_entropy, probabilities taken as such)",
         model=ModelSpec(output="softmax"),
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="probabilities_smoothed"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_sigmoid_bce",
@@ -1254,7 +1249,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         "against multi-label targets (the twin of sigmoid_then_bce_with_logits)",
         model=ModelSpec(output="sigmoid"),
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="bce"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_bce_with_logits",
@@ -1262,7 +1256,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the classifier's logits to binary_cross_entropy_with_logits against multi-label "
         "targets (the twin of sigmoid_in_training_step)",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="bce_with_logits"),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_sequence_logits",
@@ -1272,7 +1265,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         model=ModelSpec(arch="gru", width=32, output="steps"),
         data=SEQ,
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_regression",
@@ -1318,7 +1310,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="sgd", lr=3e4, max_steps=200, precision="16-mixed", loss_weight=1e-6
         ),
-        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_fp16_adam_mixed",

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from stethoscope.advice import SmallEpsilon, TrainingSetup, adaptive_optimizers, small_epsilon
 from stethoscope.number_formats import HALF
 
 __all__ = [
+    "LossForm",
     "describe_run",
     "has_own_train_step",
     "loss_expects",
+    "loss_form",
     "optimizers_of",
     "training_setup",
 ]
@@ -27,21 +30,49 @@ _CROSS_ENTROPIES = frozenset(
 )
 
 
+#: Those of them that take each element of the output as a probability of its own (a
+#: sigmoid's: binary or multi-label), not each row along the class axis as a distribution.
+_BINARY = frozenset({"binary_crossentropy", "binary_focal_crossentropy"})
+
+
+def _loss_config(model: Any) -> tuple[str | None, dict[str, Any]]:
+    """The compiled loss's name and config (a name or a function: its own defaults)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, str):
+        return loss, {}
+    if callable(getattr(loss, "get_config", None)):
+        config = loss.get_config()
+        return config.get("name"), config
+    return getattr(loss, "__name__", None), {}
+
+
 def loss_expects(model: Any) -> str:
     """What the compiled loss takes: ``"logits"`` or ``"probabilities"`` (a Keras
     cross-entropy, by its ``from_logits``: a name, a function or an instance), or ``""``
     (any other loss, several of them, or one the step computes itself)."""
-    loss = getattr(model, "loss", None)
-    if isinstance(loss, str):
-        name, logits = loss, False
-    elif callable(getattr(loss, "get_config", None)):
-        config = loss.get_config()
-        name, logits = config.get("name"), bool(config.get("from_logits", False))
-    else:  # a function: its own defaults (from_logits=False)
-        name, logits = getattr(loss, "__name__", None), False
+    name, config = _loss_config(model)
     if name not in _CROSS_ENTROPIES:
         return ""
-    return "logits" if logits else "probabilities"
+    return "logits" if config.get("from_logits", False) else "probabilities"
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How the compiled loss reads the output it is fed, where it takes probabilities:
+    ``binary``, each element (within [0, 1], a sigmoid's), or each slice along the class
+    ``axis`` (non-negative and summing to 1, a softmax's): Keras' categorical losses take
+    their ``axis`` (1: a channels-first sequence or image, classes before the steps)."""
+
+    binary: bool = False
+    axis: int = -1
+
+
+def loss_form(model: Any) -> LossForm:
+    """The :class:`LossForm` of ``model``'s compiled loss (any loss but Keras' binary
+    cross-entropies: a distribution along its ``axis``, the last by default)."""
+    name, config = _loss_config(model)
+    axis = config.get("axis", -1)
+    return LossForm(binary=name in _BINARY, axis=axis if isinstance(axis, int) else -1)
 
 
 def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:

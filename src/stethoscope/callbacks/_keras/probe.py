@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from stethoscope.callbacks._keras.describe import optimizers_of
+from stethoscope.callbacks._keras.describe import LossForm, loss_form, optimizers_of
 from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.layers import (
     activation_kind,
@@ -113,7 +113,9 @@ class GraphProbe:
         if scaler is not None and not scaler.built:
             # its scale is read before the first step's update, where Keras would build it
             scaler.build(watched)
-        self.reductions = make_reductions(self.layout, regime, position, scaled=bool(scaler))
+        self.reductions = make_reductions(
+            self.layout, regime, position, scaled=bool(scaler), loss=loss_form(model)
+        )
         slots = _plumbing(self.layout, regime, len({r.group for r in self.reductions}))
         for r in self.reductions:
             slots += slots_of(r, self.layout, regime)
@@ -511,13 +513,19 @@ def _layout(
 
 
 def make_reductions(
-    layout: Layout, regime: Regime, position: dict[int, int], *, scaled: bool = False
+    layout: Layout,
+    regime: Regime,
+    position: dict[int, int],
+    *,
+    scaled: bool = False,
+    loss: LossForm | None = None,
 ) -> tuple[KerasReduction, ...]:
     """Every reduction, for a model of ``layout`` run in ``regime`` (``position``: each
     trainable variable's position, by id; ``scaled``: its optimizer is a
-    ``LossScaleOptimizer``), in the order the host decodes them: the unit rows before the
-    inputs, since a step's unit rows go with the batch size known before it; the loss
-    scale last, since it drops the update statistics of a step the optimizer skipped."""
+    ``LossScaleOptimizer``; ``loss``: how its compiled loss reads the output), in the
+    order the host decodes them: the unit rows before the inputs, since a step's unit rows
+    go with the batch size known before it; the loss scale last, since it drops the update
+    statistics of a step the optimizer skipped."""
     return (
         GradNorms(regime),
         WeightNorms(),
@@ -527,7 +535,7 @@ def make_reductions(
         InputScale(),
         ClassLabels(),
         SamplePrints(),
-        Predictions(),
+        Predictions(loss),
         ForwardRows(layout),
         GradientPrecision(layout, regime, position),
         Fp8Fit(),
