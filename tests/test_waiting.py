@@ -212,3 +212,38 @@ def test_steps_judged_together_end_as_if_judged_one_by_one(monkeypatch, seed):
         s.to_dict() for s in at_once_sink.summaries
     ]
     assert waited.state_dict() == at_once.state_dict()
+
+
+def _summed(n: int = 1500, seed: int = 0) -> np.ndarray:
+    """A loss summed over its batch, 12 batches an epoch, the last of 16 samples where
+    the others hold 128 (pytorch/examples' VAE): every window holds a few losses 8x
+    below the rest. The loss per sample falls by a third, as a VAE's does, then climbs
+    back from step 900."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    per_sample = 0.7 + 0.3 * np.exp(-t / 200) + np.where(t > 900, (t - 900) / 300, 0.0)
+    per_sample = per_sample * rng.lognormal(0.0, 0.03, n)
+    return per_sample * np.where(t % 12 == 11, 16, 128)
+
+
+def test_a_summed_losss_small_last_batches_still_let_quiet_steps_wait(monkeypatch):
+    """unstable_loss bounded the level by the window's extremes: a window that held one
+    small last batch made every step be judged at once (the VAE: 1040 of 960 steps
+    judged one by one, a tenth of its step). The level moves one place of the window a
+    step: most quiet steps wait, with the same findings."""
+    kept = []
+    keep = WaitingLosses.keep
+
+    def counting(self, *args):
+        kept.append(keep(self, *args))
+        return kept[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(WaitingLosses, "keep", counting)
+        _, waited, _ = _run(_summed())
+    assert sum(kept[200:900]) > 0.8 * 700  # quiet steps past the calibration wait
+    with monkeypatch.context() as m:
+        _, at_once, _ = _run(_summed(), m, waiting=False)
+    key = [(f.step, f.detector, f.severity, f.message) for f in waited.findings]
+    assert key == [(f.step, f.detector, f.severity, f.message) for f in at_once.findings]
+    assert any(f.detector == "unstable_loss" for f in waited.findings)

@@ -478,19 +478,20 @@ class UnstableLoss(Detector):
 
     def waits_below(self, steps: int) -> float | None:
         # A rise (a suspicion, then a warning) needs the level, a median of the window,
-        # ``rise`` of the initial level above its best. Losses below ``bar`` can move the
-        # level no further than the window's extremes and ``bar``: while the window spans
-        # less than the rise, they cannot start one. The error needs losses past twice the
-        # initial level.
+        # ``rise`` of the initial level above its best; the error, a level past twice the
+        # initial one. Each loss moves the median at most one place of the sorted window:
+        # over ``steps`` losses under ``bar`` the level stays within the window's
+        # ``steps``-th places either side of the median (see _level_bounds) and ``bar``.
+        # Bounded by the window's extremes instead, a window holding one outlier (an
+        # epoch's small last batch of a summed loss) made every step be judged at once.
         st = self.state
         initial, best, recent = st["initial"], st["best"], st["recent"]
         if initial is None:
             # losses that may take both signs are only said of (an info): they may wait
             return None if len(recent) + steps >= self.window else math.inf
-        ordered = self._sorted.ordered(recent)
-        floor = min(best, ordered[0])
-        bar = floor + self.rise * abs(initial)
-        if ordered[-1] >= bar:
+        low, high = _level_bounds(self._sorted.ordered(recent), steps)
+        bar = min(best, low) + self.rise * abs(initial)
+        if high >= bar or (initial > 0 and high > 2 * initial):
             return None
         return min(bar, 2 * initial) if initial > 0 else bar
 
@@ -502,10 +503,10 @@ class UnstableLoss(Detector):
         rise, window = self.rise * abs(initial), self._sorted
         for i in range(start, len(losses)):
             loss = losses[i]
-            # the next level, a median, is at most the highest of the window and the loss:
-            # if that is neither a rise above the best nor past twice the initial level,
-            # the step only moves the level (and perhaps the best)
-            top = max(window.ordered(recent)[-1], loss)
+            # the next level, a median, is at most the next place of the window above the
+            # median, or the loss: if that is neither a rise above the best nor past twice
+            # the initial level, the step only moves the level (and perhaps the best)
+            top = max(_level_bounds(window.ordered(recent), 1)[1], loss)
             if top - st["best"] > rise or (initial > 0 and top > 2 * initial):
                 return i
             window.push(recent, float(loss), self.window)
@@ -568,3 +569,15 @@ class UnstableLoss(Detector):
                 )
             ]
         return []
+
+
+def _level_bounds(ordered: list[float], steps: int) -> tuple[float, float]:
+    """Bounds on the median of a full window (sorted: ``ordered``) after ``steps`` more
+    values replace its oldest: whatever they are, the median's two middle places move
+    at most ``steps`` places each, so the median stays at least the place ``steps``
+    below the lower middle, and at most the place ``steps`` above the upper middle or
+    the largest new value (which the caller bounds)."""
+    n = len(ordered)
+    mid = n // 2  # the upper middle place (the median itself for an odd count)
+    lower = (n - 1) // 2
+    return ordered[max(0, lower - steps)], ordered[min(n - 1, mid + steps)]
