@@ -47,6 +47,8 @@ class Schedule:
         self._sat_out: frozenset[str] = frozenset()  # see sit_out
         #: The step each event's statistics were last measured at (see _event_due).
         self._events: dict[str, int] = {}
+        # the detectors taking part, worked out once a step (see _taking_part)
+        self._part: tuple[tuple[int, frozenset[str]], list] | None = None
         # until a training starts, the setup is the default one's (float32, say)
         self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
@@ -205,8 +207,16 @@ class Schedule:
         return True
 
     def _taking_part(self, step: int) -> list:
-        """The detectors neither idle in this run nor finished at ``step``."""
-        return [d for d in self.detectors if not self.idle(d.name) and not d.finished(step)]
+        """The detectors neither idle in this run nor finished at ``step``. Worked out once
+        a step: an epoch's end asks four times (its validation's statistics, the next
+        epoch's start), and a full-batch run's epoch is a step. A detector that finishes
+        later in the step still counts there, which measures no less."""
+        key = (step, self.planner.idle)
+        if self._part is not None and self._part[0] == key:
+            return self._part[1]
+        part = [d for d in self.detectors if not self.idle(d.name) and not d.finished(step)]
+        self._part = (key, part)
+        return part
 
     def idle(self, name: str) -> bool:
         """Whether the detector ``name`` takes no part in this run."""
@@ -243,6 +253,7 @@ class Schedule:
         self.stretch(1)
         self.planner.forget()
         self._events.clear()
+        self._part = None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sampler's schedule (and its stretch) from a checkpoint."""
