@@ -54,10 +54,8 @@ import argparse
 import logging
 import os
 import re
-import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,7 +71,8 @@ import keras
 import numpy as np
 from keras import layers, ops
 
-from benchmarks.faults.zoo import Fit, Row, render
+from benchmarks.faults import zoo
+from benchmarks.faults.zoo import Fit, Row
 from stethoscope import KerasStethoscope
 from stethoscope.testing import CapturingSink
 
@@ -332,17 +331,6 @@ def _state(model: Any) -> dict[str, bytes]:
     return out
 
 
-def _crash(exc: BaseException) -> str:
-    """``Type: message``, and where: the innermost stethoscope frame, if any."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if "/stethoscope/" in f.filename.replace("\\", "/")]
-    where = frames[-1] if not ours else ours[-1]
-    who = "stethoscope" if ours else "workload"
-    name = where.filename.replace("\\", "/").rsplit("/src/", 1)[-1]
-    text = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return f"{who} crash: {text[:200]} (at {name}:{where.lineno} in {where.name})"
-
-
 def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None = None) -> Fit:
     """One seeded ``model.fit`` of ``workload``, watched by stethoscope's defaults or not.
 
@@ -375,7 +363,7 @@ def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
                 steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         except Exception as exc:
-            crash = _crash(exc)
+            crash = zoo.crash_text(exc)
     ours = {
         str(w.message)
         for w in caught
@@ -395,55 +383,12 @@ def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None
     )
 
 
-def _ends(trace: Sequence[float]) -> tuple[float, float]:
-    """The medians of the first and of the last tenth of ``trace``."""
-    if not trace:
-        return float("nan"), float("nan")
-    k = max(1, len(trace) // 10)
-    return statistics.median(trace[:k]), statistics.median(trace[-k:])
-
-
-def _compare(plain: Fit, watched: Fit) -> str:
-    if watched.crash is not None:
-        return "crash"
-    if watched.steps < plain.steps:
-        return f"stopped@{watched.steps}"
-    bad = [k for k in plain.state if plain.state[k] != watched.state.get(k)]
-    if bad or plain.steps != watched.steps:
-        return f"NO ({len(bad)} tensors differ, e.g. {bad[:1]})"
-    if plain.trace != watched.trace:
-        return "NO (trace differs)"
-    return "yes"
-
-
 def run_workload(
     workload: KerasWorkload, seeds: Sequence[int], *, repeats: int = 3, log: Any = None
 ) -> Row:
     """Every seed's watched and plain fit, then ``repeats`` timing pairs on the first seed
-    (the first seed's pair counts as one of them; ``ABBA`` order)."""
-    row = Row(workload.name, workload.metric, workload.higher_is_better)
-    for i, seed in enumerate(seeds):
-        plain = fit(workload, seed, watched=False)
-        watched = fit(workload, seed, watched=True)
-        if plain.crash is not None:
-            row.plain_crash = plain.crash
-        row.trains.append(_ends(plain.trace))
-        row.watched.append(watched)
-        row.same.append("-" if plain.crash else _compare(plain, watched))
-        if i == 0:
-            row.plain_times.append((plain.seconds, plain.cpu))
-            row.watched_times.append((watched.seconds, watched.cpu))
-            row.steps = plain.steps
-        if log:
-            log(
-                f"  {workload.name} seed {seed}: plain {plain.seconds:.1f}s, watched "
-                f"{watched.seconds:.1f}s, {len(watched.problems())} warning/error finding(s)"
-            )
-    for r in range(1, repeats):  # ABBA: watched first in the odd rounds
-        for w in (True, False) if r % 2 else (False, True):
-            f = fit(workload, seeds[0], watched=w)
-            (row.watched_times if w else row.plain_times).append((f.seconds, f.cpu))
-    return row
+    (see ``zoo.run_workload``), each made by :func:`fit`."""
+    return zoo.run_workload(workload, seeds, repeats=repeats, log=log, fit=fit)
 
 
 def quiet() -> None:
@@ -499,27 +444,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        print(f"unknown workload(s) {unknown!r}; use some of {list(WORKLOADS)!r}", file=sys.stderr)
+    names = zoo.chosen(args.only, WORKLOADS)
+    if names is None:
         return 2
     configure(args.threads)
     quiet()
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}", file=sys.stderr)
-    rows = []
-    for n in names:
-        t0 = time.perf_counter()
-        rows.append(
-            run_workload(
-                WORKLOADS[n],
-                list(range(args.seeds)),
-                repeats=args.repeats,
-                log=lambda s: print(s, file=sys.stderr, flush=True),
-            )
-        )
-        print(f"  {n}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    print(render(rows))
+    workloads = [WORKLOADS[n] for n in names]
+    print(zoo.run_all(workloads, seeds=args.seeds, repeats=args.repeats, run=run_workload))
     return 0
 
 

@@ -47,7 +47,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,7 @@ from stethoscope import LightningStethoscope
 from stethoscope.findings import Finding, Severity
 from stethoscope.testing import CapturingSink
 
-__all__ = ["Fit", "Row", "fit", "main", "render", "run_workload"]
+__all__ = ["Fit", "Row", "chosen", "crash_text", "fit", "main", "render", "run_all", "run_workload"]
 
 _WORDS = 9  # of a finding's message, in the table
 #: How stethoscope words a Python warning that detectors sit a run out, said once on
@@ -100,7 +100,7 @@ def _state(module: torch.nn.Module) -> dict[str, bytes]:
     }
 
 
-def _crash(exc: BaseException) -> str:
+def crash_text(exc: BaseException) -> str:
     """``Type: message``, and where: the innermost stethoscope frame, if any."""
     frames = traceback.extract_tb(exc.__traceback__)
     ours = [f for f in frames if "/stethoscope/" in f.filename.replace("\\", "/")]
@@ -156,7 +156,7 @@ def fit(
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
                 steps_done = trainer.global_step
         except Exception as exc:
-            crash = _crash(exc)
+            crash = crash_text(exc)
     ours = [
         str(w.message)
         for w in caught
@@ -250,14 +250,16 @@ def _compare(plain: Fit, watched: Fit) -> str:
 
 
 def run_workload(
-    workload: Workload,
+    workload: Any,
     seeds: Sequence[int],
     *,
     repeats: int = 3,
     log: Any = None,
+    fit: Callable[..., Fit] = fit,
 ) -> Row:
     """Every seed's watched and plain fit, then ``repeats`` timing pairs on the first seed
-    (the first seed's pair counts as one of them)."""
+    (the first seed's pair counts as one of them; ``ABBA`` order). ``fit``: how one fit
+    of ``workload`` is made (``keras_zoo.fit`` for Keras' workloads)."""
     row = Row(workload.name, workload.metric, workload.higher_is_better)
     for i, seed in enumerate(seeds):
         plain = fit(workload, seed, watched=False)
@@ -440,10 +442,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        print(f"unknown workload(s) {unknown!r}; use some of {list(WORKLOADS)!r}", file=sys.stderr)
+    names = chosen(args.only, WORKLOADS)
+    if names is None:
         return 2
     quiet()
     torch.set_num_threads(args.threads)
@@ -451,20 +451,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in names:
             print(f"== {n}\n{_profile(WORKLOADS[n], 0, 25)}")
         return 0
+    print(run_all([WORKLOADS[n] for n in names], seeds=args.seeds, repeats=args.repeats))
+    return 0
+
+
+def chosen(only: str, workloads: Mapping[str, Any]) -> list[str] | None:
+    """The workloads ``--only`` names (every one when empty), or None, said on stderr, when
+    it names one there is not."""
+    names = [n for n in only.split(",") if n] or list(workloads)
+    unknown = [n for n in names if n not in workloads]
+    if unknown:
+        print(f"unknown workload(s) {unknown!r}; use some of {list(workloads)!r}", file=sys.stderr)
+        return None
+    return names
+
+
+def run_all(
+    workloads: Sequence[Any], *, seeds: int, repeats: int, run: Callable[..., Row] = run_workload
+) -> str:
+    """The table of ``workloads``, each run by ``run`` (``keras_zoo.run_workload`` for
+    Keras'), with its progress on stderr."""
     rows = []
-    for n in names:
+    for w in workloads:
         t0 = time.perf_counter()
         rows.append(
-            run_workload(
-                WORKLOADS[n],
-                list(range(args.seeds)),
-                repeats=args.repeats,
+            run(
+                w,
+                list(range(seeds)),
+                repeats=repeats,
                 log=lambda s: print(s, file=sys.stderr, flush=True),
             )
         )
-        print(f"  {n}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    print(render(rows))
-    return 0
+        print(f"  {w.name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    return render(rows)
 
 
 if __name__ == "__main__":
