@@ -950,8 +950,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect=("logits_mismatch",),
         window=64,
         # the loss clips the rescaled outputs to [1e-7, 1 - 1e-7]: most of them are
-        # clipped, and no gradient passes a clip (measured: all zero from step 50)
-        collateral=("vanishing_gradients", "all_zero"),
+        # clipped, and no gradient passes a clip (measured: all zero from step 50); with
+        # no gradient no weight moves (frozen_weights at steps 226-227, 2 of 3 seeds)
+        collateral=("vanishing_gradients", "all_zero", "frozen_weights"),
         frameworks=("keras",),
     ),
     Scenario(
