@@ -31,6 +31,7 @@ import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
+from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.gate import UpdateGate
 from stethoscope.callbacks._keras.loss_scale import ScaleSkips, carried_scale
 from stethoscope.callbacks._keras.nonfinite import NonfiniteRecord
@@ -130,7 +131,13 @@ class StepWrappers:
         #: Whether a train step had a loss: from compute_loss, or (a train step of the
         #: user's own) in the logs it returned (see :class:`OwnLoss`).
         self.saw_loss = False
-        self.own_loss = OwnLoss(model, switches=switches, strategy=strategy)
+        # Keras' own train_step always calls compute_loss: only a step of the user's own
+        # may return its loss in its logs instead, so only there are its metrics wrapped
+        self.own_loss = (
+            OwnLoss(model, switches=switches, strategy=strategy)
+            if has_own_train_step(model)
+            else None
+        )
         #: Whether a test step prints its batch (a detector reads a validation's prints).
         self.printing_validation = False
         # positions of the variables the train step hands optimizer.apply, and of those it
@@ -156,8 +163,10 @@ class StepWrappers:
         Mean metrics (see :class:`OwnLoss`) and the watched layers' call."""
         model, opt = self.model, self.optimizer
         self._patches.put(model, "compute_loss", self._compute_loss(model.compute_loss))
-        self._patches.put(model, "train_step", self._train_step(model.train_step))
-        self.own_loss.install(self._patches)
+        if self.regime.outputs or self.own_loss is not None:
+            self._patches.put(model, "train_step", self._train_step(model.train_step))
+        if self.own_loss is not None:
+            self.own_loss.install(self._patches)
         self._patches.put(opt, "apply", self._apply(opt.apply))
         if self.gate is not None:
             self.gate.install(self._patches)
@@ -170,7 +179,8 @@ class StepWrappers:
     @property
     def why_no_loss(self) -> str:
         """Why a train step of the user's own gave no loss, in a few words."""
-        return self.own_loss.why_not or "its train step returned no logs"
+        why = self.own_loss.why_not if self.own_loss is not None else ""
+        return why or "its train step returned no logs"
 
     @property
     def installed(self) -> bool:
@@ -200,7 +210,8 @@ class StepWrappers:
             if self.switches.off or kops.is_symbolic(loss):
                 return loss
             self.saw_loss = True
-            self.own_loss.computed()
+            if self.own_loss is not None:
+                self.own_loss.computed()
             if self.gate is not None:  # what a replay computes again
                 self.gate.watch.batch = (x, y, sample_weight)
             regime = self.regime
@@ -228,9 +239,10 @@ class StepWrappers:
             if self.switches.off:
                 return original(*args, **kwargs)
             trace = self.store.trace()
-            self.own_loss.begin()
-            if not self.regime.direct and self.regime.steps > 1:  # apply counts the step
-                trace.slot = ops.mod(self.store.step_index(), self.regime.steps)
+            if self.own_loss is not None:
+                self.own_loss.begin()
+                if not self.regime.direct and self.regime.steps > 1:  # apply counts the step
+                    trace.slot = ops.mod(self.store.step_index(), self.regime.steps)
             if self.regime.outputs:
                 trace.outer = kops.graph()
                 trace.lr = _learning_rate(self.optimizer) if self.switches.heavy else None
@@ -268,6 +280,8 @@ class StepWrappers:
         or compute_loss gave it), into the loss ring variable unless the ring is the
         step's own output. Found after the update, it takes no part in the tests before
         it (a non-finite gradient is still caught; the host tests the loss itself)."""
+        if self.own_loss is None:
+            return None
         slot, trace.slot = trace.slot, None
         own = self.own_loss.of(logs)
         if own is None:
