@@ -264,14 +264,17 @@ class ExplodingGradients(Detector):
                         if each[0] != over
                         else ""
                     )
+                    in_a_row = (
+                        f", {st['streak']} sampled steps in a row" if st["streak"] > 1 else ""
+                    )
                     findings.append(
                         self.finding(
                             obs,
                             "error" if severe else "warning",
                             f"Gradient norm {total:.3g} is {10**over:.3g}x its recent median "
-                            f"{10**center:.3g}{per_sample} at step {obs.step}, "
-                            f"{st['streak']} sampled steps in a row (it jumps first in "
-                            f"{where}, in backward order): the learning rate is likely too "
+                            f"{10**center:.3g}{per_sample} at step {obs.step}{in_a_row} (it "
+                            f"jumps first in {where}, in backward order): the learning rate "
+                            f"is likely too "
                             f"high for this point of training; lower it, "
                             f"{warmup_advice(self.setup)}, or {clipping_advice(self.setup)}.",
                             value=total,
