@@ -124,6 +124,30 @@ def test_quiet_steps_planned_ahead_are_the_schedule_step_by_step():
     assert all(d.finished(900) for d in monitor.detectors if d.name == "class_imbalance")
 
 
+def test_a_run_judged_every_step_plans_each_step_about_once(monkeypatch):
+    """A full-batch run validates at every step, and each validation is judged, which may
+    change the plan ahead: a plan made 16 steps ahead would be thrown away at every step.
+    After a change the planner plans one step ahead, and twice as far while nothing
+    changes, so such a run plans each step about once, and a run judged now and then
+    still plans far ahead."""
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    planner = monitor.planner
+    calls = []
+    original = type(planner)._plan
+    monkeypatch.setattr(
+        type(planner), "_plan", lambda self, t: calls.append(t) or original(self, t)
+    )
+    losses = _curve(700)
+    for step, loss in enumerate(losses):
+        if step == 300:
+            calls.clear()  # past the sampler's calibration
+        plan = monitor.plan(step)
+        assert plan == original(planner, step), step
+        monitor.observe_loss(step, step, float(loss))
+        monitor.observe_validation(step, step, float(loss) * 1.1)  # judged: may change plans
+    assert len(calls) <= 2 * 400, len(calls)  # each of the 400 steps planned about once
+
+
 def test_observe_loss_keeps_a_quiet_step_as_numbers_until_it_cannot_wait():
     monitor, sink, _ = _run(_curve(600))
     assert monitor.observe_loss(601, 0, 0.3, lr=0.1) is None  # waits

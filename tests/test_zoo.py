@@ -89,3 +89,23 @@ def test_a_crash_in_stethoscope_is_reported_for_its_workload_not_raised(monkeypa
         "regression", "smooth L1", False, trains=[(1.0, 0.5)], watched=[f], same=["crash"]
     )
     assert "stethoscope crash" in zoo.render([row])
+
+
+def test_zoo_cost_takes_each_steps_least_time_and_splits_start_up_from_rate():
+    """``zoo_cost`` compares the same step of plain and watched fits: per step, the least
+    of a few fits (noise only adds time), then the rate over the run's second half and the
+    rest of the extra time as the start-up."""
+    from benchmarks.faults.zoo_cost import Cost, least_steps
+
+    # clocks: the fit's start, each step's start, its end; one fit had a slow step 1
+    assert least_steps([[0.0, 1.0, 2.0, 5.0], [10.0, 11.0, 15.0, 16.0]]) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        least_steps([[0.0, 1.0, 2.0], [0.0, 1.0]])
+    # 8 steps of 1 s plain; watched: 2 s more before the first step, and 10% more a step
+    plain = [0.5] + [1.0] * 8
+    watched = [2.5] + [1.1] * 8
+    cost = Cost("x", plain, watched)
+    assert cost.steps == 8
+    assert cost.rate == pytest.approx(1.1)
+    assert cost.start_up == pytest.approx(2.0)
+    assert not cost.within()

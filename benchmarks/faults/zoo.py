@@ -60,7 +60,18 @@ from stethoscope import LightningStethoscope
 from stethoscope.findings import Finding, Severity
 from stethoscope.testing import CapturingSink
 
-__all__ = ["Fit", "Row", "chosen", "crash_text", "fit", "main", "render", "run_all", "run_workload"]
+__all__ = [
+    "Fit",
+    "Row",
+    "StepClock",
+    "chosen",
+    "crash_text",
+    "fit",
+    "main",
+    "render",
+    "run_all",
+    "run_workload",
+]
 
 _WORDS = 9  # of a finding's message, in the table
 #: How stethoscope words a Python warning that detectors sit a run out, said once on
@@ -91,6 +102,22 @@ class Fit:
         return [f for f in self.findings if f.severity >= Severity.WARNING]
 
 
+class StepClock(L.Callback):
+    """Appends the process's CPU time to ``times`` at each training batch's start.
+
+    It comes first among the callbacks, so the time between two batches' starts holds
+    all that a step costs, stethoscope's hooks, the validation and the epoch's end
+    included: the same step of a plain and a watched fit (bit for bit the same
+    training) can be compared.
+    """
+
+    def __init__(self, times: list[float]) -> None:
+        self.times = times
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.times.append(time.process_time())
+
+
 def _state(module: torch.nn.Module) -> dict[str, bytes]:
     """Every parameter and buffer as bytes (NaN-safe equality)."""
     return {
@@ -118,6 +145,7 @@ def fit(
     watched: bool,
     steps: int | None = None,
     profile: cProfile.Profile | None = None,
+    clock: list[float] | None = None,
 ) -> Fit:
     """One seeded ``Trainer.fit`` of ``workload``, watched by stethoscope's defaults or not.
 
@@ -127,6 +155,8 @@ def fit(
         watched: Whether a ``LightningStethoscope(sinks=[CapturingSink()])`` rides along.
         steps: Its length (default: the benchmark's, ``workload.steps``).
         profile: A profiler enabled around ``trainer.fit`` only.
+        clock: Where to append the process's CPU time at the fit's start, at each
+            training batch's start and at the fit's end (see :class:`StepClock`).
     """
     L.seed_everything(seed, verbose=False)
     sink = CapturingSink()
@@ -137,7 +167,9 @@ def fit(
         try:  # a crash anywhere, stethoscope's constructor included, is a result
             built = workload.build(seed, workload.steps if steps is None else steps)
             module = built.module
-            callbacks = [LightningStethoscope(sinks=[sink])] if watched else []
+            callbacks: list[L.Callback] = [] if clock is None else [StepClock(clock)]
+            if watched:
+                callbacks.append(LightningStethoscope(sinks=[sink]))
             trainer = L.Trainer(
                 **ON_ONE_CPU,
                 deterministic=True,
@@ -146,6 +178,8 @@ def fit(
                 **built.trainer,
             )
             t0, c0 = time.perf_counter(), time.process_time()
+            if clock is not None:
+                clock.append(c0)
             if profile is not None:
                 profile.enable()
             try:
@@ -154,6 +188,8 @@ def fit(
                 if profile is not None:
                     profile.disable()
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if clock is not None:
+                    clock.append(c0 + cpu)
                 steps_done = trainer.global_step
         except Exception as exc:
             crash = crash_text(exc)

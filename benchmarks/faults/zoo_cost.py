@@ -7,14 +7,21 @@ costs once the run is under way. A user's run is longer than the zoo's: what dec
 whether they notice stethoscope is the second. The bound this checks (issue 51): past a
 fixed start-up of at most a second, no run slower than 1.05x its plain twin.
 
-For each workload it times plain and watched fits (the watched one with stethoscope's
-defaults) at the workload's length ``L`` and at ``k * L``, in alternating pairs
-(ABBA), as process CPU seconds on one thread, the medians of ``--repeats`` pairs. With
-``extra(n)`` the watched fit's time less the plain one's at length ``n``:
+For each workload it trains plain and watched fits (the watched one with stethoscope's
+defaults) of ``k * L`` steps, ``L`` the workload's length, in alternating pairs (ABBA),
+and clocks every step in process CPU seconds on one thread (``zoo.StepClock``: from one
+training batch's start to the next, so a step holds its validation and its epoch's end).
+The two fits train bit for bit the same, so step ``i`` is the same work in both. Each
+step's time is the least of the ``--repeats`` fits of its kind: the machine's noise only
+ever adds time, and the minimum over a few runs strips most of it, where the total of a
+whole fit carries all of its spikes.
 
-* rate: ``1 + (extra(kL) - extra(L)) / (plain(kL) - plain(L))``, the watched run's
-  slope over the plain one's: what each step past the first ``L`` costs;
-* start-up: ``extra(L) - (rate - 1) * plain(L)``, the time the line's intercept holds.
+* rate: the watched steps' time over the plain ones', over the run's second half, after
+  the sampler's calibration and the detectors' warm-up: what a step costs once the run
+  is under way;
+* start-up: the watched fit's extra time, less what the rate accounts for:
+  ``extra - (rate - 1) * plain steps``, over the whole fit, what comes before its first
+  step included.
 
 Both are flagged ``!`` past the bound (rate > 1.05, start-up > 1 s).
 
@@ -28,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +47,7 @@ from benchmarks.faults import zoo
 from benchmarks.faults.lightning_suite import quiet
 from benchmarks.faults.zoo_models import WORKLOADS, Workload
 
-__all__ = ["Cost", "main", "measure"]
+__all__ = ["Cost", "least_steps", "main", "measure"]
 
 #: The bound: the rate past start-up, and the start-up in seconds.
 RATE, START_UP = 1.05, 1.0
@@ -48,78 +55,93 @@ RATE, START_UP = 1.05, 1.0
 
 @dataclass
 class Cost:
-    """One workload's times at two lengths (medians of CPU seconds)."""
+    """One workload's clocked fits: per step, the least CPU seconds of its repeats.
+
+    ``plain`` and ``watched`` each hold the time before the first step, then one entry per
+    step (the last one runs to the fit's end, its teardown included).
+    """
 
     name: str
-    k: int
-    steps: tuple[int, int]
-    plain: tuple[float, float]
-    watched: tuple[float, float]
+    plain: list[float]
+    watched: list[float]
 
     @property
-    def extra(self) -> tuple[float, float]:
-        return self.watched[0] - self.plain[0], self.watched[1] - self.plain[1]
+    def steps(self) -> int:
+        return len(self.plain) - 1
 
     @property
-    def rate(self) -> float | None:
-        """The watched run's time per plain second, past the first length (None: the run
-        did not grow, as one that stops at a target loss)."""
-        grew = self.plain[1] - self.plain[0]
-        if self.steps[1] < 1.5 * self.steps[0] or grew <= 0:
-            return None
-        return 1 + (self.extra[1] - self.extra[0]) / grew
+    def extra(self) -> float:
+        """The watched fit's seconds over the plain one's, all of it."""
+        return sum(self.watched) - sum(self.plain)
+
+    @property
+    def rate(self) -> float:
+        """The watched steps' time per plain second over the run's second half (its last
+        step, which holds the teardown, left out)."""
+        half = slice(1 + self.steps // 2, len(self.plain) - 1)
+        return sum(self.watched[half]) / sum(self.plain[half])
 
     @property
     def start_up(self) -> float:
-        """Seconds the watched run costs once, whatever its length (a run that did not
-        grow: all it costs, at either length)."""
-        if self.rate is None:
-            return max(self.extra)
-        return self.extra[0] - (self.rate - 1) * self.plain[0]
+        """Seconds the watched run costs once, whatever its length: its extra time less
+        the rate's share of the plain steps."""
+        return self.extra - (self.rate - 1) * sum(self.plain[1:])
 
     def within(self) -> bool:
-        return (self.rate is None or self.rate <= RATE) and self.start_up <= START_UP
+        return self.rate <= RATE and self.start_up <= START_UP
 
 
-def _timed(workload: Workload, watched: bool) -> tuple[float, int]:
-    f = zoo.fit(workload, 0, watched=watched)
+def least_steps(clocks: Sequence[Sequence[float]]) -> list[float]:
+    """Per step, the least of several fits' times, from the clock each fit kept (its
+    start, each step's start, its end).
+
+    Raises:
+        ValueError: If the fits ran different numbers of steps (they are then not the
+            same training, and step ``i`` of one is not step ``i`` of another).
+    """
+    lengths = {len(c) for c in clocks}
+    if len(lengths) != 1:
+        raise ValueError(f"the fits ran different numbers of steps: {sorted(lengths)}")
+    per_fit = [[b - a for a, b in itertools.pairwise(c)] for c in clocks]
+    return [min(times) for times in zip(*per_fit, strict=True)]
+
+
+def _clocked(workload: Workload, watched: bool) -> list[float]:
+    clock: list[float] = []
+    f = zoo.fit(workload, 0, watched=watched, clock=clock)
     if f.crash is not None:
         raise RuntimeError(f"{workload.name}: {f.crash}")
-    return f.cpu, f.steps
+    return clock
 
 
 def measure(workload: Workload, k: int, repeats: int) -> Cost:
-    """``repeats`` ABBA pairs at the workload's length and at ``k`` times it."""
-    plain, watched, steps = [], [], []
-    for length in (workload.steps, workload.steps * k):
-        w = dataclasses.replace(workload, steps=length)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for r in range(repeats):
-            for is_watched in (True, False) if r % 2 else (False, True):
-                cpu, n = _timed(w, is_watched)
-                times[is_watched].append(cpu)
-        plain.append(statistics.median(times[False]))
-        watched.append(statistics.median(times[True]))
-        steps.append(n)
-    return Cost(
-        workload.name, k, (steps[0], steps[1]), (plain[0], plain[1]), (watched[0], watched[1])
-    )
+    """``repeats`` ABBA pairs of ``k`` times the workload's length, clocked step by step."""
+    w = dataclasses.replace(workload, steps=workload.steps * k)
+    clocks: dict[bool, list[list[float]]] = {False: [], True: []}
+    for r in range(repeats):
+        for is_watched in (True, False) if r % 2 else (False, True):
+            clocks[is_watched].append(_clocked(w, is_watched))
+    plain, watched = least_steps(clocks[False]), least_steps(clocks[True])
+    if len(plain) != len(watched):
+        raise ValueError(
+            f"{workload.name}: the plain fits ran {len(plain) - 1} steps, the watched "
+            f"{len(watched) - 1}: not the same training"
+        )
+    return Cost(workload.name, plain, watched)
 
 
 def render(costs: Sequence[Cost]) -> str:
     head = (
-        f"{'workload':<16} {'steps':>11} {'plain s':>13} {'extra s':>13} "
+        f"{'workload':<16} {'steps':>6} {'plain s':>8} {'extra s':>8} "
         f"{'start-up s':>10} {'rate':>7}"
     )
     lines = [head, "-" * len(head)]
     for c in costs:
         flag_s = "!" if c.start_up > START_UP else " "
-        flag_r = "!" if c.rate is not None and c.rate > RATE else " "
-        rate = "-" if c.rate is None else f"{c.rate:.3f}"
+        flag_r = "!" if c.rate > RATE else " "
         lines.append(
-            f"{c.name:<16} {c.steps[0]:>5},{c.steps[1]:>5} "
-            f"{c.plain[0]:>6.2f},{c.plain[1]:>6.2f} {c.extra[0]:>+6.2f},{c.extra[1]:>+6.2f} "
-            f"{c.start_up:>9.2f}{flag_s} {rate:>6}{flag_r}"
+            f"{c.name:<16} {c.steps:>6} {sum(c.plain):>8.2f} {c.extra:>+8.2f} "
+            f"{c.start_up:>9.2f}{flag_s} {c.rate:>6.3f}{flag_r}"
         )
     within = sum(c.within() for c in costs)
     lines.append(
@@ -134,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="stethoscope's start-up and rate on the zoo's workloads",
     )
     p.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument("--k", type=int, default=4, help="the longer length, in workload lengths")
-    p.add_argument("--repeats", type=int, default=2, help="ABBA pairs per length (default 2)")
+    p.add_argument("--k", type=int, default=4, help="the fits' length, in workload lengths")
+    p.add_argument("--repeats", type=int, default=3, help="fits of each kind, ABBA (default 3)")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
@@ -152,10 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(costs))
     print(
         json.dumps(
-            {
-                c.name: {"start_up_s": round(c.start_up, 3), "rate": c.rate and round(c.rate, 4)}
-                for c in costs
-            }
+            {c.name: {"start_up_s": round(c.start_up, 3), "rate": round(c.rate, 4)} for c in costs}
         )
     )
     return 0

@@ -319,8 +319,8 @@ class Monitor:
         return self.ledger.summary(
             epoch,
             budget=self.schedule.budget_note(),
-            detectors=[d for d in self.detectors if not self.schedule.idle(d.name)],
-            interval=self.interval,
+            detectors=[d for d in self.detectors if d.name not in self.planner.idle],
+            interval=self.sampler.intervals_at(self.last_step),
             escalations=self.sampler.escalations,
             hot=self.sampler.hot,
             stopped_by=self.stopped_by,

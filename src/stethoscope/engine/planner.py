@@ -17,11 +17,14 @@ __all__ = ["QUIET_HORIZON", "SINK_HOT_SHORTENING", "Planner"]
 #: stretch.
 SINK_HOT_SHORTENING = 16
 
-#: How many steps ahead a run of quiet steps (the loss alone measured) is planned at
+#: The most steps ahead a run of quiet steps (the loss alone measured) is planned at
 #: once. Planning a step costs a few microseconds of Python on every step, run from a
 #: cache the step's own work has just emptied; a run of quiet steps planned together
 #: costs a comparison each. The waiting steps are judged 16 at a time, and judging plans
-#: again: planning further ahead would be thrown away.
+#: again: planning further ahead would be thrown away. After each change the horizon
+#: starts at one step and doubles while nothing changes: where something is judged on
+#: every step (a full-batch run validates each epoch), a longer plan would be thrown
+#: away every step.
 QUIET_HORIZON = 16
 
 
@@ -149,9 +152,11 @@ class Planner:
         planned = self._plan(step)
         if planned <= EVERY_STEP:
             end = step + 1
-            while end < step + QUIET_HORIZON and self._plan(end) == planned:
+            horizon = self._horizon
+            while end < step + horizon and self._plan(end) == planned:
                 end += 1
             self._quiet_steps, self._quiet_plan = range(step, end), planned
+            self._horizon = min(2 * horizon, QUIET_HORIZON)
         return planned
 
     def _agreed_plan(self, step: int) -> frozenset[str]:
@@ -269,3 +274,4 @@ class Planner:
         escalated. The quiet steps ahead are planned again."""
         self._quiet_steps = range(0)
         self._quiet_plan = EVERY_STEP
+        self._horizon = 1

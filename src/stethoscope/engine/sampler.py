@@ -13,7 +13,7 @@ deterministic and survives a checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["AdaptiveSampler"]
@@ -94,6 +94,12 @@ class AdaptiveSampler:
     def interval(self, name: str, step: int) -> int:
         """The interval of detector ``name`` at ``step``."""
         return _capped(self.base[name], self.cap(step))
+
+    def intervals_at(self, step: int) -> Callable[[str], int]:
+        """``name -> interval of detector name at step``: :meth:`interval` with the cap
+        worked out once, for a question asked of every detector (an epoch's summary)."""
+        base, cap = self.base, self.cap(step)
+        return lambda name: _capped(base[name], cap)
 
     def capped(self, base: int, step: int) -> int:
         """An interval of ``base`` steps under the escalation's cap at ``step``."""

@@ -49,6 +49,10 @@ class Schedule:
         self._events: dict[str, int] = {}
         # the detectors taking part, worked out once a step (see _taking_part)
         self._part: tuple[tuple[int, frozenset[str]], list] | None = None
+        # of those, the readers of each event's statistic (see reads), by statistic
+        self._readers: dict[str, tuple[list, list]] = {}
+        # the detectors that can finish (see Detector.can_finish): the others never do
+        self._finishing = frozenset(d.name for d in self.detectors if type(d).can_finish())
         # until a training starts, the setup is the default one's (float32, say)
         self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
@@ -189,7 +193,12 @@ class Schedule:
         """Whether to measure ``statistic`` of an event at ``step`` (a validation's): a
         detector taking part needs it or runs on its arrival (``Detector.runs_on``), and
         it is due (see :meth:`_event_due`)."""
-        readers = [d for d in self._taking_part(step) if statistic in (d.needs | d.runs_on)]
+        part = self._taking_part(step)
+        cached = self._readers.get(statistic)
+        if cached is None or cached[0] is not part:  # worked out once per taking-part list
+            cached = part, [d for d in part if statistic in d.needs or statistic in d.runs_on]
+            self._readers[statistic] = cached
+        readers = cached[1]
         return bool(readers) and self._event_due(statistic, readers, step)
 
     def _event_due(self, event: str, readers: Sequence[Detector], step: int) -> bool:
@@ -214,7 +223,14 @@ class Schedule:
         key = (step, self.planner.idle)
         if self._part is not None and self._part[0] == key:
             return self._part[1]
-        part = [d for d in self.detectors if not self.idle(d.name) and not d.finished(step)]
+        idle, finishing = self.planner.idle, self._finishing
+        part = [
+            d
+            for d in self.detectors
+            if d.name not in idle and not (d.name in finishing and d.finished(step))
+        ]
+        if self._part is not None and part == self._part[1]:
+            part = self._part[1]  # the same list: what was worked out from it still holds
         self._part = (key, part)
         return part
 
