@@ -341,6 +341,10 @@ class SuiteModule(L.LightningModule):
             return nn.functional.nll_loss(out, y)
         if kind == "softmax_in_step":  # a softmax in the step, before a loss that has one
             return nn.functional.cross_entropy(torch.softmax(out, dim=1), y)
+        if kind == "softmax_in_step_sum":  # the same, summed over the batch
+            return nn.functional.cross_entropy(torch.softmax(out, dim=1), y, reduction="sum")
+        if kind == "sum":  # cross_entropy summed over the batch, of the logits: right
+            return nn.functional.cross_entropy(out, y, reduction="sum")
         if kind == "log_softmax_in_step":  # the same place, written right
             return nn.functional.nll_loss(torch.log_softmax(out, dim=1), y)
         if kind == "bce_with_logits":  # multi-label targets (see _targets)

@@ -271,7 +271,10 @@ class TrainSpec:
             ``"mse_broadcast"``: the same written ``((output - y) ** 2).mean()`` with an
             ``(N, 1)`` output and an ``(N,)`` target (a bug: Lightning only);
             ``"softmax_in_step"``: ``cross_entropy(softmax(output))`` written in the
-            training step (a bug), ``"log_softmax_in_step"``: ``nll_loss(log_softmax(
+            training step (a bug), ``"softmax_in_step_sum"``: the same with
+            ``reduction="sum"`` (Lightning only), ``"sum"``: ``cross_entropy`` of the
+            logits with ``reduction="sum"`` (right; Lightning only),
+            ``"log_softmax_in_step"``: ``nll_loss(log_softmax(
             output))`` there (right); ``"smoothed"``: ``cross_entropy`` with
             ``label_smoothing=0.1``; ``"probabilities_smoothed"``: ``nll_loss`` of the
             log of probabilities, label-smoothed by 0.1 (Keras: ``train_step`` applies the
@@ -887,6 +890,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         window=150,
     ),
     Scenario(
+        "summed_softmax_in_training_step",
+        "pipeline",
+        "softmax_in_training_step with the loss summed over the batch "
+        "(cross_entropy(..., reduction='sum')): the loss is the batch's size times the "
+        "mean it is set against",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="softmax_in_step_sum"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "smoothed_softmax_then_cross_entropy",
         "pipeline",
         "a softmax after the classifier, fed to cross_entropy with label_smoothing=0.1: "
@@ -1227,6 +1242,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the classifier's logits through torch.log_softmax in the training step, then "
         "nll_loss (the twin of softmax_in_training_step: the same place, written right)",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="log_softmax_in_step"),
+    ),
+    Scenario(
+        "healthy_summed_cross_entropy",
+        "healthy",
+        "the classifier's logits to cross_entropy with reduction='sum' (the twin of "
+        "summed_softmax_in_training_step)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="sum"),
+        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_label_smoothing",

@@ -227,6 +227,45 @@ def test_a_loss_that_is_neither_way_of_taking_the_output_is_left_alone(loss):
     assert run(LogitsMismatch(), steps) == []
 
 
+@pytest.mark.parametrize("terms", [64.0, 17.0])
+def test_a_loss_summed_over_the_batch_is_read_as_the_sum_of_its_terms(terms):
+    """``reduction='sum'``: the loss is the mean times the terms. A softmax twice is named
+    all the same, and says it read a sum; a healthy summed cross-entropy is left alone."""
+    twice = [
+        predicted(
+            t, probs=True, loss=0.8 * terms, loss_as_logits=0.8, loss_as_probs=0.3, loss_terms=terms
+        )
+        for t in (0, 16)
+    ]
+    (found,) = run(LogitsMismatch(), twice)
+    assert "applied twice" in found.message and f"{terms:.0f} terms" in found.message
+    healthy = [
+        predicted(
+            t,
+            probs=False,
+            loss=(1.2 - t / 1000) * terms,
+            loss_as_logits=1.2 - t / 1000,
+            loss_as_softmax=1.38,
+            loss_as_log_probs=-5.0,
+            loss_terms=terms,
+        )
+        for t in range(0, 160, 16)
+    ]
+    assert run(LogitsMismatch(), healthy) == []
+
+
+def test_a_mean_loss_is_not_read_as_a_sum():
+    """Read as a sum, a mean loss is the mean over the terms again: nothing the rule
+    could take for a way of taking the output."""
+    steps = [
+        predicted(
+            t, probs=True, loss=0.3, loss_as_logits=0.3 / 64, loss_as_probs=0.3, loss_terms=64.0
+        )
+        for t in range(0, 160, 16)
+    ]
+    assert run(LogitsMismatch(), steps) == []
+
+
 def test_one_column_within_0_and_1_fed_as_logits_must_stay_there_for_a_span_of_steps():
     """A fresh model's one logit can lie within [0, 1] on every row (a GAN's
     discriminator on a generator that has not spread yet) and leave as it learns; a

@@ -361,6 +361,9 @@ class LogitsMismatch(_Persistent):
     one_column_span = 128
     advice = "feed the loss what it takes: logits, or set from_logits"
     blind_to = "the model's output was not seen (the training step calls no model)"
+    #: How the loss is being read (see _fed_in_the_step): "" as a mean over the batch,
+    #: "sum:" as a sum; each reading keeps its own smoothings.
+    _reading = ""
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -412,6 +415,7 @@ class LogitsMismatch(_Persistent):
     def _consistent(self, way: str, loss: float, at_labels, uniform) -> bool:
         """Whether the loss has been this way of taking the output, label-smoothed by
         one constant, on every sampled step so far (this one too)."""
+        way = self._reading + way
         held = self.state.setdefault("smoothing", {})
         if way in held and held[way] is None:
             return False
@@ -420,7 +424,23 @@ class LogitsMismatch(_Persistent):
 
     def _fed_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
         """What is wrong with a loss the training step computed itself (None: nothing
-        seen): which way of taking the output its value is, label-smoothed or not."""
+        seen): which way of taking the output its value is, label-smoothed or not, read as
+        the mean over the batch and, where it has been no way as a mean, as its sum
+        (``reduction='sum'``: the mean times the terms)."""
+        self._reading = ""
+        why = self._taken_as(obs, loss, probs)
+        terms = obs.loss_terms
+        held = self.state["smoothing"]
+        as_mean = any(v is not None for k, v in held.items() if not k.startswith("sum:"))
+        if why is None and not as_mean and terms is not None and terms > 1:
+            self._reading = "sum:"  # each reading keeps its own smoothings
+            why = self._taken_as(obs, loss / terms, probs)
+            if why is not None:
+                why = f"{why} (the loss is summed over the batch's {terms:.0f} terms)"
+        return why
+
+    def _taken_as(self, obs: Observation, loss: float, probs: bool) -> str | None:
+        """:meth:`_fed_in_the_step` for one reading of the loss: a mean over the batch."""
         if obs.bce_as_logits is not None:  # targets of the output's shape: binary ways
             return self._binary_in_the_step(obs, loss)
         floor = probability_floor(obs.output_width)

@@ -92,6 +92,13 @@ PREDICTIONS = Statistic(
             "sigmoid before a loss that applies its own).",
         ),
         Field(
+            "loss_terms",
+            "float | None",
+            "How many terms the means above are taken over: the class labels kept, or "
+            "a binary output's target elements. A loss summed over them "
+            "(``reduction='sum'``) is that many times their mean.",
+        ),
+        Field(
             "loss_expects",
             "str",
             'What the loss is configured to take: ``"logits"``, ``"probabilities"`` '

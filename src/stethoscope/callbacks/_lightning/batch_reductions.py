@@ -158,6 +158,8 @@ class Predictions(Reduction):
         if len(values) >= 12 and not np.isnan(values[8]):
             obs.output_in_unit = float(values[8])
             obs.bce_as_logits, obs.bce_as_probs, obs.bce_as_sigmoid = values[9:12].tolist()
+        if len(values) >= 13 and not np.isnan(values[12]):
+            obs.loss_terms = float(values[12])
 
 
 class LossGraph(Reduction):

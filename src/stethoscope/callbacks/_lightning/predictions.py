@@ -29,12 +29,14 @@ def output_tensor(output: Any) -> torch.Tensor | None:
 
 
 def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int] | None:
-    """Decided on the device, as one float tensor of 12: 1.0 when every row of a model's
+    """Decided on the device, as one float tensor of 13: 1.0 when every row of a model's
     output is probabilities (several columns, the class axis: non-negative and summing to
     1; one column: within [0, 1]), else 0.0; then, with integer class labels for its rows
     (negative ones ignored), the seven losses of :func:`_losses` (NaN: no labels, or not
     that many rows); then, with targets of the output's shape, the four of
-    :func:`_binary` (NaN: none). Then the columns. The class axis is the last, or the second of an
+    :func:`_binary` (NaN: none); then the number of terms those means are taken over
+    (the labels kept, or the targets' elements; NaN: neither), which tells a loss summed
+    over the batch from its mean. Then the columns. The class axis is the last, or the second of an
     output of three or more dimensions whose labels lack that one (``cross_entropy``'s
     ``(N, C, T)`` against ``(N, T)``). None: no dense float tensor (a sparse or nested
     output has no rows to read)."""
@@ -52,22 +54,29 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
             probs = (rows >= 0).all() & near.all()
         else:
             probs = ((rows >= 0) & (rows <= 1)).all()
-        losses = _losses(rows, labels) if width >= 2 else None
-        if losses is None:
-            losses = torch.full((7,), math.nan, device=rows.device)
+        classes = _losses(rows, labels) if width >= 2 else None
+        nan = math.nan
+        losses, terms = (torch.full((7,), nan, device=rows.device), None)
+        if classes is not None:
+            losses, terms = classes
         binary = _binary(t, labels)
         if binary is None:
-            binary = torch.full((4,), math.nan, device=rows.device)
-        return torch.cat([probs.float().reshape(1), losses, binary]), width
+            binary = torch.full((4,), nan, device=rows.device)
+        elif terms is None:  # a binary loss's mean is over the elements
+            terms = torch.full((1,), float(t.numel()), device=rows.device)
+        if terms is None:
+            terms = torch.full((1,), nan, device=rows.device)
+        return torch.cat([probs.float().reshape(1), losses, binary, terms.reshape(1)]), width
 
 
-def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
+def _losses(rows: torch.Tensor, labels: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The losses of :func:`probability_rows` (NaN where no label is kept), or None
     without matching labels: the cross-entropy at the labels with the output taken as
     logits, as log-probabilities, as probabilities, and as logits whose softmax is taken
     as logits again (a softmax written before a loss that applies its own); then, for
     the first, third and fourth, the cross-entropy against the uniform distribution,
-    which label smoothing mixes in (``(1 - e) * loss + e * uniform``). Each reads the
+    which label smoothing mixes in (``(1 - e) * loss + e * uniform``); and how many
+    labels were kept, the terms of those means. Each reads the
     labels' entries of the rows, gathered, and a log-sum-exp per row: no selection whose
     size depends on the labels (on a GPU that would wait for the device)."""
     if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_floating_point():
@@ -89,7 +98,7 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
     soft = torch.softmax(rows, dim=1)
     soft_lse = torch.logsumexp(soft, dim=1)
     logs = torch.log(rows.clamp_min(1e-30))
-    return torch.stack(
+    means = torch.stack(
         [
             mean(lse - picked),
             mean(-picked),
@@ -100,6 +109,7 @@ def _losses(rows: torch.Tensor, labels: Any) -> torch.Tensor | None:
             mean(soft_lse - soft.mean(dim=1)),
         ]
     )
+    return means, count.float()
 
 
 def _binary(t: torch.Tensor, labels: Any) -> torch.Tensor | None:
