@@ -18,7 +18,7 @@ from stethoscope.detectors import (
     LossDividedTwice,
     UnzeroedGradients,
 )
-from stethoscope.detectors.pipeline import SMOOTHING, _smoothing, probability_floor
+from stethoscope.detectors.logits import SMOOTHING, _smoothing, probability_floor
 from stethoscope.observation import Observation
 
 

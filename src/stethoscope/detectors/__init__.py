@@ -17,6 +17,7 @@ from stethoscope.detectors.distributed import ReplicaDivergence, Straggler
 from stethoscope.detectors.frozen import FrozenWeights
 from stethoscope.detectors.gradients import ExplodingGradients, VanishingGradients
 from stethoscope.detectors.initialization import PoorInitialization
+from stethoscope.detectors.logits import LogitsMismatch
 from stethoscope.detectors.loss import LossNotDecreasing, LossSpike, UnstableLoss
 from stethoscope.detectors.numerics import NonfiniteGradients, NonfiniteLoss, NonfiniteWeights
 from stethoscope.detectors.overfitting import Overfitting
@@ -24,7 +25,6 @@ from stethoscope.detectors.pipeline import (
     BroadcastLoss,
     CollapsedLearningRate,
     EvalMode,
-    LogitsMismatch,
     LossDividedTwice,
     UnzeroedGradients,
 )
