@@ -60,6 +60,18 @@ def test_an_adam_epsilon_zero_in_float16_is_named_with_no_other_cause_blamed():
     assert judge(twin, runs[1], "adaptive").false_alarms == ()
 
 
+def test_an_autocast_in_float16_without_a_scaler_is_named_as_an_underflow():
+    """A float16 autocast written in training_step over float32 weights, with no
+    GradScaler: its gradients are float32 but were computed on float16's grid, and
+    gradient_underflow names them, with no vanishing or frozen cause blamed; the same
+    autocast in bfloat16 is quiet."""
+    fault, twin = select(["fp16_autocast_without_scaler", "healthy_bf16_autocast"])
+    runs = run_all([fault, twin], [0], ("adaptive",), baselines=False)
+    v = judge(fault, runs[0], "adaptive")
+    assert v.detected and v.misdiagnoses == (), (v.first_alarm, v.misdiagnoses)
+    assert judge(twin, runs[1], "adaptive").false_alarms == ()
+
+
 def test_the_suite_declares_enough_scenarios():
     faults = [s for s in SCENARIOS if not s.healthy]
     controls = [s for s in SCENARIOS if s.healthy]

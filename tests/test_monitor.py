@@ -633,3 +633,22 @@ def test_an_epoch_with_one_sampled_step_says_one_step():
         m.observe(make_obs(step, probes=()))
     verdict = m.end_epoch(0).verdict
     assert "gradients on 1 step;" in verdict or "gradients on 1 step)" in verdict, verdict
+
+
+def test_a_float32_run_seen_computing_in_float16_brings_the_precision_rules_in():
+    """A float32 run leaves the precision rules out at its start; once its forward pass is
+    seen in float16 (an autocast in the training step), they take part, every detector's
+    setup says so, and the gradients' statistic is planned. Said once: a run already in
+    low precision is unchanged."""
+    from stethoscope.advice import TrainingSetup
+    from stethoscope.detectors import GradientUnderflow
+
+    m = Monitor(detectors=[GradientUnderflow(), LossSpike()], escalate=False)
+    m.begin(fresh=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the precision rules are off: said at the start
+        m.start(RunContext(framework="test", setup=TrainingSetup(framework="test")))
+    assert all("precision" not in m.plan(s) for s in range(40))
+    assert m.computes_in("float16") and not m.computes_in("float16")
+    assert {d.setup.computes_in for d in m.detectors} == {"float16"}
+    assert any("precision" in m.plan(s) for s in range(40, 80))

@@ -40,6 +40,7 @@ Lightning callback wrapping the Fabric utility) is used as it ships; it writes i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import tempfile
@@ -364,7 +365,8 @@ class SuiteModule(L.LightningModule):
         x, y = batch
         if self._batch_fault is not None and self.global_step == self._onset:
             x, y = _corrupt(self._batch_fault, self.sc.fault.params, x, y, self.classes)
-        loss = self._loss(self.net(x), y)
+        with _autocast(self.sc.train.precision, x.device.type):
+            loss = self._loss(self.net(x), y)
         self.log("train_loss", loss, batch_size=len(y))  # EarlyStopping monitors it
         return loss
 
@@ -695,14 +697,29 @@ def baseline_callbacks(tmpdir: str) -> list[Any]:
 # -- one run --------------------------------------------------------------------------------
 
 
+#: The precisions a training step writes itself: ``torch.autocast`` around its forward
+#: pass and loss, by dtype, under a float32 Trainer (no loss scaler).
+_AUTOCAST = {"16-autocast": torch.float16, "bf16-autocast": torch.bfloat16}
+
+
+def _autocast(precision: str, device: str) -> Any:
+    """The training step's own ``torch.autocast`` for a scenario's precision, or nothing."""
+    dtype = _AUTOCAST.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype)
+
+
 def precision_arguments(precision: str) -> dict[str, Any]:
     """The Trainer's arguments for a scenario's precision: ``"16-mixed"`` on the CPU is a
     MixedPrecision plugin with a GradScaler of its own (the Trainer would make it
-    bf16-mixed there)."""
+    bf16-mixed there); an autocast the training step writes trains under float32."""
     if precision == "16-mixed":
         scaler = torch.amp.GradScaler("cpu")
         return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
-    return {"precision": "32-true" if precision == "32" else precision}
+    if precision in ("32", *_AUTOCAST):
+        return {"precision": "32-true"}
+    return {"precision": precision}
 
 
 def run_scenario(

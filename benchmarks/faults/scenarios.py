@@ -226,7 +226,15 @@ class ModelSpec:
 
 
 #: The precisions a scenario can train in (see ``TrainSpec.precision``).
-PRECISIONS = ("32", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
+PRECISIONS = (
+    "32",
+    "bf16-true",
+    "16-true",
+    "bf16-mixed",
+    "16-mixed",
+    "16-autocast",
+    "bf16-autocast",
+)
 
 
 @dataclass(frozen=True)
@@ -258,8 +266,10 @@ class TrainSpec:
             policy), ``"16-true"`` (float16, no loss scaling; Keras: ``"float16"``),
             ``"bf16-mixed"`` (float32 weights, bfloat16 compute; Keras:
             ``"mixed_bfloat16"``) or ``"16-mixed"`` (float32 weights, float16 compute, a
-            dynamic loss scaler; Keras: ``"mixed_float16"``). The loss is computed in
-            float32 from the output.
+            dynamic loss scaler; Keras: ``"mixed_float16"``); or, Lightning only,
+            ``"16-autocast"`` and ``"bf16-autocast"``: a float32 Trainer whose training
+            step writes ``torch.autocast`` of that dtype around its forward pass and loss,
+            with no loss scaler. The loss is computed in float32 from the output.
         loss_weight: The loss is multiplied by it (an auxiliary loss weighted down).
         eps: Adam's epsilon (None: the framework's default, torch's 1e-8, Keras' 1e-7).
         loss: ``"logits"``: cross-entropy of the model's output taken as logits
@@ -1054,6 +1064,37 @@ SCENARIOS: tuple[Scenario, ...] = (
         collateral=("loss_not_decreasing",),
     ),
     Scenario(
+        "fp16_autocast_without_scaler",
+        "precision",
+        "torch.autocast(float16) written in the training step of a float32 run, no loss "
+        "scaler, the loss weighted by 1e-3 (SGD 100): float32 weights whose gradients are "
+        "computed in float16, subnormal or zero there",
+        train=TrainSpec(
+            optimizer="sgd", lr=100.0, max_steps=300, precision="16-autocast", loss_weight=1e-3
+        ),
+        onset=0,
+        expect=("gradient_underflow",),
+        window=64,
+        # as fp16_gradients_underflow: what flushes is a zero gradient, the rest learns slowly
+        collateral=("all_zero", "vanishing_gradients", "small_updates", "loss_not_decreasing"),
+        frameworks=("lightning",),
+    ),
+    Scenario(
+        "fp16_autocast_flush_to_zero",
+        "precision",
+        "torch.autocast(float16) in the training step of a float32 run, no loss scaler, "
+        "the loss weighted by 1e-6 (SGD 3e4): the whole float16 backward pass flushes to "
+        "zero, though every weight and gradient is held in float32",
+        train=TrainSpec(
+            optimizer="sgd", lr=3e4, max_steps=200, precision="16-autocast", loss_weight=1e-6
+        ),
+        onset=0,
+        expect=("gradient_underflow",),
+        window=64,
+        collateral=("loss_not_decreasing",),
+        frameworks=("lightning",),
+    ),
+    Scenario(
         "loss_scale_collapse",
         "precision",
         "float16 mixed precision with a loss scaler (16-mixed), and an Inf in layer 1's "
@@ -1334,6 +1375,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(
             optimizer="sgd", lr=3e4, max_steps=200, precision="16-mixed", loss_weight=1e-6
         ),
+    ),
+    Scenario(
+        "healthy_bf16_autocast",
+        "healthy",
+        "torch.autocast(bfloat16) in the training step of a float32 run, the loss weighted "
+        "by 1e-3 (SGD 100; the twin of fp16_autocast_without_scaler, as "
+        "healthy_fp16_loss_scaled is with a scaler): bfloat16 keeps float32's range, "
+        "nothing underflows",
+        train=TrainSpec(
+            optimizer="sgd", lr=100.0, max_steps=300, precision="bf16-autocast", loss_weight=1e-3
+        ),
+        frameworks=("lightning",),
     ),
     Scenario(
         "healthy_fp16_adam_mixed",

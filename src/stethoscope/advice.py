@@ -124,6 +124,10 @@ class TrainingSetup:
         loader_workers: The worker processes the training loader loads batches in, each
             with its own copy of the dataset (``DataLoader(num_workers=...)``); 0: the
             main process loads them, or it is not known.
+        computes_in: The 16-bit dtype the forward pass was seen computing in where the
+            weights are held in float32 and no precision setting says so (``"float16"``:
+            ``torch.autocast`` written in the training step), or None. Its gradients are
+            float16's, with float16's range, though held in float32.
         whole_batches: Whether the training loader serves batches that its dataset (or
             iterable) makes whole, rather than collating samples it draws one by one
             (``DataLoader(batch_size=None)``: a dataset of ready batches, the whole
@@ -146,6 +150,7 @@ class TrainingSetup:
     vocabulary: int = 0
     loader_workers: int = 0
     whole_batches: bool = False
+    computes_in: str | None = None
 
     @property
     def loss_scaled(self) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 
 from stethoscope.statistics import CORE_FIELDS, STATISTICS, Field
 
-__all__ = ["Observation", "global_norm"]
+__all__ = ["Observation", "computes_in", "global_norm"]
 
 
 def _fields() -> list[Field]:
@@ -94,6 +94,19 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
         updates too small to learn, or rounded away. They are dropped before it is
         judged."""
         self.update_norm = self.prev_weight_norm = self.update_lost = None
+
+
+def computes_in(obs: Observation) -> str | None:
+    """``"float16"`` where ``obs`` saw a layer's output in float16 and every watched
+    parameter held in float32: the forward pass runs under float16 autocast (written in
+    the training step, which no precision setting shows). None: not seen, or not so. Only
+    float16 is told: bfloat16 keeps float32's range, and nothing of it underflows."""
+    if not obs.act_dtypes or obs.act_kinds is None:
+        return None
+    layers = [d for d, k in zip(obs.act_dtypes, obs.act_kinds, strict=False) if k == "layer"]
+    if "float16" not in layers or not obs.dtypes or set(obs.dtypes) != {"float32"}:
+        return None
+    return "float16"
 
 
 def global_norm(norms: np.ndarray) -> float:

@@ -93,6 +93,22 @@ def test_gradient_counts_are_subnormals_zeros_elements_and_the_peak_in_the_dtype
     assert empty.tolist() == [0, 0, 0, 0]
 
 
+def test_float32_gradients_computed_in_float16_are_counted_on_float16s_grid():
+    """An autocast backward pass's float32 gradient holds float16 values: counted as
+    float16's. A float32 value below float16's normal range that is none of float16's
+    (computed in float32) is neither subnormal nor zero there; the peak is as held."""
+    tiny16 = torch.finfo(torch.float16).tiny
+    g = torch.tensor([0.0, 0.0, tiny16 / 4, -tiny16 / 2, tiny16, -3.0, 1e-3, 2.0])
+    cast_up = g.half().float()
+    counts = gradient_counts([cast_up], computed_in=torch.float16).numpy()[0]
+    assert counts == pytest.approx([2, 2, 8, 3.0])
+    own = torch.tensor([tiny16 / 3, -tiny16 / 7, 1e-7 / 3, 0.0, 1.5])  # float32's values
+    assert gradient_counts([own], computed_in=torch.float16).numpy()[0] == pytest.approx(
+        [0, 1, 5, 1.5]
+    )
+    assert np.isnan(gradient_counts([own]).numpy()).all()  # not computed in 16 bits
+
+
 def test_fp8_counts_are_against_the_peak_the_ranks_agree_on():
     t = torch.tensor([0.0, 448.0, 1e-3, 1e-9, -2.0])
     counts = fp8_counts([t], scale=torch.tensor(2.0)).numpy()[0]
@@ -183,6 +199,37 @@ def test_the_same_loss_under_a_loss_scaler_is_silent():
     assert not named(sink) & PRECISION
     # float32 master weights: their gradients (unscaled) are float32, never subnormal
     assert all(set(o.dtypes) == {"float32"} for o in sink.observations)
+
+
+class Autocast(Weighted):
+    """Weighted, its forward pass and loss under ``torch.autocast`` of ``dtype`` written in
+    the training step, in a float32 run with no loss scaler."""
+
+    def __init__(self, *, dtype: torch.dtype, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.compute_dtype = dtype
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=self.compute_dtype):
+            return super().training_step(batch, batch_idx)
+
+
+def test_an_autocast_in_the_training_step_without_a_scaler_is_an_underflow():
+    """float32 weights, their gradients computed in float16 by an autocast the precision
+    setting does not show, the loss weighted by 1e-3: named as float16's underflow,
+    where before the precision detectors sat out the run as float32's."""
+    _, sink = run(Autocast(dtype=torch.float16, weight=1e-3, lr=10.0, optimizer="sgd"))
+    found = [f for f in sink.at_least("warning") if f.detector == "gradient_underflow"]
+    assert found, named(sink)
+    assert "computed under autocast, held in float32" in found[0].message
+    assert found[0].step <= 8
+    assert all(set(o.dtypes) == {"float32"} for o in sink.observations)
+
+
+def test_the_same_autocast_in_bfloat16_is_silent():
+    _, sink = run(Autocast(dtype=torch.bfloat16, weight=1e-3, lr=10.0, optimizer="sgd"))
+    assert not named(sink) & PRECISION
+    assert sink.observations == []  # bfloat16 has float32's range: nothing was measured
 
 
 # -- 16-true: an Adam epsilon float16 cannot hold ------------------------------------------------

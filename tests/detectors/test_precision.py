@@ -78,6 +78,22 @@ def test_subnormal_gradients_warn_with_the_zero_share_beside_them():
     assert "6.1e-05" in f.message and "16-mixed" in f.message
 
 
+def test_float32_gradients_computed_in_float16_are_judged_as_float16s():
+    """Under torch.autocast(float16) in the training step, a float32 weight's gradient is
+    float16's, cast up: named as float16's, with where it is held; the same shares of a
+    float32 run's gradients (none computed in 16 bits) are not judged."""
+    sub, zero = np.array([0.01, 0.3, 0.04, 0.0]), np.array([0.0, 0.5, 0.0, 0.0])
+    steps = [obs(s, dtype="float32", grad_subnormal=sub, grad_zero=zero) for s in (0, 1)]
+    [f] = feed(low(GradientUnderflow(), computes_in="float16"), steps)[0]
+    assert f.where == "layer0.bias" and "The float16 gradient of layer0.bias" in f.message
+    assert "computed under autocast, held in float32" in f.message
+    assert feed(low(GradientUnderflow()), steps)[0] == []
+    flush = dict(dtype="float32", grad_subnormal=np.zeros(4), grad_zero=np.ones(4), loss=0.7)
+    d = low(GradientUnderflow(patience=1), computes_in="float16")
+    [f] = feed(d, [obs(0, **flush)])[0]
+    assert "every element of all 4 float16 gradients" in f.message
+
+
 @pytest.mark.parametrize(
     ("scaler", "said"),
     [
@@ -264,3 +280,16 @@ def test_gradient_underflows_summary_advice_is_in_the_frameworks_words(setup, sa
     detector = GradientUnderflow()
     detector.setup = TrainingSetup(low_precision=True, **setup)
     assert detector.current_advice() == said
+
+
+def test_a_layers_float16_output_over_float32_weights_is_a_float16_forward_pass():
+    from stethoscope.observation import computes_in
+
+    def seen(out: str, held: str, kind: str = "layer") -> str | None:
+        return computes_in(obs(0, dtype=held, act_kinds=(kind, kind), act_dtypes=("float32", out)))
+
+    assert seen("float16", "float32") == "float16"  # autocast written in the step
+    assert seen("bfloat16", "float32") is None  # bfloat16 keeps float32's range
+    assert seen("float16", "float16") is None  # held in it: the run says so already
+    assert seen("float16", "float32", kind="tanh") is None  # an activation's input
+    assert computes_in(obs(0, dtype="float32")) is None  # no output seen

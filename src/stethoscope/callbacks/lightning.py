@@ -50,7 +50,7 @@ from stethoscope.callbacks._lightning.validation import ValidationMeasures
 from stethoscope.callbacks._lightning.zero import accumulating
 from stethoscope.detectors import Detector
 from stethoscope.engine import Monitor, Settings, StopOn
-from stethoscope.observation import Observation
+from stethoscope.observation import Observation, computes_in
 from stethoscope.recovery import Recovery
 from stethoscope.sinks import ConsoleSink, Sink
 
@@ -433,9 +433,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     # -- internals ----------------------------------------------------------------------
     def _stop_training(self) -> None:
-        trainer = self._trainer
-        if trainer is not None and not trainer.should_stop:
-            trainer.should_stop = True
+        if self._trainer is not None:
+            self._trainer.should_stop = True
 
     def _drain(self, trainer: pl.Trainer, *, wait: bool) -> None:
         for reading, values in self._reader.pop(wait=wait):
@@ -443,6 +442,8 @@ class LightningStethoscope(StethoscopeBase, Callback):
 
     def _judge(self, trainer: pl.Trainer, reading: Reading, values: np.ndarray) -> None:
         obs = self._reductions.observation(reading, values, self.monitor.rank)
+        if (dtype := computes_in(obs)) and self.monitor.computes_in(dtype):  # an autocast
+            self._reductions.computes_in(dtype)
         if self.recoverer is not None:
             self.recoverer.drop_unapplied_update(obs)
         decision = self.monitor.observe(obs)

@@ -16,6 +16,7 @@ import numpy as np
 
 from stethoscope.advice import DEEPSPEED_SCALER, TrainingSetup, epsilon_advice
 from stethoscope.detectors._underflow import flushed as backward_flushed
+from stethoscope.detectors._underflow import gradient_dtypes
 from stethoscope.detectors._underflow import half as _half
 from stethoscope.detectors.base import Detector, SetupCheck, check_fraction, check_positive
 from stethoscope.findings import Finding
@@ -212,7 +213,11 @@ class GradientUnderflow(_ShareStreak):
     the loss stays finite: the layer learns from what is left.
 
     Rule: for each gradient held in a 16-bit dtype, the share of its elements that are
-    subnormal in it (``grad_subnormal``). A warning when one reaches ``fraction`` on
+    subnormal in it (``grad_subnormal``). A float32 weight's gradient computed in
+    float16 (``torch.autocast`` in the training step, with no loss scaler: see
+    ``TrainingSetup.computes_in``) is judged as float16's: its elements that are float16
+    subnormals, exactly (on float16's grid; a float32 value lands there by chance one
+    time in thousands). A warning when one reaches ``fraction`` on
     ``patience`` measured steps in a row; the finding names the worst gradient, its dtype,
     and the share that is exactly zero beside it. (A gradient of exact zeros alone is a
     dead unit's or an unused input's: subnormals are the mark of an underflow.) A
@@ -243,7 +248,7 @@ class GradientUnderflow(_ShareStreak):
 
     def _update(self, obs: Observation) -> list[Finding]:
         subnormal = np.asarray(obs.grad_subnormal, dtype=np.float64)
-        judged = _half(obs) & np.isfinite(subnormal)
+        judged = _half(obs, self.setup) & np.isfinite(subnormal)
         flushed = obs.grad_zero is not None and backward_flushed(obs, self.setup, judged)
         shares = np.where(judged, 1.0, subnormal) if flushed else subnormal
         what = "{name}'s gradient is zero" if flushed else "{share:.0%} of {name}'s is subnormal"
@@ -252,17 +257,20 @@ class GradientUnderflow(_ShareStreak):
             return []
         worst, past = said
         st = self.state
-        share, dtype = float(subnormal[worst]), obs.dtypes[worst]
+        share, dtype = float(subnormal[worst]), gradient_dtypes(obs, self.setup)[worst]
         fmt = FORMATS[dtype]
+        # an autocast backward pass's gradient, cast up to its float32 weight's dtype
+        held = obs.dtypes[worst]
+        cast = f" (computed under autocast, held in {held})" if held != dtype else ""
         zero = float(np.asarray(obs.grad_zero, dtype=np.float64)[worst])
         what = (
-            f"The {dtype} gradients underflow to zero: every element of all "
+            f"The {dtype} gradients{cast} underflow to zero: every element of all "
             f"{int(judged.sum())} {dtype} gradients, the output layer's too, is exactly zero "
             f"at step {obs.step} (since step {st['since']}) although the loss is "
             f"{obs.loss:.3g} and no loss scaling is on: the backward pass fell below "
             f"{fmt.smallest:.2g} and flushed to zero"
             if flushed
-            else f"The {dtype} gradient of {obs.names[worst]} underflows: {share:.0%} of its "
+            else f"The {dtype} gradient of {obs.names[worst]}{cast} underflows: {share:.0%} of its "
             f"elements are subnormal (below {fmt.tiny:.2g}, keeping fewer than "
             f"{fmt.bits} significant bits) and {zero:.0%} are exactly zero at step "
             f"{obs.step} ({int(past.sum())} of {int(judged.sum())} {dtype} gradients "

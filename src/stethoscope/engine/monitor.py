@@ -4,7 +4,6 @@ the ledger counts and sends the findings, the policy decides."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -390,11 +389,16 @@ class Monitor:
         self.ledger.call_sinks("start", context)
 
     def plays_a_game(self) -> None:
-        """The training is a game (see ``Schedule.play_a_game``), known at the start
-        (``TrainingSetup.adversarial``) or found at a step: every detector's setup says so."""
-        if self.schedule.play_a_game(warn=self.rank == 0):
-            for d in self.detectors:
-                d.setup = dataclasses.replace(d.setup, adversarial=True)
+        """The training is a game (see ``Schedule.play_a_game``), known or found."""
+        self.schedule.play_a_game(warn=self.rank == 0)
+
+    def computes_in(self, dtype: str) -> bool:
+        """Seen computing in 16-bit ``dtype`` over float32 weights (an autocast in the
+        training step): the precision rules take part from now on. Whether it was news."""
+        if not self.detectors or self.detectors[0].setup.low_precision:
+            return False
+        self.schedule.learn_setup(low_precision=True, computes_in=dtype)
+        return True
 
     def new_stage(self, step: int) -> None:
         """A new stage of training began at ``step`` (see ``Schedule.new_stage``)."""

@@ -4,6 +4,7 @@ budget (how far the sampled detectors' intervals stretch to stay within it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -139,12 +140,22 @@ class Schedule:
         if self._game:
             return False
         self._game = True
+        for d in self.detectors:  # every detector's advice knows it
+            d.setup = dataclasses.replace(d.setup, adversarial=True)
         off = sorted(d.name for d in self.detectors if d.assumes_falling_loss)
         if off:
             self.sit_out(frozenset(off))
             if warn:
                 warn_sitting_out(off)
         return True
+
+    def learn_setup(self, **found: Any) -> None:
+        """A step showed more of the training's setup (``TrainingSetup``'s fields, by
+        name) than its start: every detector's setup says so, and the rules that apply
+        to it now take part (see :meth:`not_applying`)."""
+        for d in self.detectors:
+            d.setup = dataclasses.replace(d.setup, **found)
+        self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
     def not_applying(self, names: frozenset[str]) -> None:
         """The detectors whose rule does not apply to the training starting now (see

@@ -50,33 +50,45 @@ _INF_BITS = {
 
 
 def gradient_counts(
-    grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None
+    grads: Sequence[torch.Tensor],
+    scale: torch.Tensor | None = None,
+    computed_in: torch.dtype | None = None,
 ) -> torch.Tensor:
     """For each gradient held in 16 bits, how many of its elements are subnormal in its
     dtype, how many are exactly zero, how many there are, and its largest magnitude
     (``scale``, a loss scale it still carries, divided out of that); NaN for a wider
     gradient (the precision detectors judge 16-bit ones only, and nothing is spent on the
-    others). Counts, not shares, so that the ranks holding shards of a gradient add them
-    up. One float32 tensor ``(len(grads), 4)`` on the device."""
+    others). ``computed_in``: the 16-bit dtype an autocast backward pass computed the
+    float32 gradients in; theirs are counted in it too, a subnormal being an element that
+    is one of that dtype's subnormals exactly (see :func:`_computed_bits`). Counts, not
+    shares, so that the ranks holding shards of a gradient add them up. One float32
+    tensor ``(len(grads), 4)`` on the device."""
     rows = []
     with torch.no_grad():
         for g in grads:
             tiny = _TINY_BITS.get(g.dtype)
+            cast = tiny is None and computed_in in _TINY_BITS and g.dtype == torch.float32
+            if cast:
+                tiny = _TINY_BITS[computed_in]
             if tiny is None:
                 rows.append(torch.full((4,), math.nan, device=g.device))
                 continue
-            bits = g.detach().reshape(-1).view(torch.int16)
+            flat = g.detach().reshape(-1)
             subnormal = torch.zeros((), dtype=torch.int64, device=g.device)
             zero = torch.zeros_like(subnormal)
             peak = torch.zeros((), dtype=torch.int16, device=g.device)
-            for chunk in bits.split(_CHUNK):
+            for part in flat.split(_CHUNK):
+                chunk = _computed_bits(part, computed_in) if cast else part.view(torch.int16)
                 magnitude = chunk & _MAGNITUDE
                 zeros = torch.count_nonzero(magnitude == 0)
                 subnormal += torch.count_nonzero(magnitude < tiny) - zeros
                 zero += zeros
-                if chunk.numel():
+                if chunk.numel() and not cast:
                     peak = torch.maximum(peak, magnitude.max())
-            peak = peak.view(g.dtype).float()  # a NaN's pattern is above every number's
+            if cast:  # as held: its float32 values (NaN where one is)
+                peak = flat.abs().max().float() if flat.numel() else peak.float()
+            else:  # a NaN's pattern is above every number's
+                peak = peak.view(g.dtype).float()
             if scale is not None:
                 peak = peak / scale
             size = torch.full((), float(g.numel()), device=g.device)
@@ -84,6 +96,19 @@ def gradient_counts(
     if not rows:
         return torch.zeros((0, 4))
     return torch.stack(rows)
+
+
+def _computed_bits(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bit patterns, in the 16-bit ``dtype``, of the float32 gradient ``flat`` that an
+    autocast backward pass computed in it: each element's own where it is one of that
+    dtype's values exactly, else that of the smallest normal value (counted as neither
+    zero nor subnormal). A gradient computed in float16 and cast up holds float16 values
+    only; a float32 one lands on float16's grid one time in thousands below its normal
+    range, so its small values are not mistaken for an underflow."""
+    narrow = flat.to(dtype)
+    exact = narrow.to(flat.dtype) == flat
+    bits = narrow.view(torch.int16)
+    return torch.where(exact, bits, torch.full_like(bits, _TINY_BITS[dtype]))
 
 
 def rounded_counts(
@@ -178,10 +203,16 @@ class GradientPrecision(Reduction):
 
     def __init__(self, probe: ParameterProbe) -> None:
         self.probe = probe
+        #: The 16-bit dtype the backward pass computes float32 gradients in (see
+        #: ``TrainingSetup.computes_in``), once seen; None: as held.
+        self.computed_in: torch.dtype | None = None
+
+    def computes_in(self, dtype: torch.dtype) -> None:
+        self.computed_in = dtype
 
     def before_step(self, measures: StepMeasures, indices: list[int]) -> None:
         grads = [self.probe.grad(i) for i in indices]
-        counts = gradient_counts(grads, measures.grad_scale)
+        counts = gradient_counts(grads, measures.grad_scale, self.computed_in)
         measures.add("precision", counts[:, :3], ("grads", indices), combine="sum")
         measures.add("precision", counts[:, 3], ("peaks", len(indices)), combine="max")
 

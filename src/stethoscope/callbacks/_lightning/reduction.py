@@ -68,5 +68,10 @@ class Reduction:
         """Fill ``obs`` from this statistic's numbers and the contexts of its parts."""
         raise NotImplementedError
 
+    def computes_in(self, dtype: torch.dtype) -> None:
+        """The backward pass was seen computing the float32 gradients in the 16-bit
+        ``dtype`` (see ``TrainingSetup.computes_in``): a reduction that measures a
+        gradient against its format measures them in it from now on."""
+
     def close(self) -> None:
         """The fit is over: take off anything left on the user's model."""

@@ -410,6 +410,13 @@ class ReductionSet:
         for r in self.all:
             r.close()
 
+    def computes_in(self, dtype: str) -> None:
+        """The backward pass computes the float32 gradients in ``dtype`` (a name, e.g.
+        ``"float16"``): every reduction that measures against a gradient's format is
+        told (see ``Reduction.computes_in``)."""
+        for r in self.all:
+            r.computes_in(getattr(torch, dtype))
+
     def run(self, plan: frozenset[str]) -> tuple[Reduction, ...]:
         """The reductions that serve a statistic of ``plan``, in order."""
         return self._split(plan)[0]
