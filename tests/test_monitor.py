@@ -652,3 +652,34 @@ def test_a_float32_run_seen_computing_in_float16_brings_the_precision_rules_in()
     assert m.computes_in("float16") and not m.computes_in("float16")
     assert {d.setup.computes_in for d in m.detectors} == {"float16"}
     assert any("precision" in m.plan(s) for s in range(40, 80))
+
+
+def _others(summary: EpochSummary) -> str:
+    """The line on the detectors that found nothing."""
+    return next(r.verdict for r in summary.rows if r.detector.endswith(" others"))
+
+
+def test_a_quiet_epochs_summary_follows_the_schedule_and_the_silences():
+    """A quiet epoch's summary (a full-batch run makes one every step) is worked out once
+    and given again while nothing changes: it still follows a stretched schedule, a
+    detector that falls silent for want of labels, and a finding."""
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    for step in range(200):  # past the calibration; the adapter never finds labels
+        plan = monitor.plan(step)
+        obs = Observation(step=step, loss=1.0)
+        if "labels" in plan:
+            obs.names = ("w",)
+        monitor.observe(obs)
+    quiet = monitor.end_epoch(0)
+    silent = [r.detector for r in quiet.rows if r.verdict.startswith("silent: ")]
+    assert "unshuffled_data" in silent
+    before = _others(quiet)
+    monitor.schedule.stretch(4)
+    stretched = _others(monitor.summary(1))
+    names = [d.name for d in monitor.detectors if d.name not in silent]
+    intervals = sorted({monitor.interval(n) for n in names if not monitor.schedule.idle(n)})
+    assert stretched == f"nothing found (every {intervals[0]}-{intervals[-1]} steps)" != before
+    monitor.judge.unread.clear()  # the labels came: no longer silent
+    assert not any(r.verdict.startswith("silent: ") for r in monitor.summary(1).rows)
+    monitor.observe(Observation(step=200, loss=float("nan")))
+    assert "nonfinite_loss" in {r.detector for r in monitor.summary(1).rows}

@@ -55,6 +55,17 @@ def test_a_quiet_steps_observation_equals_one_built_field_by_field():
     assert Observation.of_loss(8, 1, 0, None, 1.0).grad_norm is None
 
 
+def test_an_events_observation_equals_one_built_field_by_field():
+    fields = {"val_loss": 0.5, "train_loss": 0.4, "val_prints": np.arange(3)}
+    quick = Observation.of_event(7, 1, 0, **fields)
+    full = Observation(step=7, epoch=1, rank=0, **fields)
+    assert repr(quick) == repr(full)
+    assert quick.has("val") and quick.has("val_prints") and not quick.has("loss")
+    assert Observation.carried_by(fields) == {"val", "val_prints"}  # train_loss marks none
+    with pytest.raises(TypeError, match="'val_los'"):
+        Observation.of_event(7, 1, 0, val_los=0.5)
+
+
 def test_the_derived_sets():
     assert {"loss"} == EVERY_STEP
     assert {"val", "val_prints", "val_modes", "val_spectral"} == EVENT

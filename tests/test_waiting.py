@@ -98,8 +98,8 @@ def test_a_validation_counts_the_training_losses_that_waited():
         monitor.observe(Observation(step=step, epoch=0, loss=0.25))
     assert len(monitor.judge.waiting.steps) == 5
     spy = []
-    original = monitor.observe
-    monitor.observe = lambda obs, **kw: spy.append(obs) or original(obs, **kw)
+    original = monitor.judge.now
+    monitor.judge.now = lambda obs, **kw: spy.append(obs) or original(obs, **kw)
     monitor.observe_validation(604, 0, 1.0)
     assert spy[0].train_loss == pytest.approx(0.25)  # the mean of the five that waited
 
@@ -271,3 +271,58 @@ def test_a_summed_losss_small_last_batches_still_let_quiet_steps_wait(monkeypatc
     key = [(f.step, f.detector, f.severity, f.message) for f in waited.findings]
     assert key == [(f.step, f.detector, f.severity, f.message) for f in at_once.findings]
     assert any(f.detector == "unstable_loss" for f in waited.findings)
+
+
+def test_a_full_batch_run_keeps_its_plans_ahead_through_quiet_validations(monkeypatch):
+    """Every step of a full-batch run is an epoch with a validation. A validation that
+    raises nothing changes no plan, nor does judging loss readers whose part in the plans
+    stays the same: the plans ahead are kept (they were thrown away at every step), and
+    each step's plan is still what planning that step alone gives, through a spike's
+    escalation, label counting that finishes and a rise of the validation loss."""
+    monitor = Monitor(detectors=default_detectors(), sinks=[])
+    planner = monitor.planner
+    changes = []
+    original = type(planner).changed
+    monkeypatch.setattr(type(planner), "changed", lambda self: changes.append(1) or original(self))
+    rng = np.random.default_rng(0)
+    losses = _curve(900)
+    losses[500] = 40.0
+    for step, loss in enumerate(losses):
+        if step == 300:
+            changes.clear()  # past the sampler's calibration
+        if step == 500:
+            quiet_stretch = len(changes)
+        plan = monitor.plan(step)  # an epoch's first step may also take the samples' prints
+        assert plan - {"prints"} == planner._plan(step) - {"prints"}, step
+        if plan <= {"loss"}:
+            monitor.observe_loss(step, step, float(loss))
+        else:
+            obs = Observation(step=step, epoch=step, loss=float(loss))
+            if "labels" in plan:
+                obs.labels = rng.integers(0, 4, 64)
+            monitor.observe(obs)
+        val = float(loss) * 1.1 if step < 700 else 3.0 + step / 100  # overfits from 700
+        monitor.observe_validation(step, step, val)
+        monitor.end_epoch(step)
+    assert quiet_stretch <= 200 // 4, quiet_stretch  # not at every step
+    assert monitor.sampler.escalations >= 2  # the spike, the validation's rise
+
+
+def test_steps_wait_no_longer_than_the_bar_holds_though_judged_early():
+    """The bar is worked out for the 16 steps after a step judged at once. An epoch's end
+    judges the waiting steps early; the steps after it may wait only for what is left of
+    those 16, not 16 more."""
+    quiet = [d for d in default_detectors() if d.needs <= {"loss"} and not d.wants]
+    monitor = Monitor(detectors=quiet, sinks=[])  # every step is quiet
+    losses = _curve(600)
+    for step, loss in enumerate(losses):
+        monitor.observe(Observation(step=step, epoch=0, loss=float(loss)))
+    monitor.judge.now(Observation(step=600, epoch=0, loss=0.3))  # judged at once: a new bar
+    kept = 0
+    for step in range(601, 640):
+        if step == 606:
+            monitor.summary(0)  # an epoch's end: the five that waited are judged
+        if monitor.observe_loss(step, 0, 0.3) is not None:
+            break
+        kept += 1
+    assert kept == WaitingLosses.BATCH - 1, kept

@@ -53,6 +53,9 @@ def _docstring(fields: list[Field]) -> str:
 
 _FIELDS = _fields()
 _MARKERS = {name: s.marker for name, s in STATISTICS.items()}
+_NAMES = frozenset(f.name for f in _FIELDS)
+#: The statistic whose presence each field marks (see ``Statistic.marker``).
+_MARKED = {s.marker: name for name, s in STATISTICS.items()}
 
 # The generated base holds the fields; the class below adds its methods and is what
 # pickling, ``isinstance`` and type annotations name.
@@ -76,6 +79,25 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
         obs = cls.__new__(cls)
         obs.step, obs.epoch, obs.rank, obs.lr, obs.loss = step, epoch, rank, lr, loss
         return obs
+
+    @classmethod
+    def of_event(cls, step: int, epoch: int, rank: int, **fields: Any) -> Observation:
+        """An event's observation (a validation's): equal to ``Observation(step=step,
+        epoch=epoch, rank=rank, **fields)``, made as :meth:`of_loss` is, with a write for
+        each field given. A full-batch run validates on every step."""
+        obs = cls.__new__(cls)
+        obs.step, obs.epoch, obs.rank = step, epoch, rank
+        for name, value in fields.items():
+            if name not in _NAMES:
+                raise TypeError(f"Observation has no field {name!r}")
+            setattr(obs, name, value)
+        return obs
+
+    @staticmethod
+    def carried_by(fields: Iterable[str]) -> frozenset[str]:
+        """The statistics an observation carries where ``fields`` (names of its fields)
+        are set and no other is: those whose marker field is among them."""
+        return frozenset(_MARKED[f] for f in fields if f in _MARKED)
 
     def has(self, statistic: str) -> bool:
         """Whether the data of ``statistic`` (a name in ``STATISTICS``) is present."""

@@ -71,3 +71,15 @@ def test_a_keras_fit_stretches_its_sampled_detectors_to_a_tiny_budget():
     model.fit(x, y, batch_size=16, epochs=20, verbose=0, callbacks=[callback])
     assert callback.monitor.sampler.stretch > 1
     assert "(overhead budget 0.1%, " in " ".join(s.verdict for s in callback.summaries)
+
+
+def test_a_run_of_one_batch_per_epoch_is_clocked_and_stretched():
+    """Full-batch training (a graph network's): every step is an epoch, and each epoch's
+    start pauses the clock. A clock that forgot the step in progress there timed no step
+    at all, and the budget never acted; it now ends the step where the pause begins."""
+    torch.manual_seed(0)
+    callback = LightningStethoscope(sinks=[CapturingSink()], overhead_budget=0.001)
+    fit(TinyMLP(), steps=1200, callback=callback, limit_train_batches=1)
+    budget = callback.monitor.budget
+    assert budget.measured is not None
+    assert callback.monitor.sampler.stretch > 1

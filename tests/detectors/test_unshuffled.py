@@ -94,3 +94,25 @@ def test_labels_that_come_late_end_the_silence():
     labels = dataset(10)
     monitor.observe(Observation(step=40, loss=1.0, labels=labels[:32]))
     assert "unshuffled_data" not in {r.detector for r in monitor.summary(0).rows}
+
+
+def _silent_from(validations: bool) -> int:
+    """The first step after which the summary calls unshuffled_data silent, in a run
+    whose batches hold no labels; ``validations``: one after every step."""
+    from stethoscope.detectors import Overfitting
+
+    monitor = Monitor(detectors=[UnshuffledData(), Overfitting()], sinks=[])
+    for step in range(64):
+        monitor.observe(Observation(step=step, loss=1.0))
+        if validations:
+            monitor.observe_validation(step, step, 1.0)
+        if "unshuffled_data" in {r.detector for r in monitor.summary(0).rows}:
+            return step
+    return -1
+
+
+def test_a_validation_is_no_step_that_lacked_the_labels():
+    """A validation's observation carries the validation's numbers, never a batch's
+    labels: it is not counted as a step that could not read them. A full-batch run
+    validates after every step, and was called silent in half the steps."""
+    assert _silent_from(validations=True) == _silent_from(validations=False) > 0

@@ -22,11 +22,13 @@ __all__ = ["StepClock", "StethoscopeBase"]
 
 class StepClock:
     """Times each step from its start to the next one's, for the overhead budget (see
-    :meth:`Monitor.clock`); what lies between epochs (validation, checkpoints) is no
-    step's time, so :meth:`pause` drops the step in progress."""
+    :meth:`Monitor.clock`). What lies between epochs (validation, checkpoints) is no
+    step's time: :meth:`pause` ends the step in progress where it is, and :meth:`drop`
+    forgets it, for a framework that can only tell once the pause is over."""
 
     def __init__(self) -> None:
         self._start: float | None = None
+        self._paused: float | None = None
         self._sampled = False
         self._steps = 1
 
@@ -37,11 +39,20 @@ class StepClock:
             return
         now = time.perf_counter()
         if self._start is not None:
-            monitor.clock(now - self._start, sampled=self._sampled, steps=self._steps)
-        self._start, self._sampled, self._steps = now, sampled, steps
+            end = now if self._paused is None else self._paused
+            monitor.clock(end - self._start, sampled=self._sampled, steps=self._steps)
+        self._start, self._sampled, self._steps, self._paused = now, sampled, steps, None
 
     def pause(self) -> None:
-        self._start = None
+        """The step in progress ends now: what follows until the next one starts (a
+        validation, an epoch's end) is not its time. In a full-batch run every step is
+        followed by one, and a clock that forgot those steps would measure none."""
+        if self._start is not None and self._paused is None:
+            self._paused = time.perf_counter()
+
+    def drop(self) -> None:
+        """Forget the step in progress: its time held what was no step's."""
+        self._start = self._paused = None
 
 
 class StethoscopeBase:

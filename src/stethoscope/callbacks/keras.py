@@ -298,7 +298,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._epoch = epoch
         if self._beginning is not None:
             self._begin(epoch)
-        self._clock.pause()  # the last epoch's end and its validation are no step's time
+        self._clock.drop()  # the last epoch's end and its validation are no step's time
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # The previous execution has returned: judge it here rather than in a batch-end

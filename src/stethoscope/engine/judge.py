@@ -89,6 +89,8 @@ class Judge:
 
     def blind(self) -> dict[str, str]:
         """The detectors silent for want of what they need, with what the run lacks."""
+        if not self.unread:
+            return {}
         by_name = {d.name: d for d in self.planner.detectors}
         return {n: by_name[n].blind_to for n, k in self.unread.items() if k >= BLIND_AFTER}
 
@@ -113,17 +115,25 @@ class Judge:
         :meth:`WaitingLosses.keep`). False: judge it now (:meth:`now`)."""
         return self.waits and self.waiting.keep(step, epoch, loss, lr, self.planner)
 
-    def now(self, obs: Observation, *, forced: bool = False) -> Decision:
+    def now(
+        self, obs: Observation, *, forced: bool = False, carried: frozenset[str] | None = None
+    ) -> Decision:
         """Judge the waiting steps, then ``obs`` (held until the ranks meet in a
         distributed run; ``forced``, or a non-finite loss: by every detector whose
-        statistics it carries); work out the bar for the next steps."""
+        statistics it carries); work out the bar for the next steps, where ``obs`` carried
+        a loss (without one, a validation's, the loss readers' bar still holds)."""
         earlier = self.catch_up()
         obs.drop(self.judged_elsewhere)
         loss = obs.loss
         forced = forced or (loss is not None and not math.isfinite(loss))
-        decision = self.judge(Batch.of(obs), hold=self.world_size > 1, forced=forced)
-        quiet = self.planner.quiet_detectors(obs.step + 1) if self.waits else None
-        self.waiting.rebar(quiet)
+        if carried is not None and self.judged_elsewhere:
+            carried = carried - self.judged_elsewhere
+        decision = self.judge(
+            Batch.of(obs), hold=self.world_size > 1, forced=forced, carried=carried
+        )
+        if loss is not None or not self.waits:  # the loss readers' bar moved, or none holds
+            quiet = self.planner.quiet_detectors(obs.step + 1) if self.waits else None
+            self.waiting.rebar(quiet)
         return first_to_act(earlier, decision)
 
     def catch_up(self) -> Decision:
@@ -149,14 +159,23 @@ class Judge:
             self.ledger.enter(f)
         return decide(findings, self.stop_on, self.raise_on)
 
-    def judge(self, batch: Batch, *, hold: bool = False, forced: bool = False) -> Decision:
+    def judge(
+        self,
+        batch: Batch,
+        *,
+        hold: bool = False,
+        forced: bool = False,
+        carried: frozenset[str] | None = None,
+    ) -> Decision:
         """Judge ``batch``, its steps in order, with the outcome of judging them one by
         one: the same findings, at the same steps, in the same order, and the same state
         after. This is the one path by which steps are judged.
 
         A step that cannot wait is a batch of one: the detectors due there run on its
         observation (``forced``: every detector whose statistics it carries), and what
-        they raise is decided on at once (held until the ranks meet when ``hold``).
+        they raise is decided on at once (held until the ranks meet when ``hold``). An
+        event's observation (a validation's) says which statistics it ``carried``: then
+        only the detectors it can feed are gone over.
 
         Quiet steps that waited (see :mod:`stethoscope.engine.waiting`) come as a batch
         of many. One by one, each would pay for the schedule, the ledger and every
@@ -177,7 +196,7 @@ class Judge:
             for i in range(len(batch)):
                 decision = first_to_act(decision, self.judge(batch.alone(i)))
             return decision
-        planner.changed()  # the detectors and the sampler may change as they judge
+        hot_since, requested = sampler.hot_since, len(planner.requested)
         notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
         numbers = batch.numbers
         if waited:
@@ -188,23 +207,27 @@ class Judge:
             back = sampler.tick(obs.step)
             if back:
                 notes.append(self._sampler_finding(obs.step, obs.epoch, back))
-            detectors = planner.with_arrivals(planner.runnable(obs.step, every=forced), has)
+            runnable = planner.runnable(obs.step, every=forced)
+            if carried is not None:  # an event's: its readers, worked out once
+                detectors = planner.event_readers(runnable, carried)
+            else:
+                detectors = planner.with_arrivals(runnable, has)
         # what each step raised, by its place in the batch, in the detectors' order
         raised: dict[int, list[_Raised]] = {}
         n = len(numbers)
+        # the plans ahead follow the state of some detectors (see Planner.changed): what
+        # it was before they run here
+        changers, finishers, after = planner.plan_changers, planner.finishers, numbers[-1] + 1
+        plans_read: list[tuple[Detector, bool, frozenset[str]]] = []
         for d in detectors:
-            finishes = type(d).can_finish()
+            finishes = d in finishers
+            unread = d in changers
             i = 0
             while i < n:
                 if finishes and d.finished(numbers[i]):
                     i += 1
                     continue
-                if waited:
-                    taken = d.absorb(numbers, batch.losses, batch.lrs, i)
-                    if taken > i:  # the steps its rule found healthy, taken in at once
-                        i = taken
-                        continue
-                else:
+                if not waited:
                     # a detector runs on what arrived (Detector.runs_on), whatever else it
                     # needs; else only where the one step carries all it needs
                     arrived = d.runs_on and any(map(has, d.runs_on))
@@ -214,10 +237,20 @@ class Judge:
                         break
                     if self.unread:
                         self.unread.pop(d.name, None)
+                if unread:
+                    plans_read.append((d, d.finished(after), d.wanting(after)))
+                    unread = False
+                if waited:
+                    taken = d.absorb(numbers, batch.losses, batch.lrs, i)
+                    if taken > i:  # the steps its rule found healthy, taken in at once
+                        i = taken
+                        continue
                 found = d.update(batch[i] if waited else obs)
                 if found or d.suspect or d.request:
                     raised.setdefault(i, []).append(_Raised(d, found))
                 i += 1
+        if raised or notes or _moved(plans_read, after):
+            planner.changed()  # what the detectors raised or became changes the plans ahead
         ledger = self.ledger
         if waited:
             self.losses.saw_losses(batch.losses)
@@ -239,6 +272,8 @@ class Judge:
                     notes = []  # each step's own: an escalation's note is its step's
                     decision = first_to_act(decision, found)
         self.last_step = max(self.last_step, numbers[-1])
+        if sampler.hot_since != hot_since or len(planner.requested) != requested:
+            planner.changed()  # escalated, calmed down or asked for more while acting
         return decision
 
     def _unread(self, detector: Detector, step: int) -> None:
@@ -306,6 +341,14 @@ class Judge:
             value=self.sampler.cap(step),  # the interval cap now: 1, or None at base
             rank=self.rank,
         )
+
+
+def _moved(read: list[tuple[Detector, bool, frozenset[str]]], step: int) -> bool:
+    """Whether a detector's part in the plans changed since ``read`` was taken, each with
+    whether it was finished at ``step`` and what it wanted there. Judging only ever ends
+    a detector's part (it finishes, stops wanting), so the plan of one step ahead tells;
+    a detector's part that the step alone decides was planned already."""
+    return any(d.finished(step) != done or d.wanting(step) != wanted for d, done, wanted in read)
 
 
 class Batch:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stethoscope.detectors.base import Detector
+from stethoscope.engine.sampler import Intervals
 from stethoscope.findings import RECOVERY, SAMPLER, Finding, Severity
 from stethoscope.observation import Observation
 from stethoscope.sinks.base import Sink
@@ -41,6 +42,12 @@ class Ledger:
         #: When each kind of finding last went to the sinks (checkpointed).
         self.last_sent: dict[str, int] = {}
         self._sink_failed: set[int] = set()
+        # the last line on the quiet detectors: their names, schedule, and the line
+        self._kept_quiet: tuple[list[str], Intervals | None, SummaryRow] | None = None
+        # see _quiet_epoch: the detectors, those silent, their rows and the others' names
+        self._quiet_rows: tuple[Sequence[Detector], tuple, list[SummaryRow], list[str]] | None = (
+            None
+        )
         self.new_epoch(escalations=0)
 
     # -- findings ------------------------------------------------------------------------
@@ -150,6 +157,10 @@ class Ledger:
         rows: list[SummaryRow] = []
         quiet: list[str] = []
         blind = blind or {}
+        if not self._epoch:  # a quiet epoch: no detector found anything
+            blind_rows, quiet = self._quiet_epoch(detectors, blind)
+            rows.extend(blind_rows)
+            detectors = ()
         for d in detectors:
             stats = self._epoch.get(d.name)
             if stats is None and d.name in blind:
@@ -176,16 +187,7 @@ class Ledger:
         if RECOVERY in self._epoch:
             rows.append(_recovery_row(self._epoch[RECOVERY]))
         if quiet:
-            intervals = sorted({interval(n) for n in quiet})
-            every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
-            rows.append(
-                SummaryRow(
-                    detector=f"{len(quiet)} others",
-                    status="ok",
-                    where=None,
-                    verdict=f"nothing found (every {every} steps)",
-                )
-            )
+            rows.append(self._quiet_row(quiet, interval))
         return EpochSummary(
             epoch=epoch,
             steps=len(self._steps),
@@ -197,6 +199,49 @@ class Ledger:
             first_step=min(self._steps, default=None),
             last_step=max(self._steps, default=None),
         )
+
+    def _quiet_epoch(
+        self, detectors: Sequence[Detector], blind: Mapping[str, str]
+    ) -> tuple[list[SummaryRow], list[str]]:
+        """Where no detector found anything: a row for each one silent for want of what it
+        needs, and the names of the others. The same from one epoch to the next while the
+        detectors and those silent are (a full-batch run ends an epoch every step), so
+        kept and given again."""
+        key = tuple(blind.items())
+        kept = self._quiet_rows
+        if kept is None or kept[0] is not detectors or kept[1] != key:
+            rows = [
+                SummaryRow(detector=d.name, status="info", verdict=f"silent: {blind[d.name]}")
+                for d in detectors
+                if d.name in blind
+            ]
+            kept = detectors, key, rows, [d.name for d in detectors if d.name not in blind]
+            self._quiet_rows = kept
+        return kept[2], kept[3]
+
+    def _quiet_row(self, quiet: list[str], interval: Callable[[str], int]) -> SummaryRow:
+        """The line on the detectors that found nothing this epoch. It is the same from one
+        epoch to the next while they and their schedule are (a full-batch run ends an
+        epoch every step), so it is kept and given again."""
+        kept = self._kept_quiet
+        schedule = interval if isinstance(interval, Intervals) else None
+        if (
+            kept is not None
+            and schedule is not None
+            and schedule.same(kept[1])
+            and kept[0] == quiet
+        ):
+            return kept[2]
+        intervals = sorted({interval(n) for n in quiet})
+        every = str(intervals[0]) if len(intervals) == 1 else f"{intervals[0]}-{intervals[-1]}"
+        row = SummaryRow(
+            detector=f"{len(quiet)} others",
+            status="ok",
+            where=None,
+            verdict=f"nothing found (every {every} steps)",
+        )
+        self._kept_quiet = (quiet, schedule, row)
+        return row
 
     def _dropped(self) -> dict[str, int]:
         """Findings each sink gave up on so far, by sink name (see ``Sink.dropped``)."""

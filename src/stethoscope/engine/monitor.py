@@ -13,7 +13,7 @@ from stethoscope.engine.budget import OverheadBudget
 from stethoscope.engine.held import Held
 from stethoscope.engine.judge import Batch, Judge
 from stethoscope.engine.ledger import Ledger
-from stethoscope.engine.policy import NOTHING, Decision, Policy
+from stethoscope.engine.policy import NOTHING, Decision, Policy, first_to_act
 from stethoscope.engine.schedule import Schedule
 from stethoscope.engine.settings import Settings
 from stethoscope.findings import Finding
@@ -22,6 +22,10 @@ from stethoscope.sinks.base import RunContext, Sink
 from stethoscope.summary import EpochSummary
 
 __all__ = ["Monitor"]
+
+
+#: The statistics a validation's observation carries, by the fields it sets, in order.
+_carried: dict[tuple[str, ...], frozenset[str]] = {}
 
 
 def _policy_text(policy: Policy) -> str | list[str] | None:
@@ -223,13 +227,16 @@ class Monitor:
         (``val_prints``), the calls that behaved as in training (``val_training_calls``)."""
         if val_loss is None and all(v is None for v in measured.values()):
             return NOTHING
-        self.catch_up()  # the training losses that waited belong to this window
-        obs = Observation(step=step, epoch=epoch, rank=self.rank, **measured)
+        earlier = self.catch_up()  # the training losses that waited belong to this window
+        fields = {k: v for k, v in measured.items() if v is not None}
         if val_loss is not None:
-            obs.val_loss = val_loss
-            obs.train_loss = self.judge.losses.mean()
-            obs.start_loss = self.judge.losses.start
-        return self.observe(obs)
+            losses = self.judge.losses
+            fields.update(val_loss=val_loss, train_loss=losses.mean(), start_loss=losses.start)
+        obs = Observation.of_event(step, epoch, self.rank, **fields)
+        carried = _carried.get(tuple(fields))
+        if carried is None:
+            carried = _carried[tuple(fields)] = Observation.carried_by(fields)
+        return first_to_act(earlier, self.judge.now(obs, carried=carried))
 
     def reads(self, statistic: str) -> bool:
         """Whether a detector taking part still reads ``statistic`` (needs it, or runs on
@@ -318,7 +325,7 @@ class Monitor:
         return self.ledger.summary(
             epoch,
             budget=self.schedule.budget_note(),
-            detectors=[d for d in self.detectors if d.name not in self.planner.idle],
+            detectors=self.schedule.in_run(),
             interval=self.sampler.intervals_at(self.last_step),
             escalations=self.sampler.escalations,
             hot=self.sampler.hot,

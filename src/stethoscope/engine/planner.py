@@ -111,6 +111,15 @@ class Planner:
         # early (see Detector.finished) or stop wanting a statistic (Detector.wanting)
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
+        #: The detectors that can finish (see ``Detector.can_finish``): the others never do.
+        self.finishers = frozenset(d for d in self.detectors if type(d).can_finish())
+        #: The detectors whose own state the plans depend on: they can finish early or
+        #: stop wanting a statistic (``Detector.wanting``).
+        self.plan_changers = self.finishers | {
+            d for d in self.detectors if type(d).wanting is not Detector.wanting
+        }
+        self._event_readers: dict[tuple[tuple[Detector, ...], frozenset[str]], tuple] = {}
+        self._every_step: tuple[dict[str, int], bool] | None = None
         self._loss_readers: tuple[Detector, ...] | None = None
         self._arriving: tuple[Detector, ...] | None = None
         self._agreed: dict[frozenset[str], frozenset[str]] = {}
@@ -223,6 +232,21 @@ class Planner:
         chosen = {*detectors, *extra}
         return tuple(d for d in self.detectors if d in chosen)
 
+    def event_readers(
+        self, detectors: tuple[Detector, ...], carried: frozenset[str]
+    ) -> tuple[Detector, ...]:
+        """Of ``detectors`` and those that run on an arrival (see :meth:`with_arrivals`),
+        the ones an event's observation carrying just the statistics ``carried`` (a
+        validation's) can run on: it carries all they need, or what they run on. The
+        others would find it lacks what they need. Worked out once per schedule."""
+        key = (detectors, carried)
+        hit = self._event_readers.get(key)
+        if hit is None:
+            every = self.with_arrivals(detectors, carried.__contains__)
+            hit = tuple(d for d in every if d.needs <= carried or not d.runs_on.isdisjoint(carried))
+            self._event_readers[key] = hit
+        return hit
+
     def loss_readers(self) -> tuple[Detector, ...]:
         """The detectors that judge a quiet step (one that measures the loss alone): those
         taking part that need nothing but the loss, at whatever interval, in order."""
@@ -235,8 +259,10 @@ class Planner:
 
     def loss_readers_run_every_step(self) -> bool:
         """Whether every one of the :meth:`loss_readers` runs on every step."""
-        base = self.sampler.base
-        return all(base[d.name] == 1 for d in self.loss_readers())
+        base = self.sampler.base  # replaced when stretched, never changed: asked once
+        if self._every_step is None or self._every_step[0] is not base:
+            self._every_step = base, all(base[d.name] == 1 for d in self.loss_readers())
+        return self._every_step[1]
 
     def quiet_detectors(self, step: int) -> list[Detector]:
         """The :meth:`loss_readers` not finished at ``step``."""

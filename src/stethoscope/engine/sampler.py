@@ -13,7 +13,7 @@ deterministic and survives a checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["AdaptiveSampler"]
@@ -95,11 +95,10 @@ class AdaptiveSampler:
         """The interval of detector ``name`` at ``step``."""
         return _capped(self.base[name], self.cap(step))
 
-    def intervals_at(self, step: int) -> Callable[[str], int]:
+    def intervals_at(self, step: int) -> Intervals:
         """``name -> interval of detector name at step``: :meth:`interval` with the cap
         worked out once, for a question asked of every detector (an epoch's summary)."""
-        base, cap = self.base, self.cap(step)
-        return lambda name: _capped(base[name], cap)
+        return Intervals(self.base, self.cap(step))
 
     def capped(self, base: int, step: int) -> int:
         """An interval of ``base`` steps under the escalation's cap at ``step``."""
@@ -180,6 +179,23 @@ class AdaptiveSampler:
             f"AdaptiveSampler(intervals={self.base!r}, escalate={self.escalation}, "
             f"hot_steps={self.hot_steps})"
         )
+
+
+class Intervals:
+    """Each detector's interval under one schedule (a base and an escalation's cap), by
+    name. Two are the same schedule when :meth:`same` says so: what was worked out from
+    one (an epoch summary's line on the quiet detectors) holds for the other."""
+
+    __slots__ = ("base", "cap")
+
+    def __init__(self, base: Mapping[str, int], cap: int | None) -> None:
+        self.base, self.cap = base, cap  # the sampler's base is replaced, never changed
+
+    def __call__(self, name: str) -> int:
+        return _capped(self.base[name], self.cap)
+
+    def same(self, other: Intervals | None) -> bool:
+        return other is not None and other.base is self.base and other.cap == self.cap
 
 
 def _capped(base: int, cap: int | None) -> int:

@@ -48,10 +48,10 @@ class Schedule:
         self._sat_out: frozenset[str] = frozenset()  # see sit_out
         #: The step each event's statistics were last measured at (see _event_due).
         self._events: dict[str, int] = {}
-        # the detectors taking part, worked out once a step (see _taking_part)
-        self._part: tuple[tuple[int, frozenset[str]], list] | None = None
         # of those, the readers of each event's statistic (see reads), by statistic
         self._readers: dict[str, tuple[list, list]] = {}
+        self._in_run: tuple[frozenset[str], list[Detector]] | None = None  # see in_run
+        self._shortest: tuple[dict[str, int], int] | None = None  # see budget_note
         # the detectors that can finish (see Detector.can_finish): the others never do
         self._finishing = frozenset(d.name for d in self.detectors if type(d).can_finish())
         # until a training starts, the setup is the default one's (float32, say)
@@ -196,7 +196,7 @@ class Schedule:
         """Measure at ``step``, the next one (an epoch's or a run's first), what the
         detectors taking part read there (see ``Detector.at_epoch_start``), when it is due
         (see :meth:`_event_due`; a resumed run's first step always is)."""
-        readers = [d for d in self._taking_part(step) if d.at_epoch_start]
+        readers = self._readers_at(step, "epoch start")
         if readers and (self._event_due("epoch start", readers, step) or resumed):
             self.planner.measure_next(frozenset().union(*(d.at_epoch_start for d in readers)))
 
@@ -204,13 +204,37 @@ class Schedule:
         """Whether to measure ``statistic`` of an event at ``step`` (a validation's): a
         detector taking part needs it or runs on its arrival (``Detector.runs_on``), and
         it is due (see :meth:`_event_due`)."""
-        part = self._taking_part(step)
-        cached = self._readers.get(statistic)
-        if cached is None or cached[0] is not part:  # worked out once per taking-part list
-            cached = part, [d for d in part if statistic in d.needs or statistic in d.runs_on]
-            self._readers[statistic] = cached
-        readers = cached[1]
+        readers = self._readers_at(step, statistic)
         return bool(readers) and self._event_due(statistic, readers, step)
+
+    def _readers_at(self, step: int, event: str) -> list[Detector]:
+        """The detectors taking part at ``step`` (neither idle in the run nor finished
+        there; one that finishes later in the step still counts) that read what is
+        measured at ``event``: an epoch's start (``Detector.at_epoch_start``), or a
+        statistic they need or run on the arrival of. Those of the run are worked out once
+        (an epoch's end asks four times, every step in a full-batch run); which of them
+        have finished, at each step."""
+        part = self.in_run()
+        cached = self._readers.get(event)
+        if cached is None or cached[0] is not part:
+            if event == "epoch start":
+                readers = [d for d in part if d.at_epoch_start]
+            else:
+                readers = [d for d in part if event in d.needs or event in d.runs_on]
+            cached = self._readers[event] = part, readers
+        finishing = self._finishing
+        readers = cached[1]
+        if any(d.name in finishing for d in readers):
+            readers = [d for d in readers if not (d.name in finishing and d.finished(step))]
+        return readers
+
+    def in_run(self) -> list[Detector]:
+        """The detectors that take part in this run (not idle), in order: worked out again
+        only when that changes."""
+        idle = self.planner.idle
+        if self._in_run is None or self._in_run[0] is not idle:
+            self._in_run = idle, [d for d in self.detectors if d.name not in idle]
+        return self._in_run[1]
 
     def _event_due(self, event: str, readers: Sequence[Detector], step: int) -> bool:
         """Whether what ``readers`` measure at an event (an epoch's start, a validation)
@@ -225,25 +249,6 @@ class Schedule:
             return False
         self._events[event] = step
         return True
-
-    def _taking_part(self, step: int) -> list:
-        """The detectors neither idle in this run nor finished at ``step``. Worked out once
-        a step: an epoch's end asks four times (its validation's statistics, the next
-        epoch's start), and a full-batch run's epoch is a step. A detector that finishes
-        later in the step still counts there, which measures no less."""
-        key = (step, self.planner.idle)
-        if self._part is not None and self._part[0] == key:
-            return self._part[1]
-        idle, finishing = self.planner.idle, self._finishing
-        part = [
-            d
-            for d in self.detectors
-            if d.name not in idle and not (d.name in finishing and d.finished(step))
-        ]
-        if self._part is not None and part == self._part[1]:
-            part = self._part[1]  # the same list: what was worked out from it still holds
-        self._part = (key, part)
-        return part
 
     def idle(self, name: str) -> bool:
         """Whether the detector ``name`` takes no part in this run."""
@@ -271,8 +276,10 @@ class Schedule:
         """What the budget did, for the epoch's summary ("" without a budget)."""
         if self.budget is None:
             return ""
-        every = min((b for b in self.sampler.base.values() if b > 1), default=1)
-        return self.budget.note(every)
+        base = self.sampler.base  # replaced when stretched, never changed: worked out once
+        if self._shortest is None or self._shortest[0] is not base:
+            self._shortest = base, min((b for b in base.values() if b > 1), default=1)
+        return self.budget.note(self._shortest[1])
 
     def forget(self) -> None:
         """A fresh run: the declared schedule, nothing planned ahead."""
@@ -280,7 +287,6 @@ class Schedule:
         self.stretch(1)
         self.planner.forget()
         self._events.clear()
-        self._part = None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the sampler's schedule (and its stretch) from a checkpoint."""

@@ -30,8 +30,11 @@ class WaitingLosses:
 
     ``bar`` is the loss below which a step may wait: the lowest of the due detectors'
     :meth:`~stethoscope.detectors.base.Detector.waits_below`, worked out again after
-    every judged step (``-inf``: nothing waits). A waiting step is kept as its numbers
-    alone, ``(step, epoch, loss, lr)``, and becomes an :class:`Observation` when judged.
+    every step whose loss was judged at once (``-inf``: nothing waits). It holds for the
+    ``BATCH`` steps after it was worked out, judged or not in between (a validation or an
+    epoch's end judges the waiting steps early): ``room`` counts how many of those are
+    left. A waiting step is kept as its numbers alone, ``(step, epoch, loss, lr)``, and
+    becomes an :class:`Observation` when judged.
     """
 
     #: The most steps that wait before they are judged.
@@ -40,21 +43,17 @@ class WaitingLosses:
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, float, float | None]] = []
         self.bar = -math.inf
+        self.room = 0
 
     def keep(
         self, step: int, epoch: int, loss: float | None, lr: float | None, planner: Planner
     ) -> bool:
         """Keep a step's loss for later, if it may wait: a finite loss below the bar
         (anything else, a NaN included, fails the comparison) on a quiet step, and room
-        in the batch. False: judge it now, after the waiting ones."""
-        steps = self.steps
-        if (
-            loss is not None
-            and loss < self.bar
-            and len(steps) < self.BATCH - 1
-            and planner.is_quiet(step)
-        ):
-            steps.append((step, epoch, loss, lr))
+        for the bar. False: judge it now, after the waiting ones."""
+        if loss is not None and loss < self.bar and self.room > 0 and planner.is_quiet(step):
+            self.steps.append((step, epoch, loss, lr))
+            self.room -= 1
             return True
         return False
 
@@ -66,6 +65,7 @@ class WaitingLosses:
     def rebar(self, detectors: Iterable[Detector] | None) -> None:
         """Work out the bar from the detectors that judge quiet steps (None: nothing may
         wait, as in a distributed run or under a recovery ladder, which act every step)."""
+        self.room = self.BATCH - 1
         if detectors is None:
             self.bar = -math.inf
             return

@@ -73,6 +73,15 @@ class DeviceStepClock:
             marks.popleft()
 
     def pause(self) -> None:
-        """What comes before the next step is no step's time."""
+        """The step in progress ends here: what comes before the next step (a validation,
+        an epoch's end) is no step's time. A mark where it ends closes the step's interval
+        (in a full-batch run every step is followed by a validation, and a clock that
+        forgot those steps would time none)."""
+        marks = self._marks
+        if marks and marks[-1].timed:
+            marks.append(_Mark(self.accelerator.mark(self.device, timing=True), False, 0, False))
+
+    def drop(self) -> None:
+        """Forget the step in progress: its time held what was no step's."""
         if self._marks:
             self._marks[-1].timed = False
