@@ -145,6 +145,7 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
         ("validation_leak", "healthy_digits_validated"),
         ("softmax_then_cross_entropy", "healthy_softmax_output"),
         ("summed_softmax_in_training_step", "healthy_summed_cross_entropy"),
+        ("softmax_in_own_loss", "healthy_own_loss"),
         ("logits_to_nll", "healthy_softmax_output"),
         ("loss_broadcast", "healthy_regression"),
     ],

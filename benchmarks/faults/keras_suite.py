@@ -410,8 +410,36 @@ _IN_STEP = {
 }
 
 #: The losses whose targets are the labels one-hot as float: multi-label targets for the
-#: binary cross-entropies, and Keras' label smoothing, which its sparse loss lacks.
-_ONE_HOT = ("bce_with_logits", "bce", "sigmoid_in_step", "smoothed", "probabilities_smoothed")
+#: binary cross-entropies, Keras' label smoothing, which its sparse loss lacks, and the
+#: loss functions of the user's own.
+_ONE_HOT = (
+    "bce_with_logits",
+    "bce",
+    "sigmoid_in_step",
+    "smoothed",
+    "probabilities_smoothed",
+    "one_hot",
+    "softmax_in_step_one_hot",
+)
+
+
+def _softmax(p: Any) -> Any:
+    """A softmax written out by hand (on TensorFlow, a cross-entropy with
+    ``from_logits=True`` takes the logits back from Keras' own softmax, and warns)."""
+    e = ops.exp(p - ops.max(p, axis=-1, keepdims=True))
+    return e / ops.sum(e, axis=-1, keepdims=True)
+
+
+def own_cross_entropy(y: Any, p: Any) -> Any:
+    """A loss function of the user's own, ``compile(loss=own_cross_entropy)``: the
+    cross-entropy of one-hot targets with the logits (right)."""
+    return keras.losses.categorical_crossentropy(y, p, from_logits=True)
+
+
+def own_softmax_cross_entropy(y: Any, p: Any) -> Any:
+    """The same, with a softmax written in it before a cross-entropy that applies its own
+    (a bug)."""
+    return keras.losses.categorical_crossentropy(y, _softmax(p), from_logits=True)
 
 
 def make_loss(spec: ModelSpec, train: TrainSpec) -> keras.losses.Loss:
@@ -420,6 +448,10 @@ def make_loss(spec: ModelSpec, train: TrainSpec) -> keras.losses.Loss:
     targets (label-smoothed by 0.1, or multi-label for a binary cross-entropy); a
     sequence scored at every step takes its one-hot targets with the classes on axis 1."""
     loss, kl = train.loss, keras.losses
+    if loss == "one_hot":
+        return own_cross_entropy
+    if loss == "softmax_in_step_one_hot":
+        return own_softmax_cross_entropy
     logits = loss not in ("probabilities", "probabilities_smoothed", "bce")
     if loss in ("bce_with_logits", "bce", "sigmoid_in_step"):
         return kl.BinaryCrossentropy(from_logits=logits)

@@ -344,6 +344,10 @@ class SuiteModule(L.LightningModule):
             return nn.functional.cross_entropy(torch.softmax(out, dim=1), y)
         if kind == "softmax_in_step_sum":  # the same, summed over the batch
             return nn.functional.cross_entropy(torch.softmax(out, dim=1), y, reduction="sum")
+        if kind == "one_hot":  # class probabilities, one-hot (see _targets): right
+            return nn.functional.cross_entropy(out, y)
+        if kind == "softmax_in_step_one_hot":  # the same after a softmax: a bug
+            return nn.functional.cross_entropy(torch.softmax(out, dim=1), y)
         if kind == "sum":  # cross_entropy summed over the batch, of the logits: right
             return nn.functional.cross_entropy(out, y, reduction="sum")
         if kind == "log_softmax_in_step":  # the same place, written right
@@ -487,8 +491,9 @@ def _corrupt(
     return x, y
 
 
-#: Losses of multi-label targets: each label one-hot, as float (see ``TrainSpec.loss``).
-MULTI_LABEL = ("bce_with_logits", "bce", "sigmoid_in_step")
+#: Losses of one-hot targets, as float (see ``TrainSpec.loss``): multi-label ones, and
+#: class probabilities fed to ``cross_entropy``.
+MULTI_LABEL = ("bce_with_logits", "bce", "sigmoid_in_step", "one_hot", "softmax_in_step_one_hot")
 
 
 def _targets(sc: Scenario, arrays: Arrays, y: np.ndarray | None = None) -> np.ndarray:

@@ -290,6 +290,11 @@ class TrainSpec:
             log of probabilities, label-smoothed by 0.1 (Keras: ``train_step`` applies the
             softmax or log-softmax before a ``from_logits=True`` loss; the smoothed ones
             are ``CategoricalCrossentropy(label_smoothing=0.1)``);
+            ``"one_hot"``: the cross-entropy of the logits against one-hot targets (class
+            probabilities; Keras: a loss function of the user's own,
+            ``categorical_crossentropy(y, p, from_logits=True)``), and
+            ``"softmax_in_step_one_hot"``: the same of a softmax written before it, in
+            the training step or in that function (a bug);
             ``"bce_with_logits"``: ``binary_cross_entropy_with_logits`` of the output
             against each label one-hot as float (multi-label targets), ``"bce"``:
             ``binary_cross_entropy`` there (of probabilities), ``"sigmoid_in_step"``:
@@ -912,6 +917,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         frameworks=("lightning",),
     ),
     Scenario(
+        "softmax_in_own_loss",
+        "pipeline",
+        "one-hot targets, and a softmax written before a cross-entropy that applies its "
+        "own: in Lightning's training step, in a Keras loss function of the user's own "
+        "(compile(loss=fn), which says nothing of what it takes)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=250, loss="softmax_in_step_one_hot"),
+        onset=0,
+        expect=("logits_mismatch",),
+        window=150,
+    ),
+    Scenario(
         "smoothed_softmax_then_cross_entropy",
         "pipeline",
         "a softmax after the classifier, fed to cross_entropy with label_smoothing=0.1: "
@@ -1283,6 +1299,13 @@ SCENARIOS: tuple[Scenario, ...] = (
         "the classifier's logits through torch.log_softmax in the training step, then "
         "nll_loss (the twin of softmax_in_training_step: the same place, written right)",
         train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="log_softmax_in_step"),
+    ),
+    Scenario(
+        "healthy_own_loss",
+        "healthy",
+        "one-hot targets, the logits to a cross-entropy that applies its softmax (the twin "
+        "of softmax_in_own_loss; Keras: a loss function of the user's own)",
+        train=TrainSpec(optimizer="adam", lr=1e-2, max_steps=300, loss="one_hot"),
     ),
     Scenario(
         "healthy_summed_cross_entropy",

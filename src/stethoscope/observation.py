@@ -56,6 +56,8 @@ _MARKERS = {name: s.marker for name, s in STATISTICS.items()}
 _NAMES = frozenset(f.name for f in _FIELDS)
 #: The statistic whose presence each field marks (see ``Statistic.marker``).
 _MARKED = {s.marker: name for name, s in STATISTICS.items()}
+#: What :meth:`Observation.carried_by` has worked out, by the fields set.
+_CARRIED: dict[tuple[str, ...], frozenset[str]] = {}
 
 # The generated base holds the fields; the class below adds its methods and is what
 # pickling, ``isinstance`` and type annotations name.
@@ -96,8 +98,13 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
     @staticmethod
     def carried_by(fields: Iterable[str]) -> frozenset[str]:
         """The statistics an observation carries where ``fields`` (names of its fields)
-        are set and no other is: those whose marker field is among them."""
-        return frozenset(_MARKED[f] for f in fields if f in _MARKED)
+        are set and no other is: those whose marker field is among them. (Asked at every
+        validation, with a handful of distinct answers: kept.)"""
+        key = tuple(fields)
+        carried = _CARRIED.get(key)
+        if carried is None:
+            carried = _CARRIED[key] = frozenset(_MARKED[f] for f in key if f in _MARKED)
+        return carried
 
     def has(self, statistic: str) -> bool:
         """Whether the data of ``statistic`` (a name in ``STATISTICS``) is present."""

@@ -82,6 +82,7 @@ FAULTS = [
     pytest.param("validation_leak", id="validation-data-from-the-training-set"),
     pytest.param("softmax_then_cross_entropy", id="softmax-output-from-logits-true"),
     pytest.param("logits_as_probabilities", id="logits-output-from-logits-false"),
+    pytest.param("softmax_in_own_loss", id="softmax-in-a-loss-function-of-the-users-own"),
 ]
 
 
@@ -133,6 +134,7 @@ HEALTHY = [
     pytest.param("healthy_step_decay", 400, id="step-decay-at-its-cadence"),
     pytest.param("healthy_full_batch", 300, id="full-batch-the-same-batch-by-design"),
     pytest.param("healthy_softmax_output", 300, id="softmax-output-from-logits-false"),
+    pytest.param("healthy_own_loss", 300, id="logits-to-a-loss-function-of-the-users-own"),
 ]
 
 

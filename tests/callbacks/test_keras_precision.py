@@ -22,13 +22,13 @@ keras = pytest.importorskip("keras")
 from _observed import PRECISION, Observed, named  # noqa: E402
 
 from stethoscope import KerasStethoscope  # noqa: E402
-from stethoscope.callbacks._keras import ops as kops  # noqa: E402
 from stethoscope.callbacks._keras.precision import (  # noqa: E402
     FP8_FLOORS,
     fp8_shares,
     gradient_shares,
     rounded_away,
 )
+from stethoscope.callbacks._keras.predictions import probability_rows  # noqa: E402
 from stethoscope.detectors import default_detectors  # noqa: E402
 from stethoscope.record import RunRecord  # noqa: E402
 from stethoscope.testing import CapturingSink  # noqa: E402
@@ -394,9 +394,9 @@ def test_a_bfloat16_softmax_is_probabilities_within_its_own_rounding():
     probs = keras.ops.softmax(keras.ops.cast(logits, "bfloat16"), axis=-1)
     sums = keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(probs, "float32"), axis=-1))
     assert np.abs(sums - 1).max() > 1e-3  # the situation, built
-    assert keras.ops.convert_to_numpy(kops.probability_rows(probs))[0] == 1.0
+    assert keras.ops.convert_to_numpy(probability_rows(probs))[0] == 1.0
     off = keras.ops.cast(probs, "float32") * 1.01
-    assert keras.ops.convert_to_numpy(kops.probability_rows(off))[0] == 0.0
+    assert keras.ops.convert_to_numpy(probability_rows(off))[0] == 0.0
 
 
 def test_the_record_keeps_the_precision_statistics_and_the_loss_scale(tmp_path):

@@ -78,3 +78,30 @@ def test_targets_of_another_shape_or_outside_0_and_1_give_no_binary_loss():
     assert all(v != v for v in _read(logits, torch.randint(0, 3, (8,)))[0][8:12])  # classes
     values, _ = _read(logits, torch.full((8, 3), 2.0))  # a regression's targets
     assert values[8] == 0.0 and all(v != v for v in values[9:12])
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_class_probability_targets_give_the_class_losses_of_torchs_cross_entropy(soft):
+    """One-hot or soft targets, one distribution per row (``cross_entropy``'s class
+    probabilities), read as the labels are: each way of taking the output is torch's own
+    loss against them."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 4)
+    q = F.one_hot(torch.randint(0, 4, (6,)), 4).float()
+    if soft:
+        q = 0.9 * q + 0.1 / 4  # targets smoothed by hand
+    values, _ = _read(logits, q)
+    assert values[1] == pytest.approx(F.cross_entropy(logits, q).item(), rel=1e-5)
+    probs = logits.softmax(dim=1)
+    assert values[4] == pytest.approx(F.cross_entropy(probs, q).item(), rel=1e-5)
+    values, _ = _read(probs, q)
+    assert values[3] == pytest.approx(-(q * probs.log()).sum(1).mean().item(), rel=1e-5)
+    assert values[12] == 6.0  # a term per row
+
+
+def test_float_targets_that_are_not_distributions_give_no_class_loss():
+    logits = torch.randn(6, 4)
+    multi_hot = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 6)  # a multi-label's: the binary ways
+    values, _ = _read(logits, multi_hot)
+    assert all(v != v for v in values[1:8]) and values[9] == values[9]
+    assert values[12] == 24.0  # a binary loss's terms: the elements

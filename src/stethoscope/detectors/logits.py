@@ -116,6 +116,8 @@ class LogitsMismatch(Persistent):
     #: How the loss is being read (see _fed_in_the_step): "" as a mean over the batch,
     #: "sum:" as a sum; each reading keeps its own smoothings.
     _reading = ""
+    #: Whether the binary ways (each element a probability) told the mistake this step.
+    _binary = False
 
     def _update(self, obs: Observation) -> list[Finding]:
         st = self.state
@@ -123,7 +125,7 @@ class LogitsMismatch(Persistent):
             return []
         probs, expects = obs.output_probs == 1.0, obs.loss_expects
         loss = obs.loss if is_finite(obs.loss) else None
-        why = None
+        why, self._binary = None, False
         if expects == "logits" and probs:
             why = (
                 "the model outputs probabilities (a softmax or sigmoid last) to a loss set "
@@ -142,7 +144,7 @@ class LogitsMismatch(Persistent):
             why = self._fed_in_the_step(obs, loss, probs)
         # a fresh model's logits can lie within [0, 1] and leave as it learns; a
         # sigmoid's stay there (Keras' one column, and any output a binary loss takes)
-        unit = not expects and obs.output_in_unit == 1.0 and obs.bce_as_logits is not None
+        unit = not expects and obs.output_in_unit == 1.0 and self._binary
         one_column = (expects == "logits" and probs and obs.output_width == 1) or unit
         span = self.one_column_span if one_column else 0
         if not self._held(why is not None, step=obs.step, span=span):
@@ -192,40 +194,87 @@ class LogitsMismatch(Persistent):
         return why
 
     def _taken_as(self, obs: Observation, loss: float, probs: bool) -> str | None:
-        """:meth:`_fed_in_the_step` for one reading of the loss: a mean over the batch."""
-        if obs.bce_as_logits is not None:  # targets of the output's shape: binary ways
-            return self._binary_in_the_step(obs, loss)
+        """:meth:`_fed_in_the_step` for one reading of the loss: a mean over the batch. The
+        ways of a class target come first (labels, or one distribution per row, which a
+        binary loss could also take element by element), then the binary ways."""
+        classes = obs.loss_as_logits is not None
+        why = self._classes_in_the_step(obs, loss, probs) if classes else None
+        if why is None and obs.bce_as_logits is not None:  # targets of the output's shape
+            why = self._binary_in_the_step(obs, loss)
+            self._binary = why is not None
+        return why
+
+    def _classes_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
+        """The ways of taking the output against class targets (see the class docstring)."""
         floor = probability_floor(obs.output_width)
         if probs:
             twice = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
             right = self._consistent("probs", loss, obs.loss_as_probs, obs.uniform_as_probs)
             if twice and not right and _apart(loss, obs.loss_as_logits, obs.loss_as_probs):
+                fix = (
+                    "drop the softmax activation (a cross-entropy with from_logits=True "
+                    "applies its own), or compute it with from_logits=False"
+                    if self._keras
+                    else "return logits from the model (cross_entropy applies log-softmax "
+                    "itself), or take log() of the probabilities and use nll_loss"
+                )
                 return (
                     f"the model outputs probabilities of {obs.output_width} classes and the "
-                    "loss is their cross-entropy as if they were logits, so a softmax is "
-                    f"applied twice and the loss cannot fall below {floor:.3f}; return "
-                    "logits from the model (cross_entropy applies log-softmax itself), or "
-                    "take log() of the probabilities and use nll_loss"
+                    f"loss {self._loss_is} their cross-entropy as if they were logits, so a "
+                    f"softmax is applied twice and the loss cannot fall below {floor:.3f}; "
+                    f"{fix}"
                 )
             return None
         twice = self._consistent("softmax", loss, obs.loss_as_softmax, obs.uniform_as_softmax)
         right = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
         if twice and not right and _apart(loss, obs.loss_as_softmax, obs.loss_as_logits):
+            where, fix = (
+                (
+                    "in the loss function (or the train step) before a cross-entropy that "
+                    "applies its own (from_logits=True)",
+                    "pass the logits to the cross-entropy with from_logits=True, or the "
+                    "softmax to one with from_logits=False",
+                )
+                if self._keras
+                else (
+                    "between the model's last layer and a loss that applies its own (in "
+                    "forward after the last module, or in the training step)",
+                    "pass the logits to cross_entropy, or take log() of the probabilities "
+                    "and use nll_loss",
+                )
+            )
             return (
-                f"the model outputs logits of {obs.output_width} classes and the loss is the "
-                "cross-entropy of their softmax taken as logits again: a softmax written "
-                "between the model's last layer and a loss that applies its own (in "
-                "forward after the last module, or in the training step), so a softmax is "
-                f"applied twice and the loss cannot fall below {floor:.3f}; pass the logits "
-                "to cross_entropy, or take log() of the probabilities and use nll_loss"
+                f"the model outputs logits of {obs.output_width} classes and the loss "
+                f"{self._loss_is} the cross-entropy of their softmax taken as logits again: "
+                f"a softmax written {where}, so a softmax is applied twice and the loss "
+                f"cannot fall below {floor:.3f}; {fix}"
             )
         if _matches(loss, obs.loss_as_log_probs, obs.loss_as_logits):
+            what, fix = (
+                (
+                    "the negative mean of the outputs at the labels",
+                    "apply log_softmax first, or use a cross-entropy with from_logits=True",
+                )
+                if self._keras
+                else (
+                    "nll_loss of them as they are",
+                    "apply log_softmax before nll_loss, or use cross_entropy on the logits",
+                )
+            )
             return (
-                "the model outputs logits and the loss is nll_loss of them as they are, "
-                "which takes log-probabilities, so it falls without bound; apply "
-                "log_softmax before nll_loss, or use cross_entropy on the logits"
+                f"the model outputs logits and the loss {self._loss_is} {what}, which "
+                f"takes log-probabilities, so it falls without bound; {fix}"
             )
         return None
+
+    @property
+    def _keras(self) -> bool:
+        """Whether the loss is a Keras user's own function (the advice names Keras')."""
+        return self.setup.framework == "keras"
+
+    @property
+    def _loss_is(self) -> str:
+        return "function returns" if self._keras else "is"
 
     def _binary_in_the_step(self, obs: Observation, loss: float) -> str | None:
         """The same for a binary or multi-label output and its targets: a sigmoid's
@@ -240,25 +289,38 @@ class LogitsMismatch(Persistent):
             if obs.output_in_unit == 1.0
             else "a sigmoid written between the model's last layer and"
         )
+        keras = self._keras
+        loss_with_logits = (
+            "binary_crossentropy(from_logits=True)"
+            if keras
+            else "binary_cross_entropy_with_logits or BCEWithLogitsLoss"
+        )
         if obs.output_in_unit == 1.0:
             twice = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
             right = self._consistent("bce_probs", loss, obs.bce_as_probs, None)
             ways = (obs.bce_as_logits, obs.bce_as_probs)
             fix = (
-                "drop the sigmoid (binary_cross_entropy_with_logits applies its own), or "
-                "use binary_cross_entropy on the probabilities"
+                "drop the sigmoid activation, or compute it with from_logits=False"
+                if keras
+                else "drop the sigmoid (binary_cross_entropy_with_logits applies its own), "
+                "or use binary_cross_entropy on the probabilities"
             )
         else:
             twice = self._consistent("bce_sigmoid", loss, obs.bce_as_sigmoid, None)
             right = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
             ways = (obs.bce_as_sigmoid, obs.bce_as_logits)
-            fix = "pass the logits to binary_cross_entropy_with_logits, which applies it"
+            fix = (
+                "pass the logits to binary_crossentropy with from_logits=True, which applies it"
+                if keras
+                else "pass the logits to binary_cross_entropy_with_logits, which applies it"
+            )
+            if keras:
+                where = "a sigmoid in the loss function before"
         if not (twice and not right and _apart(loss, *ways)):
             return None
         return (
-            f"the model has {what} and the loss is their binary cross-entropy with their "
-            f"sigmoid taken as logits again ({where} binary_cross_entropy_with_logits or "
-            "BCEWithLogitsLoss), so a sigmoid is applied twice: every prediction lies "
-            "within [0.5, 0.731] and the loss cannot fall below 0.313 for a target of 1, "
-            f"nor 0.693 for one of 0; {fix}"
+            f"the model has {what} and the loss {self._loss_is} their binary cross-entropy "
+            f"with their sigmoid taken as logits again ({where} {loss_with_logits}), so a "
+            "sigmoid is applied twice: every prediction lies within [0.5, 0.731] and the "
+            f"loss cannot fall below 0.313 for a target of 1, nor 0.693 for one of 0; {fix}"
         )

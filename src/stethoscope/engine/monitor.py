@@ -24,10 +24,6 @@ from stethoscope.summary import EpochSummary
 __all__ = ["Monitor"]
 
 
-#: The statistics a validation's observation carries, by the fields it sets, in order.
-_carried: dict[tuple[str, ...], frozenset[str]] = {}
-
-
 def _policy_text(policy: Policy) -> str | list[str] | None:
     """A parsed ``stop_on``/``raise_on`` as it was given."""
     if policy.detectors:
@@ -233,10 +229,7 @@ class Monitor:
             losses = self.judge.losses
             fields.update(val_loss=val_loss, train_loss=losses.mean(), start_loss=losses.start)
         obs = Observation.of_event(step, epoch, self.rank, **fields)
-        carried = _carried.get(tuple(fields))
-        if carried is None:
-            carried = _carried[tuple(fields)] = Observation.carried_by(fields)
-        return first_to_act(earlier, self.judge.now(obs, carried=carried))
+        return first_to_act(earlier, self.judge.now(obs, carried=Observation.carried_by(fields)))
 
     def reads(self, statistic: str) -> bool:
         """Whether a detector taking part still reads ``statistic`` (needs it, or runs on

@@ -15,6 +15,7 @@ __all__ = [
     "loss_expects",
     "loss_form",
     "optimizers_of",
+    "own_loss",
     "training_setup",
 ]
 
@@ -65,6 +66,9 @@ class LossForm:
 
     binary: bool = False
     axis: int = -1
+    #: The loss is the user's own (a function, or a ``Loss`` of their own class): what it
+    #: takes is read from its value, set against each way of taking the output.
+    own: bool = False
 
 
 def loss_form(model: Any) -> LossForm:
@@ -72,7 +76,24 @@ def loss_form(model: Any) -> LossForm:
     cross-entropies: a distribution along its ``axis``, the last by default)."""
     name, config = _loss_config(model)
     axis = config.get("axis", -1)
-    return LossForm(binary=name in _BINARY, axis=axis if isinstance(axis, int) else -1)
+    return LossForm(
+        binary=name in _BINARY, axis=axis if isinstance(axis, int) else -1, own=own_loss(model)
+    )
+
+
+def own_loss(model: Any) -> bool:
+    """Whether ``model``'s compiled loss is one the user wrote: a function, or a ``Loss``
+    of a class of their own (a Keras loss wrapping their function too). A name, one of
+    Keras' losses, or several losses (a dict or a list, one per output) is not."""
+    loss = getattr(model, "loss", None)
+    if loss is None or isinstance(loss, (str, dict, list, tuple)) or not callable(loss):
+        return False
+    wrapped = getattr(loss, "fn", None)  # keras.losses.LossFunctionWrapper(fn)
+    if callable(wrapped) and not isinstance(wrapped, str):
+        loss = wrapped
+    owner = loss if hasattr(loss, "__code__") else type(loss)
+    module = getattr(owner, "__module__", "") or ""
+    return not (module == "keras" or module.startswith(("keras.", "tensorflow", "tf_keras")))
 
 
 def describe_run(model: Any, params: dict[str, Any] | None) -> dict[str, Any]:

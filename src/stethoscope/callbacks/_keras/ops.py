@@ -13,7 +13,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from stethoscope.number_formats import sum_tolerance
 from stethoscope.prints import PRINT_PRIME, print_plan, print_tensors, print_weights
 from stethoscope.statistics import DISTRIBUTION_BINS, DISTRIBUTION_EDGES, SATURATION_BOUNDS
 
@@ -424,42 +423,3 @@ def _tensor_sums(rows: Any, width: int, stride: int) -> Any:
     weights = tf.constant(print_weights(int(stacked.shape[1])))
     sums = tf.stack([tf.reduce_sum(stacked * weights[i], axis=1) for i in range(2)], axis=1)
     return tf.cast(tf.math.floormod(sums, PRINT_PRIME), tf.float64)
-
-
-def probability_rows(y_pred: Any, *, axis: int = -1, binary: bool = False) -> Any | None:
-    """``[1.0 or 0.0, columns]``: whether every row of the first float tensor of
-    ``y_pred`` along ``axis`` (the loss's class axis) is probabilities (several columns:
-    non-negative and summing to 1; one column: within [0, 1]), and its columns; ``binary``
-    (a loss that takes each element as a probability of its own, a sigmoid's): whether
-    every element is within [0, 1], and the last axis's columns. None: no float tensor."""
-    t = next((t for t in keras.tree.flatten(y_pred) if is_dense(t) and is_float(t)), None)
-    if t is None or len(t.shape) < 1:
-        return None
-    if len(t.shape) >= 2 and axis not in (-1, len(t.shape) - 1) and not binary:
-        if not -len(t.shape) <= axis < len(t.shape):
-            return None
-        t = ops.moveaxis(t, axis, -1)  # classes last: (N, C, T) -> (N, T, C)
-    width = t.shape[-1] if len(t.shape) >= 2 else 1
-    if width is None:
-        return None
-    rows = ops.reshape(ops.cast(ops.stop_gradient(t), "float32"), (-1, width))
-    if width >= 2 and not binary:  # a 16-bit softmax's rows sum to 1 within its rounding only
-        sums = ops.sum(rows, axis=1)
-        near = ops.less(ops.abs(sums - 1.0), sum_tolerance(t.dtype))
-        probs = ops.logical_and(ops.all(ops.greater_equal(rows, 0.0)), ops.all(near))
-    else:
-        probs = ops.all(ops.logical_and(ops.greater_equal(rows, 0.0), ops.less_equal(rows, 1.0)))
-    return ops.stack([ops.cast(probs, "float32"), ops.convert_to_tensor(float(width), "float32")])
-
-
-def likelihood_bce(y: Any, y_pred: Any) -> Any:
-    """The binary cross-entropy of the targets ``y`` with the first float tensor of
-    ``y_pred`` taken as probabilities, as Keras' own ``binary_crossentropy`` computes it
-    (from a sigmoid's cached logits where it has them), averaged; NaN where the targets
-    are not of its shape."""
-    t = next((t for t in keras.tree.flatten(y_pred) if is_dense(t) and is_float(t)), None)
-    u = next((u for u in keras.tree.flatten(y) if is_dense(u)), None) if y is not None else None
-    if t is None or u is None or len(u.shape) != len(t.shape) or u.shape[1:] != t.shape[1:]:
-        return ops.convert_to_tensor(np.nan, "float32")
-    bce = keras.losses.binary_crossentropy(ops.cast(u, t.dtype), t)  # t itself: its logits
-    return ops.cast(ops.mean(bce), "float32")

@@ -31,6 +31,7 @@ from stethoscope.callbacks._keras.layers import (
 )
 from stethoscope.callbacks._keras.loss_scale import LossScale, ScaleSkips, loss_scaler
 from stethoscope.callbacks._keras.precision import Fp8Fit, GradientPrecision
+from stethoscope.callbacks._keras.predictions import Predictions
 from stethoscope.callbacks._keras.reductions import (
     ClassLabels,
     Distributions,
@@ -39,7 +40,6 @@ from stethoscope.callbacks._keras.reductions import (
     InputScale,
     KerasReduction,
     Layout,
-    Predictions,
     SamplePrints,
     UnitRows,
     UpdateNorms,

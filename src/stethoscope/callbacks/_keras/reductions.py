@@ -36,7 +36,6 @@ import numpy as np
 from keras import ops
 
 from stethoscope.callbacks._keras import ops as kops
-from stethoscope.callbacks._keras.describe import LossForm
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.variables import BY_REPLICAS, Slot
 from stethoscope.observation import Observation
@@ -52,7 +51,6 @@ __all__ = [
     "InputScale",
     "KerasReduction",
     "Layout",
-    "Predictions",
     "ReadBack",
     "SamplePrints",
     "Store",
@@ -461,40 +459,6 @@ class SamplePrints(KerasReduction):
         pairs = pairs[~np.isnan(pairs)]
         if pairs.size:
             obs.sample_prints = join_prints(pairs)
-
-
-class Predictions(KerasReduction):
-    """Whether the predictions the loss is fed are probabilities as the loss takes them
-    (``form``: by element for a binary cross-entropy, by row along its class axis for the
-    others; see :func:`~stethoscope.callbacks._keras.ops.probability_rows`), their
-    columns, and for a binary loss their likelihood (``kops.likelihood_bce``)."""
-
-    statistics = frozenset({"predictions"})
-    group = "predictions"
-    hooks = frozenset({"batch"})
-
-    def __init__(self, form: LossForm | None = None) -> None:
-        self.form = form if form is not None else LossForm()
-
-    def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
-        return [Slot("output_probs", (3,), np.nan)]
-
-    def on_batch(self, store: Store, x: Any, y: Any, y_pred: Any) -> None:
-        form = self.form
-        rows = kops.probability_rows(y_pred, axis=form.axis, binary=form.binary)
-        if rows is not None:
-            bce = kops.likelihood_bce(y, y_pred) if form.binary else ops.convert_to_tensor(np.nan)
-            store.put("output_probs", ops.concatenate([rows, ops.reshape(bce, (1,))]))
-
-    def decode(self, obs: Observation, src: ReadBack, idx: np.ndarray, plan: frozenset) -> None:
-        probs, width, bce = src.read("output_probs")
-        if not np.isnan(probs):
-            obs.output_probs, obs.output_width = float(probs), int(width)
-        if self.form.binary and not np.isnan(probs):  # each element a probability of its own
-            obs.output_in_unit, obs.bce_as_probs = (
-                float(probs),
-                None if np.isnan(bce) else float(bce),
-            )
 
 
 class ForwardRows(KerasReduction):

@@ -31,15 +31,15 @@ def output_tensor(output: Any) -> torch.Tensor | None:
 def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int] | None:
     """Decided on the device, as one float tensor of 13: 1.0 when every row of a model's
     output is probabilities (several columns, the class axis: non-negative and summing to
-    1; one column: within [0, 1]), else 0.0; then, with integer class labels for its rows
-    (negative ones ignored), the seven losses of :func:`_losses` (NaN: no labels, or not
-    that many rows); then, with targets of the output's shape, the four of
-    :func:`_binary` (NaN: none); then the number of terms those means are taken over
-    (the labels kept, or the targets' elements; NaN: neither), which tells a loss summed
-    over the batch from its mean. Then the columns. The class axis is the last, or the second of an
-    output of three or more dimensions whose labels lack that one (``cross_entropy``'s
-    ``(N, C, T)`` against ``(N, T)``). None: no dense float tensor (a sparse or nested
-    output has no rows to read)."""
+    1; one column: within [0, 1]), else 0.0; then, with class targets for its rows
+    (integer labels, negative ones ignored, or a distribution over the classes per row),
+    the seven losses of :func:`_losses` (NaN: no such targets); then, with targets of the
+    output's shape, the four of :func:`_binary` (NaN: none); then the number of terms
+    those means are taken over (the class targets kept, else the targets' elements; NaN:
+    neither), which tells a loss summed over the batch from its mean. Then the columns.
+    The class axis is the last, or the second of an output of three or more dimensions
+    whose labels lack that one (``cross_entropy``'s ``(N, C, T)`` against ``(N, T)``).
+    None: no dense float tensor (a sparse or nested output has no rows to read)."""
     t = output_tensor(output)
     if t is None or not _dense(t) or not t.is_floating_point() or t.dim() < 1 or not t.numel():
         return None
@@ -71,45 +71,73 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
 
 def _losses(rows: torch.Tensor, labels: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The losses of :func:`probability_rows` (NaN where no label is kept), or None
-    without matching labels: the cross-entropy at the labels with the output taken as
+    without matching targets: the cross-entropy at the targets with the output taken as
     logits, as log-probabilities, as probabilities, and as logits whose softmax is taken
     as logits again (a softmax written before a loss that applies its own); then, for
     the first, third and fourth, the cross-entropy against the uniform distribution,
     which label smoothing mixes in (``(1 - e) * loss + e * uniform``); and how many
-    labels were kept, the terms of those means. Each reads the
-    labels' entries of the rows, gathered, and a log-sum-exp per row: no selection whose
-    size depends on the labels (on a GPU that would wait for the device)."""
-    if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_floating_point():
+    targets were kept, the terms of those means.
+
+    The targets are integer class labels, one per row, or a distribution over the
+    classes per row (one-hot or soft targets, ``cross_entropy``'s class probabilities:
+    NaN unless every row is one). Each reads the targets' entries of the rows, gathered
+    or weighted, and a log-sum-exp per row: no selection whose size depends on the
+    targets (on a GPU that would wait for the device)."""
+    at = _targets(rows, labels)
+    if at is None:
         return None
-    y = labels.detach().reshape(-1)
-    if y.numel() != rows.shape[0] or y.dtype == torch.bool:
-        return None
-    y = y.long()
-    kept = y >= 0  # ignore_index (-100) and other negative targets are left out
-    at = torch.where(kept, y, 0)[:, None]
-    weight = kept.to(rows.dtype)
+    at_labels, weight, valid = at
     count = weight.sum()
 
     def mean(per_row: torch.Tensor) -> torch.Tensor:
         return (per_row * weight).sum() / count
 
-    picked = rows.gather(1, at).squeeze(1)
     lse = torch.logsumexp(rows, dim=1)
     soft = torch.softmax(rows, dim=1)
     soft_lse = torch.logsumexp(soft, dim=1)
     logs = torch.log(rows.clamp_min(1e-30))
     means = torch.stack(
         [
-            mean(lse - picked),
-            mean(-picked),
-            mean(-logs.gather(1, at).squeeze(1)),
-            mean(soft_lse - soft.gather(1, at).squeeze(1)),
+            mean(lse - at_labels(rows)),
+            mean(-at_labels(rows)),
+            mean(-at_labels(logs)),
+            mean(soft_lse - at_labels(soft)),
             mean(lse - rows.mean(dim=1)),
             mean(-logs.mean(dim=1)),
             mean(soft_lse - soft.mean(dim=1)),
         ]
     )
+    if valid is not None:  # not distributions: a binary loss's targets, its elements' terms
+        means = torch.where(valid, means, torch.full_like(means, math.nan))
+        count = torch.where(valid, count, torch.full_like(count, float(labels.numel())))
     return means, count.float()
+
+
+def _targets(rows: torch.Tensor, labels: Any) -> tuple[Any, torch.Tensor, Any] | None:
+    """How the rows' entries at their targets are read: a function of a per-row tensor
+    of the rows' shape giving each row's entry at its target (gathered at an integer
+    label, or weighted by a distribution), each row's weight (0 for an ignored label),
+    and whether the targets are distributions (a bool tensor; None for labels). None:
+    the targets are neither one label per row nor one distribution per row."""
+    if not isinstance(labels, torch.Tensor) or not _dense(labels) or labels.is_complex():
+        return None
+    if labels.dtype == torch.bool:
+        return None
+    if labels.is_floating_point():  # class probabilities, one row each
+        if labels.numel() != rows.numel() or labels.shape[-1] != rows.shape[1]:
+            return None
+        q = labels.detach().reshape(rows.shape).to(rows.dtype)
+        near = (q.sum(dim=1) - 1).abs() < sum_tolerance(labels.dtype)
+        valid = (q >= 0).all() & near.all()
+        weight = torch.ones(rows.shape[0], dtype=rows.dtype, device=rows.device)
+        return (lambda v: (q * v).sum(dim=1)), weight, valid
+    y = labels.detach().reshape(-1)
+    if y.numel() != rows.shape[0]:
+        return None
+    y = y.long()
+    kept = y >= 0  # ignore_index (-100) and other negative targets are left out
+    at = torch.where(kept, y, 0)[:, None]
+    return (lambda v: v.gather(1, at).squeeze(1)), kept.to(rows.dtype), None
 
 
 def _binary(t: torch.Tensor, labels: Any) -> torch.Tensor | None:
