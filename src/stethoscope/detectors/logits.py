@@ -176,6 +176,16 @@ class LogitsMismatch(Persistent):
         held[way] = _smoothing(loss, at_labels, uniform, held.get(way))
         return held[way] is not None
 
+    def _rather(self, loss: float, mistaken: tuple, right: tuple) -> bool:
+        """Whether the loss has been the ``mistaken`` way of taking the output and not the
+        ``right`` one (each its name, its value and its uniform term, see
+        :meth:`_consistent`) on every sampled step so far, the two far apart on this one.
+        Both ways are kept up to date, whatever the answer."""
+        (bad, bad_value, bad_uniform), (good, good_value, good_uniform) = mistaken, right
+        twice = self._consistent(bad, loss, bad_value, bad_uniform)
+        fine = self._consistent(good, loss, good_value, good_uniform)
+        return twice and not fine and _apart(loss, bad_value, good_value)
+
     def _fed_in_the_step(self, obs: Observation, loss: float, probs: bool) -> str | None:
         """What is wrong with a loss the training step computed itself (None: nothing
         seen): which way of taking the output its value is, label-smoothed or not, read as
@@ -208,9 +218,8 @@ class LogitsMismatch(Persistent):
         """The ways of taking the output against class targets (see the class docstring)."""
         floor = probability_floor(obs.output_width)
         if probs:
-            twice = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
-            right = self._consistent("probs", loss, obs.loss_as_probs, obs.uniform_as_probs)
-            if twice and not right and _apart(loss, obs.loss_as_logits, obs.loss_as_probs):
+            as_logits = ("logits", obs.loss_as_logits, obs.uniform_as_logits)
+            if self._rather(loss, as_logits, ("probs", obs.loss_as_probs, obs.uniform_as_probs)):
                 fix = (
                     "drop the softmax activation (a cross-entropy with from_logits=True "
                     "applies its own), or compute it with from_logits=False"
@@ -225,9 +234,8 @@ class LogitsMismatch(Persistent):
                     f"{fix}"
                 )
             return None
-        twice = self._consistent("softmax", loss, obs.loss_as_softmax, obs.uniform_as_softmax)
-        right = self._consistent("logits", loss, obs.loss_as_logits, obs.uniform_as_logits)
-        if twice and not right and _apart(loss, obs.loss_as_softmax, obs.loss_as_logits):
+        as_softmax = ("softmax", obs.loss_as_softmax, obs.uniform_as_softmax)
+        if self._rather(loss, as_softmax, ("logits", obs.loss_as_logits, obs.uniform_as_logits)):
             where, fix = (
                 (
                     "in the loss function (or the train step) before a cross-entropy that "
@@ -296,9 +304,8 @@ class LogitsMismatch(Persistent):
             else "binary_cross_entropy_with_logits or BCEWithLogitsLoss"
         )
         if obs.output_in_unit == 1.0:
-            twice = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
-            right = self._consistent("bce_probs", loss, obs.bce_as_probs, None)
-            ways = (obs.bce_as_logits, obs.bce_as_probs)
+            mistaken = ("bce_logits", obs.bce_as_logits, None)
+            right = ("bce_probs", obs.bce_as_probs, None)
             fix = (
                 "drop the sigmoid activation, or compute it with from_logits=False"
                 if keras
@@ -306,9 +313,8 @@ class LogitsMismatch(Persistent):
                 "or use binary_cross_entropy on the probabilities"
             )
         else:
-            twice = self._consistent("bce_sigmoid", loss, obs.bce_as_sigmoid, None)
-            right = self._consistent("bce_logits", loss, obs.bce_as_logits, None)
-            ways = (obs.bce_as_sigmoid, obs.bce_as_logits)
+            mistaken = ("bce_sigmoid", obs.bce_as_sigmoid, None)
+            right = ("bce_logits", obs.bce_as_logits, None)
             fix = (
                 "pass the logits to binary_crossentropy with from_logits=True, which applies it"
                 if keras
@@ -316,7 +322,7 @@ class LogitsMismatch(Persistent):
             )
             if keras:
                 where = "a sigmoid in the loss function before"
-        if not (twice and not right and _apart(loss, *ways)):
+        if not self._rather(loss, mistaken, right):
             return None
         return (
             f"the model has {what} and the loss {self._loss_is} their binary cross-entropy "

@@ -414,8 +414,9 @@ class ReductionSet:
         """The backward pass computes the float32 gradients in ``dtype`` (a name, e.g.
         ``"float16"``): every reduction that measures against a gradient's format is
         told (see ``Reduction.computes_in``)."""
+        computed = getattr(torch, dtype)
         for r in self.all:
-            r.computes_in(getattr(torch, dtype))
+            r.computes_in(computed)
 
     def run(self, plan: frozenset[str]) -> tuple[Reduction, ...]:
         """The reductions that serve a statistic of ``plan``, in order."""
