@@ -105,3 +105,23 @@ def test_float_targets_that_are_not_distributions_give_no_class_loss():
     values, _ = _read(logits, multi_hot)
     assert all(v != v for v in values[1:8]) and values[9] == values[9]
     assert values[12] == 24.0  # a binary loss's terms: the elements
+
+
+def test_on_the_host_only_the_ways_of_the_outputs_kind_are_computed():
+    """On the CPU the host knows at no cost whether the rows are probabilities, and
+    computes only the ways the rule reads for them (a language model's vocabulary makes
+    the others most of a sampled step); on a device, which the host must not wait for,
+    every way, with no read of the device."""
+    from _accelerator import SimulatedAccelerator
+
+    torch.manual_seed(4)
+    logits, labels = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    probs = logits.softmax(dim=1)
+    of_logits, _ = _read(logits, labels)
+    of_probs, _ = _read(probs, labels)
+    assert of_logits[3] != of_logits[3] and of_logits[4] == of_logits[4]  # no log of logits
+    assert of_probs[4] != of_probs[4] and of_probs[3] == of_probs[3]  # no softmax of probs
+    with SimulatedAccelerator(lag=0) as sim:
+        on_device, _ = _read(logits, labels)
+        assert sim.syncs == []
+    assert on_device[3] == on_device[3] and on_device[4] == pytest.approx(of_logits[4])

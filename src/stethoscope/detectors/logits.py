@@ -129,9 +129,11 @@ class LogitsMismatch(Persistent):
         if expects == "logits" and probs:
             why = (
                 "the model outputs probabilities (a softmax or sigmoid last) to a loss set "
-                "with from_logits=True, which applies its own, so training sees the "
-                "softmax of a softmax and its gradients shrink; drop the last activation, "
-                "or set from_logits=False"
+                "with from_logits=True, which applies its own: on the torch and JAX "
+                "backends training sees the softmax of a softmax and its gradients "
+                "shrink (on TensorFlow Keras takes the logits back from an activation it "
+                "can see, and warns, but from no other); drop the last activation, or "
+                "set from_logits=False"
             )
         elif expects == "probabilities" and not probs:
             why = (

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from stethoscope.callbacks._lightning.device import is_host
 from stethoscope.number_formats import sum_tolerance
 
 __all__ = ["output_tensor", "probability_rows"]
@@ -49,12 +50,13 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
             t = t.movedim(1, -1)
         width = int(t.shape[-1]) if t.dim() >= 2 else 1
         rows = t.reshape(-1, width).float()
+        low, high = torch.aminmax(rows)  # a reduction: far cheaper than a mask of rows
         if width >= 2:  # a 16-bit softmax's rows sum to 1 within its rounding only
             near = (rows.sum(dim=1) - 1).abs() < sum_tolerance(t.dtype)
-            probs = (rows >= 0).all() & near.all()
+            probs = (low >= 0) & near.all()
         else:
-            probs = ((rows >= 0) & (rows <= 1)).all()
-        classes = _losses(rows, labels) if width >= 2 else None
+            probs = (low >= 0) & (high <= 1)
+        classes = _losses(rows, labels, probs) if width >= 2 else None
         nan = math.nan
         losses, terms = (torch.full((7,), nan, device=rows.device), None)
         if classes is not None:
@@ -69,7 +71,9 @@ def probability_rows(output: Any, labels: Any = None) -> tuple[torch.Tensor, int
         return torch.cat([probs.float().reshape(1), losses, binary, terms.reshape(1)]), width
 
 
-def _losses(rows: torch.Tensor, labels: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _losses(
+    rows: torch.Tensor, labels: Any, probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The losses of :func:`probability_rows` (NaN where no label is kept), or None
     without matching targets: the cross-entropy at the targets with the output taken as
     logits, as log-probabilities, as probabilities, and as logits whose softmax is taken
@@ -82,7 +86,13 @@ def _losses(rows: torch.Tensor, labels: Any) -> tuple[torch.Tensor, torch.Tensor
     classes per row (one-hot or soft targets, ``cross_entropy``'s class probabilities:
     NaN unless every row is one). Each reads the targets' entries of the rows, gathered
     or weighted, and a log-sum-exp per row: no selection whose size depends on the
-    targets (on a GPU that would wait for the device)."""
+    targets (on a GPU that would wait for the device).
+
+    Where the host reads the rows directly (the CPU), ``probs`` (whether they are
+    probabilities) is known at no cost, and only the ways the rule reads for that kind of
+    output are computed: probabilities are read as logits or as probabilities (their
+    log), logits as logits, log-probabilities or softmax; the others are NaN. For a
+    language model's 10,000 classes those passes are most of a sampled step's cost."""
     at = _targets(rows, labels)
     if at is None:
         return None
@@ -92,19 +102,32 @@ def _losses(rows: torch.Tensor, labels: Any) -> tuple[torch.Tensor, torch.Tensor
     def mean(per_row: torch.Tensor) -> torch.Tensor:
         return (per_row * weight).sum() / count
 
-    lse = torch.logsumexp(rows, dim=1)
-    soft = torch.softmax(rows, dim=1)
-    soft_lse = torch.logsumexp(soft, dim=1)
-    logs = torch.log(rows.clamp_min(1e-30))
+    # the log-sum-exp by hand: torch's is several times slower on the CPU, and its
+    # exponentials give the softmax as well
+    top = rows.amax(dim=1, keepdim=True)
+    shifted = torch.exp(rows - top)
+    total = shifted.sum(dim=1)
+    lse = top.squeeze(1) + total.log()
+    known = bool(probs) if is_host(rows.device) else None  # None: both kinds, on the device
+    nan = torch.full((), math.nan, device=rows.device)
+    as_probs = uniform_as_probs = as_softmax = uniform_as_softmax = nan
+    if known is not False:
+        logs = torch.log(rows.clamp_min(1e-30))
+        as_probs, uniform_as_probs = mean(-at_labels(logs)), mean(-logs.mean(dim=1))
+    if known is not True:
+        soft = shifted / total[:, None]
+        soft_lse = torch.exp(soft).sum(dim=1).log()  # within [0, 1]: no maximum to take off
+        as_softmax = mean(soft_lse - at_labels(soft))
+        uniform_as_softmax = mean(soft_lse - soft.mean(dim=1))
     means = torch.stack(
         [
             mean(lse - at_labels(rows)),
             mean(-at_labels(rows)),
-            mean(-at_labels(logs)),
-            mean(soft_lse - at_labels(soft)),
+            as_probs,
+            as_softmax,
             mean(lse - rows.mean(dim=1)),
-            mean(-logs.mean(dim=1)),
-            mean(soft_lse - soft.mean(dim=1)),
+            uniform_as_probs,
+            uniform_as_softmax,
         ]
     )
     if valid is not None:  # not distributions: a binary loss's targets, its elements' terms
