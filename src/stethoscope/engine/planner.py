@@ -59,6 +59,13 @@ class Planner:
         #: Statistics another rank judges (rank zero, off it under DDP): a detector taking
         #: part here does not plan them for what it merely wants.
         self.judged_elsewhere: frozenset[str] = frozenset()
+        #: The detectors that can finish (see ``Detector.can_finish``): the others never do.
+        self.finishers = frozenset(d for d in self.detectors if type(d).can_finish())
+        #: The detectors whose own state the plans depend on: they can finish early or
+        #: stop wanting a statistic (``Detector.wanting``).
+        self.plan_changers = self.finishers | {
+            d for d in self.detectors if type(d).wanting is not Detector.wanting
+        }
         self.sinks_want(frozenset(), 0)
         self.set_idle(frozenset())
 
@@ -111,13 +118,6 @@ class Planner:
         # early (see Detector.finished) or stop wanting a statistic (Detector.wanting)
         self._changing: dict[tuple[Detector, ...], tuple[Detector, ...]] = {}
         self._plans: dict[tuple, frozenset[str]] = {}
-        #: The detectors that can finish (see ``Detector.can_finish``): the others never do.
-        self.finishers = frozenset(d for d in self.detectors if type(d).can_finish())
-        #: The detectors whose own state the plans depend on: they can finish early or
-        #: stop wanting a statistic (``Detector.wanting``).
-        self.plan_changers = self.finishers | {
-            d for d in self.detectors if type(d).wanting is not Detector.wanting
-        }
         self._event_readers: dict[tuple[tuple[Detector, ...], frozenset[str]], tuple] = {}
         self._every_step: tuple[dict[str, int], bool] | None = None
         self._loss_readers: tuple[Detector, ...] | None = None
@@ -142,9 +142,7 @@ class Planner:
         if hit is None:
             hit = tuple(d for d in self.detectors if d.name in due and d.name not in self.idle)
             self._runnable[due] = hit
-            self._changing[hit] = tuple(
-                d for d in hit if type(d).can_finish() or type(d).wanting is not Detector.wanting
-            )
+            self._changing[hit] = tuple(d for d in hit if d in self.plan_changers)
         return hit
 
     def plan(self, step: int) -> frozenset[str]:

@@ -52,8 +52,6 @@ class Schedule:
         self._readers: dict[str, tuple[list, list]] = {}
         self._in_run: tuple[frozenset[str], list[Detector]] | None = None  # see in_run
         self._shortest: tuple[dict[str, int], int] | None = None  # see budget_note
-        # the detectors that can finish (see Detector.can_finish): the others never do
-        self._finishing = frozenset(d.name for d in self.detectors if type(d).can_finish())
         # until a training starts, the setup is the default one's (float32, say)
         self.not_applying(frozenset(d.name for d in self.detectors if not d.applies()))
 
@@ -222,10 +220,10 @@ class Schedule:
             else:
                 readers = [d for d in part if event in d.needs or event in d.runs_on]
             cached = self._readers[event] = part, readers
-        finishing = self._finishing
+        finishers = self.planner.finishers
         readers = cached[1]
-        if any(d.name in finishing for d in readers):
-            readers = [d for d in readers if not (d.name in finishing and d.finished(step))]
+        if not finishers.isdisjoint(readers):
+            readers = [d for d in readers if not (d in finishers and d.finished(step))]
         return readers
 
     def in_run(self) -> list[Detector]:
