@@ -117,6 +117,24 @@ class Observation(_ObservationFields):  # type: ignore[misc, valid-type]
             for field in STATISTICS[name].fields:
                 setattr(self, field.name, field.default)
 
+    def read_ways(self, values: np.ndarray) -> None:
+        """The losses of the ways of taking the output that both adapters measure (12
+        values, NaN where a way does not apply): with class targets, the cross-entropy
+        at them of the output taken as logits, as log-probabilities, as probabilities and
+        as a softmax taken as logits again, then the uniform terms of the first, third and
+        fourth; with targets of the output's shape, whether it lies within [0, 1] and its
+        binary cross-entropy as logits, as probabilities and as a sigmoid taken as logits
+        again; then the terms those means are over."""
+        if not np.isnan(values[0]):
+            self.loss_as_logits, self.loss_as_log_probs, self.loss_as_probs = values[0:3].tolist()
+            self.loss_as_softmax, self.uniform_as_logits = values[3:5].tolist()
+            self.uniform_as_probs, self.uniform_as_softmax = values[5:7].tolist()
+        if not np.isnan(values[7]):
+            self.output_in_unit = float(values[7])
+            self.bce_as_logits, self.bce_as_probs, self.bce_as_sigmoid = values[8:11].tolist()
+        if not np.isnan(values[11]):
+            self.loss_terms = float(values[11])
+
     def drop_update(self) -> None:
         """This step's update was not applied (the recovery ladder or a loss scaler skipped
         it): its update statistics, all zero, say nothing of the layers and would read as

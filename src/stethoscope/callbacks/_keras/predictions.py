@@ -29,6 +29,10 @@ def _first_float(y_pred: Any) -> Any | None:
     return next((t for t in keras.tree.flatten(y_pred) if is_dense(t) and is_float(t)), None)
 
 
+def _first_dense(y: Any) -> Any | None:
+    return None if y is None else next((u for u in keras.tree.flatten(y) if is_dense(u)), None)
+
+
 def probability_rows(y_pred: Any, *, axis: int = -1, binary: bool = False) -> Any | None:
     """``[1.0 or 0.0, columns]``: whether every row of the first float tensor of
     ``y_pred`` along ``axis`` (the loss's class axis) is probabilities (several columns:
@@ -62,7 +66,7 @@ def likelihood_bce(y: Any, y_pred: Any) -> Any:
     (from a sigmoid's cached logits where it has them), averaged; NaN where the targets
     are not of its shape."""
     t = _first_float(y_pred)
-    u = next((u for u in keras.tree.flatten(y) if is_dense(u)), None) if y is not None else None
+    u = _first_dense(y)
     if t is None or u is None or len(u.shape) != len(t.shape) or u.shape[1:] != t.shape[1:]:
         return ops.convert_to_tensor(np.nan, "float32")
     bce = keras.losses.binary_crossentropy(ops.cast(u, t.dtype), t)  # t itself: its logits
@@ -79,7 +83,7 @@ def way_losses(y: Any, y_pred: Any) -> Any | None:
     or no targets. The means are over the batch, as Keras reduces a loss function's
     values (``sum_over_batch_size``)."""
     t = _first_float(y_pred)
-    u = next((u for u in keras.tree.flatten(y) if is_dense(u)), None) if y is not None else None
+    u = _first_dense(y)
     if t is None or u is None or len(t.shape) < 1 or t.shape[-1] is None:
         return None
     t = ops.cast(ops.stop_gradient(t), "float32")
@@ -134,9 +138,9 @@ def _class_losses(rows: Any, t: Any, u: Any) -> tuple[Any, Any] | None:
     def mean(per_row: Any) -> Any:
         return ops.sum(per_row * weight) / count
 
-    lse = ops.logsumexp(rows, axis=1)
     soft = ops.softmax(rows, axis=1)
-    soft_lse = ops.logsumexp(soft, axis=1)
+    lse = _lse_from(rows, soft)
+    soft_lse = _lse_from(soft, ops.softmax(soft, axis=1))
     logs = ops.log(ops.maximum(rows, 1e-30))
     means = ops.stack(
         [
@@ -153,6 +157,12 @@ def _class_losses(rows: Any, t: Any, u: Any) -> tuple[Any, Any] | None:
         means = ops.where(valid, means, ops.full_like(means, np.nan))
         count = ops.where(valid, count, ops.cast(ops.size(t), "float32"))
     return means, count
+
+
+def _lse_from(rows: Any, soft: Any) -> Any:
+    """Each row's log-sum-exp from the rows and their softmax, as the Lightning adapter
+    takes it: at the row's largest entry, ``x - log(softmax(x))``."""
+    return ops.max(rows, axis=1) - ops.log(ops.max(soft, axis=1))
 
 
 def _binary_losses(t: Any, u: Any) -> Any | None:
@@ -224,18 +234,4 @@ class Predictions(KerasReduction):
                 None if np.isnan(bce) else float(bce),
             )
         if self.form.own and not np.isnan(probs):
-            _decode_ways(obs, src.read("output_ways"))
-
-
-def _decode_ways(obs: Observation, values: np.ndarray) -> None:
-    """:func:`way_losses`' values into the observation's fields, as the Lightning adapter
-    decodes its own."""
-    if not np.isnan(values[0]):
-        obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[0:3].tolist()
-        obs.loss_as_softmax, obs.uniform_as_logits = values[3:5].tolist()
-        obs.uniform_as_probs, obs.uniform_as_softmax = values[5:7].tolist()
-    if not np.isnan(values[7]):
-        obs.output_in_unit = float(values[7])
-        obs.bce_as_logits, obs.bce_as_probs, obs.bce_as_sigmoid = values[8:11].tolist()
-    if not np.isnan(values[11]):
-        obs.loss_terms = float(values[11])
+            obs.read_ways(src.read("output_ways"))

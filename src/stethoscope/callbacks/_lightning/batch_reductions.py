@@ -151,15 +151,7 @@ class Predictions(Reduction):
 
     def decode(self, obs: Observation, values: np.ndarray, contexts: tuple[Any, ...]) -> None:
         obs.output_probs, obs.output_width = float(values[0]), contexts[0]
-        if not np.isnan(values[1]):
-            obs.loss_as_logits, obs.loss_as_log_probs, obs.loss_as_probs = values[1:4].tolist()
-            obs.loss_as_softmax, obs.uniform_as_logits = values[4:6].tolist()
-            obs.uniform_as_probs, obs.uniform_as_softmax = values[6:8].tolist()
-        if len(values) >= 12 and not np.isnan(values[8]):
-            obs.output_in_unit = float(values[8])
-            obs.bce_as_logits, obs.bce_as_probs, obs.bce_as_sigmoid = values[9:12].tolist()
-        if len(values) >= 13 and not np.isnan(values[12]):
-            obs.loss_terms = float(values[12])
+        obs.read_ways(values[1:])
 
 
 class LossGraph(Reduction):
