@@ -74,3 +74,13 @@ def test_a_healthy_workload_raises_no_warning_or_error(watched, name):
     assert [(x.detector, x.severity.value, x.step) for x in unexpected] == [], [
         x.message for x in unexpected
     ]
+
+
+def test_the_step_clock_holds_the_fits_start_each_step_and_its_end():
+    """What ``keras_zoo_cost`` pairs step by step: one time a step, in order, between the
+    fit's start and its end."""
+    keras_zoo.quiet()
+    clock: list[float] = []
+    f = keras_zoo.fit(keras_zoo.WORKLOADS["regression"], 0, watched=False, epochs=1, clock=clock)
+    assert f.crash is None, f.crash
+    assert len(clock) == f.steps + 2 and clock == sorted(clock)

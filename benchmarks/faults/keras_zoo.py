@@ -76,7 +76,7 @@ from benchmarks.faults.zoo import Fit, Row
 from stethoscope import KerasStethoscope
 from stethoscope.testing import CapturingSink
 
-__all__ = ["WORKLOADS", "KerasWorkload", "Shuffled", "fit", "main", "run_workload"]
+__all__ = ["WORKLOADS", "KerasWorkload", "Shuffled", "StepClock", "fit", "main", "run_workload"]
 
 #: How stethoscope words a Python warning that detectors sit a run out, said once on
 #: purpose (as ``zoo.py`` reads them: ``engine/schedule.py``).
@@ -331,7 +331,28 @@ def _state(model: Any) -> dict[str, bytes]:
     return out
 
 
-def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None = None) -> Fit:
+class StepClock(keras.callbacks.Callback):
+    """Appends the process's CPU time to ``times`` at each training batch's start (the
+    Keras twin of ``zoo.StepClock``; first among the callbacks, so that a step holds all of
+    stethoscope's hooks, the epoch's end included). A batch-start hook takes no logs, so
+    it makes Keras wait for nothing."""
+
+    def __init__(self, times: list[float]) -> None:
+        super().__init__()
+        self.times = times
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        self.times.append(time.process_time())
+
+
+def fit(
+    workload: KerasWorkload,
+    seed: int,
+    *,
+    watched: bool,
+    epochs: int | None = None,
+    clock: list[float] | None = None,
+) -> Fit:
     """One seeded ``model.fit`` of ``workload``, watched by stethoscope's defaults or not.
 
     Args:
@@ -340,6 +361,8 @@ def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None
             ``keras.backend.clear_session()``; the data's seed too.
         watched: Whether a ``KerasStethoscope(sinks=[CapturingSink()])`` rides along.
         epochs: Its length (default: the benchmark's, ``workload.epochs``).
+        clock: Where to append the process's CPU time at the fit's start, at each
+            training batch's start and at the fit's end (see :class:`StepClock`).
     """
     keras.backend.clear_session()  # the same layer names (and seeded draws) in every fit
     keras.config.disable_interactive_logging()  # clear_session turns it back on
@@ -350,8 +373,11 @@ def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None
         warnings.simplefilter("always")
         try:  # a crash anywhere, stethoscope's constructor included, is a result
             model, data = workload.build(seed)
-            callbacks = [losses, *([KerasStethoscope(sinks=[sink])] if watched else [])]
+            callbacks: list[Any] = [] if clock is None else [StepClock(clock)]
+            callbacks += [losses, *([KerasStethoscope(sinks=[sink])] if watched else [])]
             t0, c0 = time.perf_counter(), time.process_time()
+            if clock is not None:
+                clock.append(c0)
             try:
                 model.fit(
                     **data,
@@ -361,6 +387,8 @@ def fit(workload: KerasWorkload, seed: int, *, watched: bool, epochs: int | None
                 )
             finally:
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if clock is not None:
+                    clock.append(c0 + cpu)
                 steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         except Exception as exc:
             crash = zoo.crash_text(exc)

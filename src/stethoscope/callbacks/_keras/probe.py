@@ -5,10 +5,11 @@ The train function is traced more than once. The *light* one, run on every step 
 sampler does not select, records the loss and what catches a non-finite step; it does
 not touch the layers' outputs, so TensorFlow fuses and schedules their kernels exactly
 as without the probe. The *heavy* ones run on sampled executions only: in a whole
-regime (one step per execution, in a graph) one is traced per set of statistics the
-sampler plans (a handful per run), measuring exactly those; otherwise one heavy
-function measures whatever the host's request asks for, inside ``cond``\\ s. None of
-them is ever retraced.
+regime (one step per execution, in a graph) one is traced for the statistics the first
+sampled step plans, with no ``cond``, and serves every later step whose statistics it
+measures (a step planning one more traces one more, for all of them); otherwise one
+heavy function measures whatever the host's request asks for, inside ``cond``\\ s. None
+of them is ever retraced.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from stethoscope.callbacks._keras.layers import (
     unit_layer,
 )
 from stethoscope.callbacks._keras.loss_scale import LossScale, ScaleSkips, loss_scaler
+from stethoscope.callbacks._keras.optimizer_build import build_as_keras
 from stethoscope.callbacks._keras.precision import Fp8Fit, GradientPrecision
 from stethoscope.callbacks._keras.predictions import Predictions
 from stethoscope.callbacks._keras.reductions import (
@@ -53,13 +55,8 @@ from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_
 from stethoscope.observation import Observation
 from stethoscope.prints import join_prints
 
-__all__ = ["MAX_WHOLE_FUNCTIONS", "SNAPSHOT_BUDGET", "GraphProbe", "make_reductions"]
+__all__ = ["SNAPSHOT_BUDGET", "GraphProbe", "make_reductions"]
 
-#: Whole heavy functions traced per probe at most: each is a trace of the whole train
-#: step (seconds on a large model), so past this many a step whose set of statistics is
-#: new runs the smallest traced function that measures them all (a superset), or else one
-#: that measures every statistic.
-MAX_WHOLE_FUNCTIONS = 8
 #: Elements of the weights kept from before a sampled update step (float32: 128 MiB): in
 #: variables of the probe for the whole fit, or (a whole heavy function) as the step's
 #: own reads, which the update copies on write; past it, later variables go unmeasured.
@@ -113,6 +110,8 @@ class GraphProbe:
         if scaler is not None and not scaler.built:
             # its scale is read before the first step's update, where Keras would build it
             scaler.build(watched)
+        if not regime.eager and strategy is None:
+            build_as_keras(model)  # or the first train function traced is traced twice
         self.reductions = make_reductions(
             self.layout, regime, position, scaled=bool(scaler), loss=loss_form(model)
         )
@@ -299,13 +298,21 @@ class GraphProbe:
         return logs
 
     def _whole_key(self, planned: frozenset[str]) -> frozenset[str]:
-        """The statistics of the whole heavy function that serves ``planned``: its own one,
-        unless :data:`MAX_WHOLE_FUNCTIONS` are traced and none of them is it."""
+        """The statistics of the whole heavy function that serves ``planned``: the
+        smallest traced one that measures them all, else a new one, for them and every
+        statistic traced before.
+
+        Each whole heavy function is a trace of the whole train step: about a second on a
+        small LSTM, more on a large model, so a trace per set of statistics a run plans
+        (the calibration's, then fewer, then the inputs' alone...) is seconds a run. A
+        superset costs only its extra reductions, on the sampled steps alone, which the
+        overhead budget governs; a new trace covers all before it, so a run traces as
+        many as the statistics it adds, one where its first plan holds them all."""
         traced = [k for k in self._functions if isinstance(k, frozenset)]
-        if planned in self._functions or len(traced) < MAX_WHOLE_FUNCTIONS:
-            return planned
-        supersets = [k for k in traced if planned <= k]
-        return min(supersets, key=len) if supersets else self._measurable
+        covering = [k for k in traced if planned <= k]
+        if covering:
+            return min(covering, key=len)
+        return planned.union(*traced)
 
     # -- reading an execution back ------------------------------------------------------------
     def ring(self) -> np.ndarray:

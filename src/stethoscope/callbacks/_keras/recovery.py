@@ -50,6 +50,7 @@ from stethoscope.callbacks._keras.describe import has_own_train_step
 from stethoscope.callbacks._keras.gate import BAD_DATA, ELSEWHERE
 from stethoscope.callbacks._keras.ladder_link import LadderLink
 from stethoscope.callbacks._keras.loss_scale import loss_scaler
+from stethoscope.callbacks._keras.optimizer_build import build_as_keras
 from stethoscope.callbacks._keras.probe import GraphProbe
 from stethoscope.callbacks._keras.regime import Regime
 from stethoscope.callbacks._keras.replay import REPRODUCES, TRANSIENT
@@ -167,11 +168,10 @@ class KerasRecovery:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if not model.optimizer.built:
-            # Keras builds it (its slots) in the first train step: the first snapshot must
-            # hold every variable a roll back to it restores (under a strategy, fit built
-            # it already, in the strategy's scope)
-            model.optimizer.build(model.trainable_variables)
+        # Keras builds the optimizer (its slots) in the first train step: the first
+        # snapshot must hold every variable a roll back to it restores (under a strategy,
+        # fit built it already, in the strategy's scope)
+        build_as_keras(model)
         self._take(step)
         self._write_bars(step)
 
