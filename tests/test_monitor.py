@@ -264,6 +264,21 @@ def test_a_suspect_escalates_without_a_finding():
     assert 51 in detectors[1].state["steps"]  # the spy ran off its 4-step grid
 
 
+def test_a_detector_that_warned_escalates_again_only_for_a_graver_finding():
+    """Once a detector said its warning, its suspicions and its warnings (say, a dead
+    layer suspected again at every look) raise the sampler no more: nothing is left to
+    confirm but an error, which does; another detector's suspicion still does."""
+    script = {20: ("warning", "fc"), 100: ("suspect", "dead again"), 200: ("warning", "fc")}
+    script[300] = ("error", "fc")
+    sink = CapturingSink()
+    detectors = [Scripted(script), OtherScripted({400: ("suspect", "odd")}), Spy()]
+    m = Monitor(detectors=detectors, sinks=[sink], hot_steps=4, stop_on=None)
+    feed(m, range(420))
+    escalated = [f.step for f in sink.findings if f.detector == SAMPLER and "running" in f.message]
+    assert escalated == [20, 300, 400]
+    assert 101 not in detectors[2].state["steps"] and 201 not in detectors[2].state["steps"]
+
+
 class SetupScripted(Scripted):
     """A finding about the training's setup: nothing a closer look at the next steps adds."""
 

@@ -641,6 +641,18 @@ def test_a_regressions_hard_batches_are_no_explosion(seed):
     assert alarms(run(ExplodingGradients(), grad_obs(grads, losses))) == []
 
 
+@pytest.mark.parametrize("seed", [0, 1])  # the seeds whose hard batches pass 100x
+def test_a_long_regressions_hard_batches_past_100x_are_no_explosion(seed):
+    """Fitted on for 4x as long, the median norm falls and the same hard batches reach
+    past 100x it (factor**2), and still come back within a step (was: a warning at once,
+    on the Keras zoo's regression at 4x its length)."""
+    grads, losses = polynomial_regression(seed, steps=2560)
+    norms = global_norms(grads)
+    window = np.array([np.median(norms[max(0, t - 32) : t]) for t in range(32, len(norms))])
+    assert np.sum(norms[32:] > 100 * window) >= 1  # such jumps are there
+    assert alarms(run(ExplodingGradients(), grad_obs(grads, losses))) == []
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_regression_whose_learning_rate_jumps_is_still_named(seed):
     """The twin: the learning rate 30x from step 320, past what the hard batches' curvature
@@ -664,11 +676,9 @@ def calm_run(n: int = 80) -> np.ndarray:
         pytest.param({50: 30}, [], id="a-lone-30x-jump-is-a-suspicion"),
         pytest.param({50: 30, 51: 30}, [], id="two-in-a-row-came-back"),
         pytest.param({50: 30, 51: 30, 52: 30}, [(52, "error")], id="three-in-a-row-an-error"),
-        pytest.param({50: 150}, [(50, "warning")], id="factor-squared-a-warning-at-once"),
-        pytest.param({50: 150, 51: 150}, [(50, "warning"), (51, "error")], id="twice-an-error"),
-        pytest.param(
-            {50: 150, 60: 120}, [(50, "warning")], id="within-the-tail-the-run-came-back-from"
-        ),
+        pytest.param({50: 150}, [], id="a-lone-factor-squared-jump-is-a-suspicion"),
+        pytest.param({50: 150, 51: 150}, [(51, "error")], id="factor-squared-twice-an-error"),
+        pytest.param({50: 150, 60: 120}, [], id="each-came-back"),
     ],
 )
 def test_a_calm_run_judges_a_jump_by_whether_it_comes_back(jumps, expected):

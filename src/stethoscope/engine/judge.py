@@ -86,6 +86,8 @@ class Judge:
         #: By detector, the due steps in a row whose observation lacked what it needs
         #: although the plan asked for it (only detectors that say so, see ``blind_to``).
         self.unread: dict[str, int] = {}
+        #: By detector, the gravest warning or error it raised in this run.
+        self.said: dict[str, Severity] = {}
 
     def blind(self) -> dict[str, str]:
         """The detectors silent for want of what they need, with what the run lacks."""
@@ -296,12 +298,26 @@ class Judge:
         findings: list[Finding] = []
         alarming: list[Finding] = []  # the warnings and errors the sampler escalates on
         suspects: list[str] = []
+        said = self.said
         for r in raised:
             findings.extend(r.findings)
+            name = r.detector.name
+            # A detector that has said its warning has nothing left for an escalation to
+            # confirm but a graver one: its suspicions, and findings no graver than what it
+            # said, escalate no more (a dead layer suspected again every hundred steps
+            # would keep every detector running every step for the rest of the run).
+            before = said.get(name)
             if r.detector.escalates:
-                alarming.extend(f for f in r.findings if f.severity >= Severity.WARNING)
-            if r.suspect:
-                suspects.append(f"{r.detector.name}: {r.suspect}")
+                alarming.extend(
+                    f
+                    for f in r.findings
+                    if f.severity >= Severity.WARNING and (before is None or f.severity > before)
+                )
+            if r.suspect and before is None:
+                suspects.append(f"{name}: {r.suspect}")
+            for f in r.findings:
+                if f.severity >= Severity.WARNING and (name not in said or f.severity > said[name]):
+                    said[name] = f.severity
             if r.request:  # for the steps after this one, whatever this one carried
                 self.planner.requested |= r.request
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
