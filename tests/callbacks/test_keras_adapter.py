@@ -430,7 +430,7 @@ def test_one_heavy_function_serves_every_step_whose_probes_it_measures():
     assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
     assert [o.step for o in inputs.seen] == list(range(0, 2 * steps, 4))
     assert all(o.input_sq is not None for o in inputs.seen)
-    assert {k for k in probe._functions if k != "light"} == {frozenset({"grads", "inputs"})}
+    assert {k for k in probe.functions.made() if k != "light"} == {frozenset({"grads", "inputs"})}
 
 
 def test_a_set_no_traced_function_measures_traces_one_for_it_and_all_before():
@@ -442,11 +442,12 @@ def test_a_set_no_traced_function_measures_traces_one_for_it_and_all_before():
     fit(model, cb, x, y)
     probe = cb._probe
     first = frozenset({"grads", "inputs"})
-    assert probe._whole_key(frozenset({"grads"})) == first
-    assert probe._whole_key(frozenset({"units"})) == first | {"units"}
-    probe._functions[first | {"units"}] = object()  # as dispatch keeps a new trace
-    assert probe._whole_key(frozenset({"inputs", "units"})) == first | {"units"}
-    assert probe._whole_key(first) == first  # the smallest that measures them
+    functions = probe.functions
+    assert functions.whole_key(frozenset({"grads"})) == first
+    assert functions.whole_key(frozenset({"units"})) == first | {"units"}
+    functions.get(first | {"units"})  # made as dispatch makes it (traced on its first call)
+    assert functions.whole_key(frozenset({"inputs", "units"})) == first | {"units"}
+    assert functions.whole_key(first) == first  # the smallest that measures them
 
 
 # -- fits, executions, model styles ---------------------------------------------------------

@@ -50,6 +50,7 @@ from stethoscope.callbacks._keras.reductions import (
 )
 from stethoscope.callbacks._keras.regime import Mode, Regime
 from stethoscope.callbacks._keras.switches import Switches
+from stethoscope.callbacks._keras.train_functions import HEAVY, LIGHT, TrainFunctions
 from stethoscope.callbacks._keras.variables import ProbeVariables, Slot
 from stethoscope.callbacks._keras.wrappers import PROBES_KEY, RING_KEY, VERDICT_KEY, StepWrappers
 from stethoscope.observation import Observation
@@ -155,7 +156,7 @@ class GraphProbe:
             for s in r.statistics:
                 self._groups_of[s] = self._groups_of.get(s, frozenset()) | {r.group, *r.requires}
         self._measurable = frozenset(self._groups_of)
-        self._functions: dict[Any, Any] = {}  # "light", "heavy", or a whole one's statistics
+        self.functions = TrainFunctions(self._make_function)
         self._request = (-1, (0,) * len(self.switches.groups))  # what the variables ask for
         self.heavy = False  # the host's choice for the next execution
         self.planned: frozenset[str] = frozenset()  # ... and a whole function's statistics
@@ -218,9 +219,7 @@ class GraphProbe:
         # again would cost each fit a trace of the whole step. They hold the graph, not the wrappers
         # (which are back on while they run, for a retrace on a new input shape). A whole
         # heavy function is made when a step first plans its set of statistics (dispatch).
-        for mode in ("light",) if self.regime.whole else ("light", "heavy"):
-            if mode not in self._functions:
-                self._functions[mode] = self._make_function()
+        self.functions.ensure(*((LIGHT,) if self.regime.whole else (LIGHT, HEAVY)))
         self.model.train_function = self.dispatch
 
     def remove(self) -> None:
@@ -270,14 +269,10 @@ class GraphProbe:
         """The train function ``fit`` calls: a heavy one when the host asked for statistics
         in this execution, else the light one. Each is traced on its first call, in its
         mode; outside of them the wrappers do nothing."""
-        key: Any = "light"
-        if self.heavy:
-            key = self._whole_key(self.planned) if self.regime.whole else "heavy"
-        fn = self._functions.get(key)
-        if fn is None:  # a set of statistics this probe has not been asked for yet
-            fn = self._functions[key] = self._make_function()
+        key = self.functions.key(heavy=self.heavy, whole=self.regime.whole, planned=self.planned)
+        fn = self.functions.get(key)  # traced on its first call
         switches = self.switches
-        switches.mode = Mode.LIGHT if key == "light" else Mode.HEAVY
+        switches.mode = Mode.LIGHT if key == LIGHT else Mode.HEAVY
         switches.planned = key if self.regime.whole and self.heavy else frozenset()
         try:
             logs = fn(*args, **kwargs)
@@ -296,23 +291,6 @@ class GraphProbe:
                 self._returned_lr = returned.get("learning_rate")
                 self._returned_step = returned.get("iterations")
         return logs
-
-    def _whole_key(self, planned: frozenset[str]) -> frozenset[str]:
-        """The statistics of the whole heavy function that serves ``planned``: the
-        smallest traced one that measures them all, else a new one, for them and every
-        statistic traced before.
-
-        Each whole heavy function is a trace of the whole train step: about a second on a
-        small LSTM, more on a large model, so a trace per set of statistics a run plans
-        (the calibration's, then fewer, then the inputs' alone...) is seconds a run. A
-        superset costs only its extra reductions, on the sampled steps alone, which the
-        overhead budget governs; a new trace covers all before it, so a run traces as
-        many as the statistics it adds, one where its first plan holds them all."""
-        traced = [k for k in self._functions if isinstance(k, frozenset)]
-        covering = [k for k in traced if planned <= k]
-        if covering:
-            return min(covering, key=len)
-        return planned.union(*traced)
 
     # -- reading an execution back ------------------------------------------------------------
     def ring(self) -> np.ndarray:
