@@ -20,8 +20,6 @@ Run (one thread, deterministic, as the zoo is)::
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +27,7 @@ import keras
 
 from benchmarks.faults import keras_zoo, zoo
 from benchmarks.faults.keras_zoo import WORKLOADS, KerasWorkload
-from benchmarks.faults.zoo_cost import Cost, least_steps, render
+from benchmarks.faults.zoo_cost import Cost, paired, parser, report
 
 __all__ = ["main", "measure"]
 
@@ -45,45 +43,19 @@ def _clocked(workload: KerasWorkload, epochs: int, watched: bool) -> list[float]
 def measure(workload: KerasWorkload, k: int, repeats: int) -> Cost:
     """``repeats`` ABBA pairs of ``k`` times the workload's epochs, clocked step by step."""
     epochs = workload.epochs * k
-    clocks: dict[bool, list[list[float]]] = {False: [], True: []}
-    for r in range(repeats):
-        for is_watched in (True, False) if r % 2 else (False, True):
-            clocks[is_watched].append(_clocked(workload, epochs, is_watched))
-    plain, watched = least_steps(clocks[False]), least_steps(clocks[True])
-    if len(plain) != len(watched):
-        raise ValueError(
-            f"{workload.name}: the plain fits ran {len(plain) - 1} steps, the watched "
-            f"{len(watched) - 1}: not the same training"
-        )
-    return Cost(workload.name, plain, watched)
+    return paired(workload.name, repeats, lambda watched: _clocked(workload, epochs, watched))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.faults.keras_zoo_cost",
-        description="stethoscope's start-up and rate on the Keras zoo's workloads",
-    )
-    p.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
-    p.add_argument("--k", type=int, default=4, help="the fits' length, in workload lengths")
-    p.add_argument("--repeats", type=int, default=3, help="fits of each kind, ABBA (default 3)")
-    args = p.parse_args(argv)
+    prog = "python -m benchmarks.faults.keras_zoo_cost"
+    args = parser(prog, list(WORKLOADS), "the Keras zoo's workloads").parse_args(argv)
     names = zoo.chosen(args.only, WORKLOADS)
     if names is None:
         return 2
     keras_zoo.configure(1)
     keras_zoo.quiet()
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}", file=sys.stderr)
-    costs = []
-    for n in names:
-        costs.append(measure(WORKLOADS[n], args.k, args.repeats))
-        c = costs[-1]
-        print(f"  {n}: start-up {c.start_up:.2f}s, rate {c.rate:.3f}", file=sys.stderr, flush=True)
-    print(render(costs))
-    print(
-        json.dumps(
-            {c.name: {"start_up_s": round(c.start_up, 3), "rate": round(c.rate, 4)} for c in costs}
-        )
-    )
+    report(names, lambda n: measure(WORKLOADS[n], args.k, args.repeats))
     return 0
 
 

@@ -38,7 +38,7 @@ import dataclasses
 import itertools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,7 @@ from benchmarks.faults import zoo
 from benchmarks.faults.lightning_suite import quiet
 from benchmarks.faults.zoo_models import WORKLOADS, Workload
 
-__all__ = ["Cost", "least_steps", "main", "measure"]
+__all__ = ["Cost", "least_steps", "main", "measure", "paired", "parser", "report"]
 
 #: The bound: the rate past start-up, and the start-up in seconds.
 RATE, START_UP = 1.05, 1.0
@@ -117,17 +117,27 @@ def _clocked(workload: Workload, watched: bool) -> list[float]:
 def measure(workload: Workload, k: int, repeats: int) -> Cost:
     """``repeats`` ABBA pairs of ``k`` times the workload's length, clocked step by step."""
     w = dataclasses.replace(workload, steps=workload.steps * k)
+    return paired(workload.name, repeats, lambda watched: _clocked(w, watched))
+
+
+def paired(name: str, repeats: int, clocked: Callable[[bool], list[float]]) -> Cost:
+    """``repeats`` ABBA pairs of fits, ``clocked(watched)`` each one's clock; per step the
+    least time of each kind.
+
+    Raises:
+        ValueError: If the plain and the watched fits ran different numbers of steps.
+    """
     clocks: dict[bool, list[list[float]]] = {False: [], True: []}
     for r in range(repeats):
         for is_watched in (True, False) if r % 2 else (False, True):
-            clocks[is_watched].append(_clocked(w, is_watched))
+            clocks[is_watched].append(clocked(is_watched))
     plain, watched = least_steps(clocks[False]), least_steps(clocks[True])
     if len(plain) != len(watched):
         raise ValueError(
-            f"{workload.name}: the plain fits ran {len(plain) - 1} steps, the watched "
+            f"{name}: the plain fits ran {len(plain) - 1} steps, the watched "
             f"{len(watched) - 1}: not the same training"
         )
-    return Cost(workload.name, plain, watched)
+    return Cost(name, plain, watched)
 
 
 def render(costs: Sequence[Cost]) -> str:
@@ -150,33 +160,40 @@ def render(costs: Sequence[Cost]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.faults.zoo_cost",
-        description="stethoscope's start-up and rate on the zoo's workloads",
-    )
-    p.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+def parser(prog: str, workloads: Sequence[str], what: str) -> argparse.ArgumentParser:
+    """The command line both zoos' cost benchmarks take."""
+    p = argparse.ArgumentParser(prog=prog, description=f"stethoscope's start-up and rate on {what}")
+    p.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(workloads)}")
     p.add_argument("--k", type=int, default=4, help="the fits' length, in workload lengths")
     p.add_argument("--repeats", type=int, default=3, help="fits of each kind, ABBA (default 3)")
-    args = p.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        print(f"unknown workload(s) {unknown!r}; use some of {list(WORKLOADS)!r}", file=sys.stderr)
-        return 2
-    quiet()
-    torch.set_num_threads(1)
+    return p
+
+
+def report(names: Sequence[str], measure_one: Callable[[str], Cost]) -> None:
+    """Measure each workload in turn (its figures on stderr as it goes), then print the
+    table and one JSON line."""
     costs = []
     for n in names:
-        costs.append(measure(WORKLOADS[n], args.k, args.repeats))
+        costs.append(measure_one(n))
         c = costs[-1]
-        print(f"  {n}: start-up {c.start_up:.2f}s, rate {c.rate}", file=sys.stderr, flush=True)
+        print(f"  {n}: start-up {c.start_up:.2f}s, rate {c.rate:.3f}", file=sys.stderr, flush=True)
     print(render(costs))
     print(
         json.dumps(
             {c.name: {"start_up_s": round(c.start_up, 3), "rate": round(c.rate, 4)} for c in costs}
         )
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser("python -m benchmarks.faults.zoo_cost", list(WORKLOADS), "the zoo's workloads")
+    args = args.parse_args(argv)
+    names = zoo.chosen(args.only, WORKLOADS)
+    if names is None:
+        return 2
+    quiet()
+    torch.set_num_threads(1)
+    report(names, lambda n: measure(WORKLOADS[n], args.k, args.repeats))
     return 0
 
 
