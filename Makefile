@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
 	# two processes, a test file each at a time (its module fixtures built once): most tests
-	# wait on Python, not on the cores (on 2 cores: 9.5 minutes at 2026-12-03, 3254 tests, the
+	# wait on Python, not on the cores (on 2 cores: 9.7 minutes at 2026-12-03, 3298 tests, the
 	# machine otherwise idle; 13.9 with a one-thread benchmark beside it)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

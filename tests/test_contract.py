@@ -29,6 +29,7 @@ STABLE_NAMES = (
     "loss_at_chance",
     "unstable_loss",
     "overfitting",
+    "unlearned_validation",
     "dead_relu",
     "saturated_activation",
     "small_updates",
@@ -89,6 +90,7 @@ SHORT_MEMORY = {
     "straggler",  # the ratios of its last ``window`` samples
     "nonfinite_gradients",  # a streak of overflows under a loss scaler
     "eval_mode",  # a streak of steps in eval mode
+    "unlearned_validation",  # a streak of validations no better than the start
     "validation_mode",  # whether the first validation was judged: none in these runs
     "train_override",  # said once, at the first measured step
     "unzeroed_gradients",  # a streak of steps whose gradients were not zeroed
@@ -146,6 +148,7 @@ def obs(
     input_scale: float = 1.0,
     labels=None,
     val: tuple[float, float] | None = None,
+    start: float | None = None,
     slow: int | None = None,
     diverged: int | None = None,
     eval_modules: tuple[str, ...] = (),
@@ -203,6 +206,7 @@ def obs(
         labels=np.asarray(labels if labels is not None else rng.integers(0, 4, 32)),
         val_loss=None if val is None else val[0],
         train_loss=None if val is None else val[1],
+        start_loss=start,
         val_training_calls=training_calls,
         eval_modules=eval_modules,
         bypassed_train=bypassed,
@@ -271,7 +275,8 @@ def random_run(
 def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> list[Observation]:
     """``n`` steps after a random run: a spike, NaNs, an explosion, starved gradients, a
     climb; from step 40 on, dead units and saturation, then huge, zero and tiny updates,
-    a zero gradient, and a validation loss that rises while training improves; from step
+    a zero gradient, and a validation loss that rises while training improves, never better
+    than where the run began; from step
     48, batches of one class at a time (unshuffled labels); from step 60 to 70, the model
     left in eval mode; from step 85 to 90, one batch served again and again; from step 90
     to 95, probabilities fed to a loss that takes logits; from step 95 to 100, a loss that
@@ -342,6 +347,7 @@ def fault_tail(start: int, n: int = 50, seed: int = 1, level: float = 2.3) -> li
                 dead=0.8 if i >= 40 else 0.0,
                 saturated=0.9 if i >= 40 else 0.05,
                 val=val,
+                start=None if val is None else 1.0,  # the validations stay above it
                 training_calls=("F.dropout(training=True) in layer0",) if i == 109 else None,
                 bypassed="layer0 overrides train() to put layer0 in eval mode" if i == 0 else None,
                 slow=2 if 20 <= i < 40 else None,

@@ -18,6 +18,7 @@ from stethoscope.number_formats import format_of
 __all__ = [
     "DEEPSPEED_SCALER",
     "EPSILON_BOUND",
+    "RunningStatistics",
     "SmallEpsilon",
     "TrainingSetup",
     "adaptive_optimizers",
@@ -40,6 +41,27 @@ EPSILON_BOUND = 10.0
 
 #: Mixed-precision settings whose float16 overflows past 65504 (bfloat16 does not).
 _FLOAT16 = frozenset({"16-mixed", "16", "16-true", "mixed_float16", "float16"})
+
+
+@dataclass(frozen=True)
+class RunningStatistics:
+    """The normalization layer whose running statistics (what inference normalises by)
+    follow the batches slowest: each step they keep ``keep`` of themselves and take the
+    rest from the batch (Keras' ``momentum``; ``1 - momentum`` in torch).
+
+    Args:
+        layer: The layer's name (its module path in torch).
+        setting: Its argument as the user wrote it (``"momentum=0.999"``).
+        keep: The share of themselves its statistics keep each step.
+    """
+
+    layer: str
+    setting: str
+    keep: float
+
+    def initial_share(self, steps: int) -> float:
+        """How much of their initial values the statistics still hold after ``steps``."""
+        return self.keep ** max(steps, 0)
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,8 @@ class TrainingSetup:
             weights are held in float32 and no precision setting says so (``"float16"``:
             ``torch.autocast`` written in the training step), or None. Its gradients are
             float16's, with float16's range, though held in float32.
+        running_statistics: The normalization layer whose running statistics follow the
+            batches slowest (see :class:`RunningStatistics`), or None: none has any.
         whole_batches: Whether the training loader serves batches that its dataset (or
             iterable) makes whole, rather than collating samples it draws one by one
             (``DataLoader(batch_size=None)``: a dataset of ready batches, the whole
@@ -151,6 +175,7 @@ class TrainingSetup:
     loader_workers: int = 0
     whole_batches: bool = False
     computes_in: str | None = None
+    running_statistics: RunningStatistics | None = None
 
     @property
     def loss_scaled(self) -> bool:

@@ -38,6 +38,7 @@ from stethoscope.detectors.precision import (
 )
 from stethoscope.detectors.repeated import RepeatedData
 from stethoscope.detectors.train_override import TrainOverride
+from stethoscope.detectors.unlearned_validation import UnlearnedValidation
 from stethoscope.detectors.validation_mode import ValidationMode
 from stethoscope.detectors.weights import AllZero, LargeUpdates, SmallUpdates
 
@@ -75,6 +76,7 @@ __all__ = [
     "SmallUpdates",
     "Straggler",
     "TrainOverride",
+    "UnlearnedValidation",
     "UnnormalizedInput",
     "UnshuffledData",
     "UnstableLoss",
@@ -99,6 +101,7 @@ DETECTORS: dict[str, type[Detector]] = {
         UnstableLoss,
         CollapsedLearningRate,
         Overfitting,
+        UnlearnedValidation,
         DeadRelu,
         SaturatedActivation,
         SmallUpdates,

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stethoscope.advice import SmallEpsilon, TrainingSetup, adaptive_optimizers, small_epsilon
+from stethoscope.advice import (
+    RunningStatistics,
+    SmallEpsilon,
+    TrainingSetup,
+    adaptive_optimizers,
+    small_epsilon,
+)
 from stethoscope.number_formats import HALF
 
 __all__ = [
@@ -198,7 +204,28 @@ def training_setup(model: Any) -> TrainingSetup:
         low_precision=policy not in _FULL_PRECISION or half,
         small_epsilon=_small_epsilon(model),
         vocabulary=_vocabulary(model),
+        running_statistics=_running_statistics(model),
     )
+
+
+def _running_statistics(model: Any) -> RunningStatistics | None:
+    """The trainable batch normalization that follows the batches slowest (its moving
+    statistics keep ``momentum`` of themselves each step; a frozen one never moves them,
+    and normalises by them in training too)."""
+    import keras
+
+    from stethoscope.callbacks._keras.layers import leaf_layers
+
+    norms = [
+        la
+        for la in leaf_layers(model)
+        if isinstance(la, keras.layers.BatchNormalization) and la.trainable
+    ]
+    if not norms:
+        return None
+    slowest = max(norms, key=lambda la: float(la.momentum))
+    m = float(slowest.momentum)
+    return RunningStatistics(slowest.name, f"momentum={m:g}", m)
 
 
 def _vocabulary(model: Any) -> int:

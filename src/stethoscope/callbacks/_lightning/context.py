@@ -18,7 +18,13 @@ from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 
-from stethoscope.advice import SmallEpsilon, TrainingSetup, adaptive_optimizers, small_epsilon
+from stethoscope.advice import (
+    RunningStatistics,
+    SmallEpsilon,
+    TrainingSetup,
+    adaptive_optimizers,
+    small_epsilon,
+)
 from stethoscope.callbacks._lightning.loss_scale import loss_scaler_name
 from stethoscope.callbacks._lightning.parameters import ParameterProbe
 from stethoscope.callbacks._lightning.zero import (
@@ -85,7 +91,28 @@ def training_setup(trainer: Any) -> TrainingSetup:
         vocabulary=_vocabulary(module),
         loader_workers=_loader_workers(trainer),
         whole_batches=_whole_batches(trainer),
+        running_statistics=_running_statistics(module),
     )
+
+
+def _running_statistics(module: Any) -> RunningStatistics | None:
+    """The batch norm whose running statistics follow the batches slowest: each step they
+    keep ``1 - momentum`` of themselves (``momentum=None``: a cumulative average, whose
+    initial values are gone after the first batch; none kept: nothing to lag)."""
+    import torch
+
+    norms = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        and m.track_running_stats
+        and m.momentum is not None
+    ]
+    if not norms:
+        return None
+    name, slowest = min(norms, key=lambda nm: float(nm[1].momentum))
+    m = float(slowest.momentum)
+    return RunningStatistics(name, f"momentum={m:g}", 1.0 - m)
 
 
 def _loader_workers(trainer: Any) -> int:
