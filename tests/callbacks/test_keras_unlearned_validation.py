@@ -56,6 +56,8 @@ def fit(momentum: float):
         verbose=0,
         callbacks=[KerasStethoscope(sinks=[sink])],
     )
+    escalated = [f for f in sink.findings if "unlearned_validation warning" in f.message]
+    assert escalated == []  # a validation's finding: no step after it shows more
     return history.history, [f for f in sink.findings if f.detector == "unlearned_validation"]
 
 

@@ -81,6 +81,8 @@ def fit(momentum: float):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, *loaders())
+    escalated = [f for f in sink.findings if "unlearned_validation warning" in f.message]
+    assert escalated == []  # a validation's finding: no step after it shows more
     return module.losses, [f for f in sink.findings if f.detector == "unlearned_validation"]
 
 

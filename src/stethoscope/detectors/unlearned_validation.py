@@ -46,6 +46,9 @@ class UnlearnedValidation(Detector):
     name = "unlearned_validation"
     needs = frozenset({"val"})
     base_interval = 1
+    #: Its evidence is the validations', and the steps after it show nothing of them: an
+    #: escalation would run every detector every step for nothing.
+    escalates = False
     advice = "validate the model that trains: check its inference-mode layers and the data"
 
     def __init__(self, *, no_better: float = 0.9, learned: float = 0.5, patience: int = 2) -> None:
