@@ -307,17 +307,17 @@ class Judge:
             # said, escalate no more (a dead layer suspected again every hundred steps
             # would keep every detector running every step for the rest of the run).
             before = said.get(name)
-            if r.detector.escalates:
-                alarming.extend(
-                    f
-                    for f in r.findings
-                    if f.severity >= Severity.WARNING and (before is None or f.severity > before)
-                )
+            graver = [
+                f
+                for f in r.findings
+                if f.severity >= Severity.WARNING and (before is None or f.severity > before)
+            ]
+            if graver:
+                said[name] = max(f.severity for f in graver)
+                if r.detector.escalates:
+                    alarming.extend(graver)
             if r.suspect and before is None:
                 suspects.append(f"{name}: {r.suspect}")
-            for f in r.findings:
-                if f.severity >= Severity.WARNING and (name not in said or f.severity > said[name]):
-                    said[name] = f.severity
             if r.request:  # for the steps after this one, whatever this one carried
                 self.planner.requested |= r.request
         if not findings and not suspects and not notes:  # the healthy step: nothing to do

@@ -218,7 +218,8 @@ class GraphProbe:
         # A later fit of the same model reuses the functions, already traced: tracing them
         # again would cost each fit a trace of the whole step. They hold the graph, not the wrappers
         # (which are back on while they run, for a retrace on a new input shape). A whole
-        # heavy function is made when a step first plans its set of statistics (dispatch).
+        # heavy function is made when a step plans statistics no traced one measures
+        # (dispatch).
         self.functions.ensure(*((LIGHT,) if self.regime.whole else (LIGHT, HEAVY)))
         self.model.train_function = self.dispatch
 
