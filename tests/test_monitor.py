@@ -279,6 +279,43 @@ def test_a_detector_that_warned_escalates_again_only_for_a_graver_finding():
     assert 101 not in detectors[2].state["steps"] and 201 not in detectors[2].state["steps"]
 
 
+class GradScripted(Scripted):
+    """A scripted detector of the gradient norms (every 4 steps)."""
+
+    name = "grad_scripted"
+    needs: ClassVar[frozenset[str]] = frozenset({"grads"})
+    base_interval = 4
+
+
+def test_a_suspicion_raises_the_detectors_that_read_what_its_detector_read():
+    """A gradient norm that looks odd has the next steps' gradient norms looked at (the
+    detectors that read them alone), not every statistic; a warning raises them all."""
+    sink = CapturingSink()
+    grads, updates = Spy(), UpdateSpy()
+    script = {60: ("suspect", "norm 40x"), 200: ("warning", None)}
+    m = Monitor(detectors=[GradScripted(script), grads, updates], sinks=[sink], hot_steps=4)
+    feed(m, range(230))
+    up = [f for f in sink.findings if f.detector == SAMPLER and "running" in f.message]
+    assert [f.step for f in up] == [60, 200]
+    assert up[0].message == (
+        "grad_scripted: norm 40x: running grad_scripted and spy_grads every step for 4 "
+        "steps, then back off"
+    )
+    assert {61, 62, 63} <= set(grads.state["steps"])  # off its grid of 4
+    assert not set(range(61, 64)) & set(updates.state["steps"])
+    assert "running all detectors" in up[1].message
+    assert 201 in updates.state["steps"]
+
+
+def test_a_suspicion_of_the_loss_raises_every_detector():
+    """A loss that looks odd may have its cause in any statistic."""
+    sink = CapturingSink()
+    updates = UpdateSpy()
+    m = Monitor(detectors=[Scripted({60: ("suspect", "odd")}), updates], sinks=[sink], hot_steps=4)
+    feed(m, range(70))
+    assert 61 in updates.state["steps"]
+
+
 class SetupScripted(Scripted):
     """A finding about the training's setup: nothing a closer look at the next steps adds."""
 

@@ -19,12 +19,15 @@ def intervals(s: AdaptiveSampler, step: int) -> dict[str, int]:
 
 
 def drive(s: AdaptiveSampler, steps: range, escalate_at=()) -> dict[int, str]:
-    """Tick every step (then escalate where asked), as the monitor does; the reports by step."""
+    """Tick every step (then escalate where asked), as the monitor does; the reports by step.
+    ``escalate_at``: steps (every detector raised), or a mapping of steps to the detectors
+    a focused escalation raises (None: every detector)."""
     reports = {}
+    focus = escalate_at if isinstance(escalate_at, dict) else {}
     for t in steps:
         msg = s.tick(t)
         if t in escalate_at:
-            msg2 = s.escalate(t, "suspect")
+            msg2 = s.escalate(t, "suspect", focus.get(t))
             msg = msg2 if msg is None else f"{msg} | {msg2}"
         if msg:
             reports[t] = msg
@@ -113,6 +116,71 @@ def test_reescalation_while_every_step_extends_silently():
     assert list(drive(s, range(101, 200))) == [102 + 24]
 
 
+# -- a focused escalation -------------------------------------------------------------------------
+def test_a_focused_escalation_raises_its_detectors_alone_and_reports_their_return():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    assert drive(s, range(100)) == {}
+    msg = s.escalate(100, "grads suspect", ["grads"])
+    assert msg == "grads suspect: running grads every step for 4 steps, then back off"
+    assert s.escalations == 1 and s.hot
+    assert intervals(s, 101) == {"loss": 1, "grads": 1, "acts": 64}
+    assert intervals(s, 104) == {"loss": 1, "grads": 2, "acts": 64}
+    assert s.due(101) == ["loss", "grads"]
+    reports = drive(s, range(101, 200))
+    # back to 16 after 4 halvings of 4 steps, not the 6 that acts' 64 would take
+    assert reports == {116: "no new suspicion for 16 steps: detectors back to their base intervals"}
+    assert not s.hot
+    assert intervals(s, 116) == BASE
+
+
+def test_a_focused_escalation_of_every_step_detectors_alone_changes_nothing():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(100))
+    assert s.escalate(100, "loss suspect", ["loss"]) is None
+    assert not s.hot and s.escalations == 0
+
+
+def test_a_focus_during_calibration_outlasts_it_and_is_reported():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(20))
+    assert s.interval("grads", 20) == 16  # calibration's cap is 32 there
+    assert s.escalate(20, "grads suspect", ["grads"]) is not None
+    assert intervals(s, 21) == {"loss": 1, "grads": 1, "acts": 32}
+    reports = drive(s, range(21, 100))
+    # calibration ends at 24 silently, the focus at 36, reported
+    assert reports == {36: "no new suspicion for 16 steps: detectors back to their base intervals"}
+
+
+def test_foci_join_and_a_warning_takes_them_all_in():
+    s = AdaptiveSampler({"a": 16, "b": 16, "c": 16}, hot_steps=4)
+    drive(s, range(100))
+    assert s.escalate(100, "x", ["a"]) is not None
+    assert s.escalate(102, "y", ["a"]) is None  # still every step: extended silently
+    assert s.escalate(103, "z", ["b"]) is not None  # b's rate rises
+    assert s.focus == {"a", "b"} and s.focus_since == 103
+    assert intervals(s, 106) == {"a": 1, "b": 1, "c": 16}
+    assert s.escalate(110, "warning", None) is not None
+    assert s.focus == frozenset() and intervals(s, 111) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_detector_in_both_windows_runs_at_the_shorter_interval():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(100))
+    s.escalate(100, "warning")
+    s.escalate(110, "grads suspect", ["grads"])  # the whole window is at cap 4 there
+    assert intervals(s, 111) == {"loss": 1, "grads": 1, "acts": 4}
+    assert s.due_set(111) == frozenset(s.due(111)) == {"loss", "grads"}
+
+
+def test_a_focused_window_survives_a_checkpoint():
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(101), escalate_at={100: ["grads"]})
+    r = AdaptiveSampler(BASE, hot_steps=4)
+    r.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert r.focus == {"grads"} and r.focus_since == 100
+    assert drive(r, range(101, 200)) == drive(s, range(101, 200)) != {}
+
+
 def test_escalate_false_keeps_base_intervals_and_never_reports():
     s = AdaptiveSampler(BASE, escalate=False, hot_steps=4)
     assert all(intervals(s, t) == BASE for t in range(0, 300, 7))
@@ -192,18 +260,25 @@ bases = st.dictionaries(
 )
 hot_steps = st.integers(1, 64)
 escalations = st.lists(st.integers(0, 400), max_size=8)
+#: what an escalation raises: every detector (None), or some of them
+names = st.sampled_from(["loss", "grads", "weights", "acts", "data"])
+raised = st.one_of(st.none(), st.sets(names))
+foci = st.dictionaries(st.integers(0, 400), raised, max_size=8)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    base=bases, hot=hot_steps, esc=st.lists(st.integers(0, 3000), max_size=8), tick=st.booleans()
+    base=bases,
+    hot=hot_steps,
+    esc=st.lists(st.tuples(st.integers(0, 3000), raised), max_size=8),
+    tick=st.booleans(),
 )
 def test_interval_is_always_within_1_and_base(base, hot, esc, tick):
     s = AdaptiveSampler(base, hot_steps=hot)
-    for step in esc:  # in any order, ticking or not
+    for step, names in esc:  # in any order, ticking or not
         if tick:
             s.tick(step)
-        s.escalate(step, "x")
+        s.escalate(step, "x", names)
         for t in (step, step + 1, step + hot, step + 10 * hot, max(0, step - 5)):
             for name, b in base.items():
                 assert 1 <= s.interval(name, t) <= b
@@ -211,21 +286,29 @@ def test_interval_is_always_within_1_and_base(base, hot, esc, tick):
 
 
 @settings(max_examples=60, deadline=None)
-@given(base=bases, hot=hot_steps, esc=escalations)
+@given(base=bases, hot=hot_steps, esc=foci)
 def test_returns_to_base_within_bound_and_reports_once(base, hot, esc):
     s = AdaptiveSampler(base, hot_steps=hot)
     max_base = max(base.values())
     last = max(esc, default=0)
     bound = hot * (math.ceil(math.log2(max_base)) + 1)
     end = last + bound + 1
-    reports = drive(s, range(end + 1), escalate_at=set(esc))
+    reports = drive(s, range(end + 1), escalate_at=esc)
     after = [t for t in reports if t > last]
-    if not esc or max_base == 1:
+    # an escalation that raised something: every detector, or one sampled in what it names
+    rising = [
+        t for t, names in esc.items() if names is None or any(base.get(n, 1) > 1 for n in names)
+    ]
+    if not rising or max_base == 1:
         assert after == []  # calibration's end is silent; nothing to escalate
     else:
-        assert len(after) == 1
-        assert after[0] <= last + bound
-        assert "back to their base intervals" in reports[after[0]]
+        assert len(after) <= 1
+        assert not after or after[0] <= last + bound
+        back = [t for t, msg in reports.items() if "back to their base intervals" in msg]
+        reported = [t for t, msg in reports.items() if "running" in msg]
+        # every window a report opened is reported closed, once, after it
+        assert bool(back) == bool(reported)
+        assert not back or back[-1] >= reported[-1]
     assert not s.hot
     for t in range(end - 3, end + 2 * max_base):
         assert intervals(s, t) == base
@@ -235,16 +318,16 @@ def test_returns_to_base_within_bound_and_reports_once(base, hot, esc):
 @given(
     base=bases,
     hot=hot_steps,
-    esc=escalations,
+    esc=foci,
     cut=st.integers(0, 500),
     escalate=st.booleans(),
 )
 def test_schedule_is_a_pure_function_of_step_and_state(base, hot, esc, cut, escalate):
     a = AdaptiveSampler(base, hot_steps=hot, escalate=escalate)
-    drive(a, range(cut), escalate_at=set(esc))
+    drive(a, range(cut), escalate_at=esc)
     b = AdaptiveSampler(base, hot_steps=hot, escalate=escalate)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    later = {t + cut for t in esc}
+    later = {t + cut: names for t, names in esc.items()}
     rest = range(cut, cut + 600)
     assert [b.due(t) for t in rest] == [a.due(t) for t in rest]
     assert drive(b, rest, escalate_at=later) == drive(a, rest, escalate_at=later)
@@ -252,13 +335,12 @@ def test_schedule_is_a_pure_function_of_step_and_state(base, hot, esc, cut, esca
 
 
 @settings(max_examples=60, deadline=None)
-@given(base=bases, hot=hot_steps, esc=escalations)
+@given(base=bases, hot=hot_steps, esc=foci)
 def test_due_set_is_due_at_every_step(base, hot, esc):
     # the cached answer, keyed by which intervals divide the step, equals the full scan
     s = AdaptiveSampler(base, hot_steps=hot)
-    escalate_at = set(esc)
     for t in range(600):
         s.tick(t)
-        if t in escalate_at:
-            s.escalate(t, "x")
+        if t in esc:
+            s.escalate(t, "x", esc[t])
         assert s.due_set(t) == frozenset(s.due(t))

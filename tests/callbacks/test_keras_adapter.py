@@ -391,24 +391,55 @@ def test_what_a_sampled_step_hands_back_is_that_steps_own_numbers():
         assert np.isfinite(o.act_rms).all()
 
 
-def gradients_every_2_inputs_every_4():
-    """Two spies, one planning the gradients every 2 steps and one the inputs every 4,
-    and a callback with only them, at fixed intervals."""
+def test_a_step_that_plans_the_gradient_norms_alone_runs_the_light_function():
+    """The light step's ring carries every gradient's sum of squares (one step an
+    execution, in a graph): a step planning the gradient norms alone (a gradient norm's
+    suspicion raises its readers only) takes them from it, traces no heavy function, and
+    they are that step's true gradient norms."""
+    import tensorflow as tf
+
+    x, y = data()
+    model = mlp()
     grads = Spy({"grads"})
-    grads.name = "g"
+    cb = watch(grads, escalate=False, intervals={"recorder": 2})
+    before: dict[int, list[np.ndarray]] = {}
+
+    class Weights(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            before[batch] = [np.array(v) for v in model.get_weights()]
+
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[Weights(), cb])
+    assert cb._probe.functions.made() == ["light"]
+    assert [o.step for o in grads.seen] == list(range(0, N // BATCH, 2))
+    twin = mlp()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for o in grads.seen:
+        twin.set_weights(before[o.step])
+        batch = slice(o.step * BATCH, (o.step + 1) * BATCH)
+        with tf.GradientTape() as tape:
+            value = loss(y[batch], twin(x[batch], training=True))
+        true = [np.linalg.norm(g) for g in tape.gradient(value, twin.trainable_variables)]
+        np.testing.assert_allclose(o.grad_norm, true, rtol=1e-5, err_msg=f"step {o.step}")
+
+
+def weights_every_2_inputs_every_4():
+    """Two spies, one planning the weight norms every 2 steps and one the inputs every 4,
+    and a callback with only them, at fixed intervals."""
+    weights = Spy({"weights"})
+    weights.name = "w"
     inputs = Spy({"inputs"})
     inputs.name = "i"
-    return grads, inputs, watch(grads, inputs, escalate=False, intervals={"g": 2, "i": 4})
+    return weights, inputs, watch(weights, inputs, escalate=False, intervals={"w": 2, "i": 4})
 
 
 def test_one_heavy_function_serves_every_step_whose_probes_it_measures():
-    """The first sampled step (the gradients and the inputs) traces the one heavy
-    function; the steps that plan the gradients alone run it too (a trace of the whole
+    """The first sampled step (the weights and the inputs) traces the one heavy
+    function; the steps that plan the weights alone run it too (a trace of the whole
     step costs seconds, its extra reductions little), and each spy still sees only its
-    own steps, with that step's gradient norms."""
+    own steps, with that step's weight norms."""
     x, y = data()
     model = mlp()
-    grads, inputs, cb = gradients_every_2_inputs_every_4()
+    weights, inputs, cb = weights_every_2_inputs_every_4()
     fit(model, cb, x, y)
     probe = cb._probe
     handed: dict[int, set[str]] = {}
@@ -425,12 +456,13 @@ def test_one_heavy_function_serves_every_step_whose_probes_it_measures():
     steps = N // BATCH
     assert sorted(handed) == list(range(steps, 2 * steps, 2))
     for step, names in handed.items():
-        assert names - {"sampled_at", "input_sq", "input_shape"} == set(), step
-    assert [o.step for o in grads.seen] == list(range(0, 2 * steps, 2))
-    assert all(np.isfinite(o.grad_norm).all() for o in grads.seen)
+        assert names - {"sampled_at", "input_sq", "input_shape", "weight_norm"} == set(), step
+    assert [o.step for o in weights.seen] == list(range(0, 2 * steps, 2))
+    assert all(np.isfinite(o.weight_norm).all() for o in weights.seen)
     assert [o.step for o in inputs.seen] == list(range(0, 2 * steps, 4))
     assert all(o.input_sq is not None for o in inputs.seen)
-    assert {k for k in probe.functions.made() if k != "light"} == {frozenset({"grads", "inputs"})}
+    made = {k for k in probe.functions.made() if k != "light"}
+    assert made == {frozenset({"weights", "inputs"})}
 
 
 def test_a_set_no_traced_function_measures_traces_one_for_it_and_all_before():
@@ -438,12 +470,12 @@ def test_a_set_no_traced_function_measures_traces_one_for_it_and_all_before():
     and every statistic traced before, so the next set inside them traces nothing."""
     x, y = data()
     model = mlp()
-    *_, cb = gradients_every_2_inputs_every_4()
+    *_, cb = weights_every_2_inputs_every_4()
     fit(model, cb, x, y)
     probe = cb._probe
-    first = frozenset({"grads", "inputs"})
+    first = frozenset({"weights", "inputs"})
     functions = probe.functions
-    assert functions.whole_key(frozenset({"grads"})) == first
+    assert functions.whole_key(frozenset({"weights"})) == first
     assert functions.whole_key(frozenset({"units"})) == first | {"units"}
     functions.get(first | {"units"})  # made as dispatch makes it (traced on its first call)
     assert functions.whole_key(frozenset({"inputs", "units"})) == first | {"units"}

@@ -11,7 +11,7 @@ passes the budget, stretches
 the sampled detectors' intervals by a power of two (16 -> 32 -> 64 ...), up to a longest
 interval; when the cost falls well under the budget, it gives the steps back. The
 every-step sentinels (the loss, its NaNs and spikes) are never stretched, and an
-escalation on suspicion still runs every detector every step: the budget governs the
+escalation still runs the detectors it raised every step: the budget governs the
 healthy steady state only.
 """
 

@@ -198,7 +198,7 @@ class Judge:
             for i in range(len(batch)):
                 decision = first_to_act(decision, self.judge(batch.alone(i)))
             return decision
-        hot_since, requested = sampler.hot_since, len(planner.requested)
+        revision, requested = sampler.revision, len(planner.requested)
         notes: list[Finding] = []  # the sampler's: the same on every rank, never forwarded
         numbers = batch.numbers
         if waited:
@@ -274,7 +274,7 @@ class Judge:
                     notes = []  # each step's own: an escalation's note is its step's
                     decision = first_to_act(decision, found)
         self.last_step = max(self.last_step, numbers[-1])
-        if sampler.hot_since != hot_since or len(planner.requested) != requested:
+        if sampler.revision != revision or len(planner.requested) != requested:
             planner.changed()  # escalated, calmed down or asked for more while acting
         return decision
 
@@ -298,6 +298,8 @@ class Judge:
         findings: list[Finding] = []
         alarming: list[Finding] = []  # the warnings and errors the sampler escalates on
         suspects: list[str] = []
+        # the detectors a suspicion raises (see Planner.confirmers); None: all of them
+        focus: set[str] | None = set()
         said = self.said
         for r in raised:
             findings.extend(r.findings)
@@ -318,6 +320,8 @@ class Judge:
                     alarming.extend(graver)
             if r.suspect and before is None:
                 suspects.append(f"{name}: {r.suspect}")
+                confirmers = self.planner.confirmers(r.detector)
+                focus = None if confirmers is None or focus is None else focus | confirmers
             if r.request:  # for the steps after this one, whatever this one carried
                 self.planner.requested |= r.request
         if not findings and not suspects and not notes:  # the healthy step: nothing to do
@@ -328,7 +332,9 @@ class Judge:
             if hold:
                 held.why = held.why or reason
             else:
-                msg = self.sampler.escalate(obs.step, reason)
+                # a warning raises every detector: what caused it may lie anywhere
+                raised = None if alarming or focus is None else focus
+                msg = self.sampler.escalate(obs.step, reason, raised)
                 if msg:
                     notes.append(self._sampler_finding(obs.step, obs.epoch, msg))
         for f in findings:

@@ -63,6 +63,7 @@ class Planner:
         self.finishers = frozenset(d for d in self.detectors if type(d).can_finish())
         #: The detectors whose own state the plans depend on: they can finish early or
         #: stop wanting a statistic (``Detector.wanting``).
+        self._confirmers: dict[str, frozenset[str]] = {}  # see confirmers
         self.plan_changers = self.finishers | {
             d for d in self.detectors if type(d).wanting is not Detector.wanting
         }
@@ -129,7 +130,7 @@ class Planner:
         """The names of the detectors the schedule runs at ``step``."""
         # plan() and the judging ask for the same step: compute the schedule once. The key
         # holds the sampler's state too, since an escalation changes the answer.
-        key = (step, self.sampler.hot_since)
+        key = (step, self.sampler.revision)
         if self._due_key != key:
             self._due_key, self._due_set = key, self.sampler.due_set(step)
         return self._due_set
@@ -245,6 +246,23 @@ class Planner:
             self._event_readers[key] = hit
         return hit
 
+    def confirmers(self, suspect: Detector) -> frozenset[str] | None:
+        """The detectors that can confirm or clear a suspicion of ``suspect``'s, which a
+        focused escalation runs every step: those that read nothing but what it reads
+        (what it needs or wants, and the every-step statistics), it among them. They cost
+        the next steps only what it costs; a gradient norm that jumped is confirmed by the
+        gradient norms that follow, not by the activations. None where ``suspect`` reads
+        the every-step statistics alone (a loss that jumped): its cause may lie in any
+        statistic, so every detector is raised."""
+        if suspect.needs <= EVERY_STEP:
+            return None
+        hit = self._confirmers.get(suspect.name)
+        if hit is None:
+            reads = suspect.needs | suspect.wants | EVERY_STEP
+            hit = frozenset(d.name for d in self.detectors if d.needs <= reads)
+            self._confirmers[suspect.name] = hit
+        return hit
+
     def loss_readers(self) -> tuple[Detector, ...]:
         """The detectors that judge a quiet step (one that measures the loss alone): those
         taking part that need nothing but the loss, at whatever interval, in order."""
@@ -268,8 +286,9 @@ class Planner:
 
     def sampled_interval(self, step: int) -> int:
         """How often the sampled detectors (those not run every step) run at ``step``: the
-        shortest of their intervals there (1 while the sampler is hot)."""
-        return self.sampler.capped(self._shortest_sampled, step)
+        shortest of their intervals there (1 while a window of the sampler's holds them
+        every step)."""
+        return self.sampler.capped(self._shortest_sampled, step, focused=True)
 
     def fulfilled(self, has: Callable[[str], bool]) -> None:
         """Forget the requests that an observation (``has``) carried."""

@@ -2,18 +2,26 @@
 
 Every detector has a base interval (1 = every step). On a healthy run a detector
 runs on the steps that are multiples of its base interval. When something looks
-wrong, :meth:`AdaptiveSampler.escalate` caps every interval at 1 for a hot window
-of ``hot_steps`` steps; after it the cap doubles every ``hot_steps`` steps (2, 4,
-8, …) until it reaches every base interval, and the sampler reports its return.
-Training starts in that hot state (silently: the detectors calibrate their
-baselines on the first steps, where most blow-ups happen). The schedule is a pure
-function of the step and of the step at which the last escalation began, so it is
-deterministic and survives a checkpoint.
+wrong, :meth:`AdaptiveSampler.escalate` caps intervals at 1 for a hot window of
+``hot_steps`` steps; after it the cap doubles every ``hot_steps`` steps (2, 4, 8, …)
+until it reaches the base intervals, and the sampler reports its return.
+
+There are two windows. The *whole* one caps every detector's interval: training
+starts in it (silently: the detectors calibrate their baselines on the first steps,
+where most blow-ups happen), and a warning opens it again. A *focused* one caps only
+some detectors' intervals: a suspicion opens it for the detectors that can confirm or
+clear it (the caller names them), so that a gradient norm that jumped has the next
+steps' gradient norms looked at, not every statistic of the model. A detector in both
+windows runs at the shorter of their intervals.
+
+The schedule is a pure function of the step, of the steps at which the windows began
+and of the focused window's detectors, so it is deterministic and survives a
+checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 __all__ = ["AdaptiveSampler"]
@@ -40,6 +48,16 @@ class AdaptiveSampler:
         'loss spike: running all detectors every step for 32 steps, then back off'
         >>> s.interval("exploding_gradients", 6)
         1
+
+        A suspicion raises only the detectors it names:
+
+        >>> s = AdaptiveSampler({"exploding_gradients": 16, "dead_relu": 16})
+        >>> s.tick(300) is None  # the calibration's end is silent
+        True
+        >>> s.escalate(300, "gradient norm 40x", ["exploding_gradients"])
+        'gradient norm 40x: running exploding_gradients every step for 32 steps, then back off'
+        >>> s.interval("exploding_gradients", 301), s.interval("dead_relu", 301)
+        (1, 16)
     """
 
     def __init__(
@@ -62,12 +80,20 @@ class AdaptiveSampler:
         # due_set(): the distinct base intervals, and the answers seen so far, keyed by which
         # of those intervals divide the step (a handful of keys per run)
         self._intervals = tuple(sorted(set(self.base.values())))
-        self._due_cache: dict[tuple[bool, ...], frozenset[str]] = {}
+        self._due_cache: dict[tuple, frozenset[str]] = {}
         # Training starts hot: baselines need samples, and early steps are where runs blow
         # up. This calibration window is silent; only escalations caused by suspicion report.
         self.hot_since: int | None = 0 if self.escalation else None
         self.calibrating = self.escalation
+        #: The focused window: the step it began (None: none open), and its detectors.
+        self.focus_since: int | None = None
+        self.focus: frozenset[str] = frozenset()
+        self._focus_intervals: tuple[int, ...] = ()
+        self._focus_longest = 1
         self.escalations = 0
+        #: Counts the changes of either window: a schedule worked out at one count holds
+        #: until the next.
+        self.revision = 0
 
     # -- the schedule ---------------------------------------------------------
     def stretch_to(self, factor: int, longest: int) -> None:
@@ -82,27 +108,37 @@ class AdaptiveSampler:
         }
         self._max_base = max(self.base.values(), default=1)
         self._intervals = tuple(sorted(set(self.base.values())))
-        self._due_cache.clear()
+        self._set_focus(self.focus)
+        self.revision += 1
 
     def cap(self, step: int) -> int | None:
-        """The escalation's cap on every interval at ``step``; None when not escalated."""
-        if self.hot_since is None:
-            return None
-        halvings = max(0, step - self.hot_since) // self.hot_steps
-        return 2 ** min(halvings, 62)
+        """The whole window's cap on every interval at ``step``; None when not open."""
+        return _window_cap(self.hot_since, step, self.hot_steps)
+
+    def focus_cap(self, step: int) -> int | None:
+        """The focused window's cap on its detectors' intervals at ``step``; None when not
+        open."""
+        return _window_cap(self.focus_since, step, self.hot_steps)
 
     def interval(self, name: str, step: int) -> int:
         """The interval of detector ``name`` at ``step``."""
-        return _capped(self.base[name], self.cap(step))
+        cap = self.cap(step)
+        if name in self.focus:
+            cap = _least(cap, self.focus_cap(step))
+        return _capped(self.base[name], cap)
 
     def intervals_at(self, step: int) -> Intervals:
-        """``name -> interval of detector name at step``: :meth:`interval` with the cap
+        """``name -> interval of detector name at step``: :meth:`interval` with the caps
         worked out once, for a question asked of every detector (an epoch's summary)."""
-        return Intervals(self.base, self.cap(step))
+        return Intervals(self.base, self.cap(step), self.focus, self.focus_cap(step))
 
-    def capped(self, base: int, step: int) -> int:
-        """An interval of ``base`` steps under the escalation's cap at ``step``."""
-        return _capped(base, self.cap(step))
+    def capped(self, base: int, step: int, *, focused: bool = False) -> int:
+        """An interval of ``base`` steps under the whole window's cap at ``step`` (and
+        ``focused``: the focused window's too, where one is open)."""
+        cap = self.cap(step)
+        if focused and self.focus:
+            cap = _least(cap, self.focus_cap(step))
+        return _capped(base, cap)
 
     def is_due(self, name: str, step: int) -> bool:
         """Whether detector ``name`` runs at ``step``."""
@@ -111,13 +147,24 @@ class AdaptiveSampler:
     def due(self, step: int) -> list[str]:
         """The names of the detectors that run at ``step``, in registration order."""
         cap = self.cap(step)
-        return [name for name, base in self.base.items() if step % _capped(base, cap) == 0]
+        if not self.focus:
+            return [name for name, base in self.base.items() if step % _capped(base, cap) == 0]
+        focus, near = self.focus, _least(cap, self.focus_cap(step))
+        return [
+            name
+            for name, base in self.base.items()
+            if step % _capped(base, near if name in focus else cap) == 0
+        ]
 
     def due_set(self, step: int) -> frozenset[str]:
         """The names of the detectors that run at ``step`` (what :meth:`due` lists), from a
-        cache: the answer depends only on which of the capped intervals divide ``step``."""
+        cache: the answer depends only on which of the capped intervals divide ``step``
+        (the cache is emptied when the focused window's detectors change)."""
         cap = self.cap(step)
-        key = tuple(step % _capped(i, cap) == 0 for i in self._intervals)
+        key: tuple = tuple(step % _capped(i, cap) == 0 for i in self._intervals)
+        if self.focus:
+            near = _least(cap, self.focus_cap(step))
+            key += tuple(step % _capped(i, near) == 0 for i in self._focus_intervals)
         hit = self._due_cache.get(key)
         if hit is None:
             hit = self._due_cache[key] = frozenset(self.due(step))
@@ -125,46 +172,94 @@ class AdaptiveSampler:
 
     @property
     def hot(self) -> bool:
-        return self.hot_since is not None
+        """Whether a window is open (the whole one or a focused one)."""
+        return self.hot_since is not None or self.focus_since is not None
 
     # -- feedback ---------------------------------------------------------------
-    def escalate(self, step: int, reason: str) -> str | None:
-        """Run every detector every step from ``step`` on, for a hot window.
+    def escalate(
+        self, step: int, reason: str, detectors: Collection[str] | None = None
+    ) -> str | None:
+        """Run detectors every step from ``step`` on, for a hot window: every detector
+        (``detectors`` None), or the ``detectors`` named, in the focused window (one
+        already open takes them in and begins again).
 
         Returns:
             A message for an ``info`` finding when the rate actually rose; None
-            when escalation is off or the sampler was already at every step
+            when escalation is off or the detectors were already at every step
             (the window is then extended silently).
         """
         if not self.escalation or self._max_base == 1:
             return None
-        already_every_step = self.cap(step) == 1 and not self.calibrating
-        self.hot_since = step
-        self.calibrating = False
-        if already_every_step:
+        if detectors is None:
+            already_every_step = self.cap(step) == 1 and not self.calibrating
+            self.hot_since = step
+            self.calibrating = False
+            self._set_focus(frozenset())  # the whole window holds them all, from later on
+            self.revision += 1
+            if already_every_step:
+                return None
+            self.escalations += 1
+            return (
+                f"{reason}: running all detectors every step for {self.hot_steps} steps, "
+                "then back off"
+            )
+        raised = frozenset(n for n in detectors if self.base.get(n, 1) > 1)
+        if not raised:  # they run every step anyway
+            return None
+        # news unless a suspicion's window (not the calibration's) already runs them all
+        # every step
+        cap = None if self.calibrating else self.cap(step)
+        if self.focus:
+            cap = _least(cap, self.focus_cap(step)) if raised <= self.focus else cap
+        news = cap != 1
+        self.focus_since = step
+        self._set_focus(self.focus | raised)
+        self.revision += 1
+        if not news:
             return None
         self.escalations += 1
+        named = [n for n in self.base if n in raised]  # in registration order
         return (
-            f"{reason}: running all detectors every step for {self.hot_steps} steps, then back off"
+            f"{reason}: running {_listed(named)} every step for {self.hot_steps} steps, "
+            "then back off"
         )
 
     def tick(self, step: int) -> str | None:
         """Advance to ``step``; returns a message when the sampler returns to base."""
-        cap = self.cap(step)
-        if cap is None or cap < self._max_base:
+        ended = None
+        if self.hot_since is not None:
+            cap = self.cap(step)
+            if cap is not None and cap >= self._max_base:
+                ended, self.hot_since = self.hot_since, None
+                calibrated, self.calibrating = self.calibrating, False
+                self.revision += 1
+                if calibrated and self.focus_since is None:
+                    return None  # the end of the initial calibration window is not news
+        if self.focus_since is not None:
+            cap = self.focus_cap(step)
+            if cap is not None and cap >= self._focus_longest:
+                ended = max(ended if ended is not None else -1, self.focus_since)
+                self.focus_since = None
+                self._set_focus(frozenset())
+                self.revision += 1
+        if ended is None or self.hot:
             return None
-        quiet = step - self.hot_since if self.hot_since is not None else 0
-        self.hot_since = None
-        if self.calibrating:
-            self.calibrating = False
-            return None  # the end of the initial calibration window is not news
-        return f"no new suspicion for {quiet} steps: detectors back to their base intervals"
+        return f"no new suspicion for {step - ended} steps: detectors back to their base intervals"
+
+    def _set_focus(self, names: frozenset[str]) -> None:
+        self.focus = names
+        bases = {self.base[n] for n in names if n in self.base}
+        self._focus_intervals = tuple(sorted(bases))
+        self._focus_longest = max(bases, default=1)
+        self._due_cache.clear()
 
     # -- state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "hot_since": self.hot_since,
             "calibrating": self.calibrating,
+            "focus_since": self.focus_since,
+            "focus": sorted(self.focus),
             "escalations": self.escalations,
             "stretch": self.stretch,
         }
@@ -172,7 +267,11 @@ class AdaptiveSampler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.hot_since = state.get("hot_since", 0 if self.escalation else None)
         self.calibrating = bool(state.get("calibrating", self.escalation))
+        self.focus_since = state.get("focus_since")
+        focus = frozenset(state.get("focus", ())) if self.focus_since is not None else frozenset()
+        self._set_focus(focus)
         self.escalations = int(state.get("escalations", 0))
+        self.revision += 1
 
     def __repr__(self) -> str:
         return (
@@ -182,25 +281,62 @@ class AdaptiveSampler:
 
 
 class Intervals:
-    """Each detector's interval under one schedule (a base and an escalation's cap), by
+    """Each detector's interval under one schedule (a base and the windows' caps), by
     name. Two are the same schedule when :meth:`same` says so: what was worked out from
     one (an epoch summary's line on the quiet detectors) holds for the other."""
 
-    __slots__ = ("base", "cap")
+    __slots__ = ("base", "cap", "focus", "focus_cap")
 
-    def __init__(self, base: Mapping[str, int], cap: int | None) -> None:
+    def __init__(
+        self,
+        base: Mapping[str, int],
+        cap: int | None,
+        focus: frozenset[str] = frozenset(),
+        focus_cap: int | None = None,
+    ) -> None:
         self.base, self.cap = base, cap  # the sampler's base is replaced, never changed
+        self.focus, self.focus_cap = focus, focus_cap
 
     def __call__(self, name: str) -> int:
-        return _capped(self.base[name], self.cap)
+        cap = _least(self.cap, self.focus_cap) if name in self.focus else self.cap
+        return _capped(self.base[name], cap)
 
     def same(self, other: Intervals | None) -> bool:
-        return other is not None and other.base is self.base and other.cap == self.cap
+        return (
+            other is not None
+            and other.base is self.base
+            and other.cap == self.cap
+            and other.focus == self.focus
+            and other.focus_cap == self.focus_cap
+        )
+
+
+def _window_cap(since: int | None, step: int, hot_steps: int) -> int | None:
+    """The cap at ``step`` of a window that began at ``since`` (None: not open): 1 for
+    ``hot_steps`` steps, then doubling every ``hot_steps`` steps."""
+    if since is None:
+        return None
+    halvings = max(0, step - since) // hot_steps
+    return 2 ** min(halvings, 62)
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    """The tighter of two caps (None: no cap)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
 
 
 def _capped(base: int, cap: int | None) -> int:
-    """A base interval under the escalation's cap (no cap: the base)."""
+    """A base interval under a cap (no cap: the base)."""
     return base if cap is None else min(base, cap)
+
+
+def _listed(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``; past four, the first three and a count."""
+    if len(names) > 4:
+        return f"{', '.join(names[:3])} and {len(names) - 3} more detectors"
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def check_intervals(intervals: Mapping[str, int]) -> None:

@@ -156,6 +156,11 @@ class GraphProbe:
             for s in r.statistics:
                 self._groups_of[s] = self._groups_of.get(s, frozenset()) | {r.group, *r.requires}
         self._measurable = frozenset(self._groups_of)
+        #: What every step's ring carries: a step planning no more runs the light function.
+        self._in_ring = frozenset(
+            s for r in self.reductions if r.in_ring(regime) for s in r.statistics
+        )
+        self._ring_served = -1  # the step the next execution measures from its ring alone
         self.functions = TrainFunctions(self._make_function)
         self._request = (-1, (0,) * len(self.switches.groups))  # what the variables ask for
         self.heavy = False  # the host's choice for the next execution
@@ -250,8 +255,12 @@ class GraphProbe:
         heavy function is chosen by its statistics; else the request variables are written,
         only on a change, and never to cancel (a past step can no longer match the
         iteration count)."""
-        groups = frozenset(g for s in plan for g in self._groups_of.get(s, ()))
+        graph = plan - self._in_ring
+        groups = frozenset(g for s in graph for g in self._groups_of.get(s, ()))
         self.heavy = step >= 0 and bool(groups)
+        # the gradient norms of a direct ring, planned alone (a suspicion of a gradient
+        # norm's raises its readers only): the light step measures them
+        self._ring_served = step if step >= 0 and not self.heavy and plan & self._in_ring else -1
         if not self.heavy:
             return
         if self.regime.whole:
@@ -353,7 +362,10 @@ class GraphProbe:
         return self.steps_taken()
 
     def sampled_at(self) -> int:
-        """The step the last heavy execution measured (-1: none)."""
+        """The step the last sampled execution measured (-1: none): a heavy one's, or the
+        light one's whose ring carried all it planned."""
+        if self._ring_served >= 0:
+            return self._ring_served
         return int(self.variables.read("sampled_at"))
 
     def read(self, name: str) -> np.ndarray:

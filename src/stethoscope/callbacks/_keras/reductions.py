@@ -159,6 +159,11 @@ class KerasReduction:
     #: Whether its fields are per parameter (read only on the step actually sampled).
     per_parameter: ClassVar[bool] = False
 
+    def in_ring(self, regime: Regime) -> bool:
+        """Whether every step's ring carries what it measures in ``regime``, so that a step
+        planning it alone runs the light function."""
+        return False
+
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
         """The variables it writes (a slot that names no ``combine`` gets its statistic's:
         see :func:`slots_of`)."""
@@ -201,6 +206,9 @@ class GradNorms(KerasReduction):
 
     def __init__(self, regime: Regime) -> None:
         self.regime = regime
+
+    def in_ring(self, regime: Regime) -> bool:
+        return regime.direct
 
     def slots(self, layout: Layout, regime: Regime) -> list[Slot]:
         return [] if regime.direct else [Slot("grad_norm", (layout.count,), np.nan)]
