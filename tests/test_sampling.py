@@ -151,6 +151,17 @@ def test_a_focus_during_calibration_outlasts_it_and_is_reported():
     assert reports == {36: "no new suspicion for 16 steps: detectors back to their base intervals"}
 
 
+def test_a_focus_that_ends_inside_calibration_has_the_calibrations_end_reported():
+    """The detectors a suspicion raised come back to base with the rest: the return is
+    reported once, where calibration ends, though calibration alone is no news."""
+    s = AdaptiveSampler(BASE, hot_steps=4)
+    drive(s, range(2))
+    assert s.escalate(2, "grads suspect", ["grads"]) is not None
+    reports = drive(s, range(3, 100))
+    # the focus ends at 2 + 16, calibration at 24: one report, at 24
+    assert reports == {24: "no new suspicion for 22 steps: detectors back to their base intervals"}
+
+
 def test_foci_join_and_a_warning_takes_them_all_in():
     s = AdaptiveSampler({"a": 16, "b": 16, "c": 16}, hot_steps=4)
     drive(s, range(100))

@@ -24,7 +24,7 @@ from stethoscope.cli import main
 from stethoscope.record import RecordError, RunRecord
 from stethoscope.record.watch import _Follower, _pick, _View, sparkline, watch
 
-from ._records import make_record
+from ._records import NAMES, make_record
 
 TESTS = Path(__file__).resolve().parents[1]
 COLUMNS, LINES = 100, 30
@@ -189,7 +189,7 @@ def test_once_draws_a_finished_run(finished):
     assert "under net." in frame and "│ 4.weight" in frame and "net.4.weight " not in frame
     assert max(len(line) for line in frame.splitlines()) <= COLUMNS
     # newest finding first
-    assert frame.index("nonfinite_loss") < frame.index("sampler")
+    assert frame.index("200 error   nonfinite_loss") < frame.index("  6 info    sampler")
 
 
 def test_the_calibration_at_the_start_is_warming_up_not_an_escalation(tmp_path):
@@ -209,7 +209,10 @@ def test_once_through_the_command(finished, capsys, monkeypatch):
 def test_a_short_terminal_lists_fewer_gradients(finished):
     frame = _frame(finished, height=14)
     assert len(frame.splitlines()) <= 14
-    assert "… 3 more" in frame
+    listed = re.findall(r"│ \d\.(?:weight|bias) ", frame)
+    more = re.search(r"… (\d+) more", frame)
+    assert more is not None and listed
+    assert len(listed) + int(more.group(1)) == len(NAMES)
 
 
 def test_a_silent_running_record_is_shown_stale(tmp_path):

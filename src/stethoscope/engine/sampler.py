@@ -91,6 +91,9 @@ class AdaptiveSampler:
         self._focus_intervals: tuple[int, ...] = ()
         self._focus_longest = 1
         self.escalations = 0
+        #: Where an escalation was reported since the sampler was last at base, the step
+        #: of the last escalation since (its return is then reported too); else None.
+        self.told: int | None = None
         #: Counts the changes of either window: a schedule worked out at one count holds
         #: until the next.
         self.revision = 0
@@ -196,9 +199,12 @@ class AdaptiveSampler:
             self.calibrating = False
             self._set_focus(frozenset())  # the whole window holds them all, from later on
             self.revision += 1
+            if self.told is not None:
+                self.told = step
             if already_every_step:
                 return None
             self.escalations += 1
+            self.told = step
             return (
                 f"{reason}: running all detectors every step for {self.hot_steps} steps, "
                 "then back off"
@@ -215,9 +221,12 @@ class AdaptiveSampler:
         self.focus_since = step
         self._set_focus(self.focus | raised)
         self.revision += 1
+        if self.told is not None:
+            self.told = step
         if not news:
             return None
         self.escalations += 1
+        self.told = step
         named = [n for n in self.base if n in raised]  # in registration order
         return (
             f"{reason}: running {_listed(named)} every step for {self.hot_steps} steps, "
@@ -225,16 +234,15 @@ class AdaptiveSampler:
         )
 
     def tick(self, step: int) -> str | None:
-        """Advance to ``step``; returns a message when the sampler returns to base."""
+        """Advance to ``step``; returns a message when the sampler returns to base after
+        an escalation it reported (the end of the calibration window alone is not news)."""
         ended = None
         if self.hot_since is not None:
             cap = self.cap(step)
             if cap is not None and cap >= self._max_base:
                 ended, self.hot_since = self.hot_since, None
-                calibrated, self.calibrating = self.calibrating, False
+                self.calibrating = False
                 self.revision += 1
-                if calibrated and self.focus_since is None:
-                    return None  # the end of the initial calibration window is not news
         if self.focus_since is not None:
             cap = self.focus_cap(step)
             if cap is not None and cap >= self._focus_longest:
@@ -242,9 +250,10 @@ class AdaptiveSampler:
                 self.focus_since = None
                 self._set_focus(frozenset())
                 self.revision += 1
-        if ended is None or self.hot:
+        if ended is None or self.hot or self.told is None:
             return None
-        return f"no new suspicion for {step - ended} steps: detectors back to their base intervals"
+        quiet, self.told = step - self.told, None
+        return f"no new suspicion for {quiet} steps: detectors back to their base intervals"
 
     def _set_focus(self, names: frozenset[str]) -> None:
         self.focus = names
@@ -261,6 +270,7 @@ class AdaptiveSampler:
             "focus_since": self.focus_since,
             "focus": sorted(self.focus),
             "escalations": self.escalations,
+            "told": self.told,
             "stretch": self.stretch,
         }
 
@@ -271,6 +281,12 @@ class AdaptiveSampler:
         focus = frozenset(state.get("focus", ())) if self.focus_since is not None else frozenset()
         self._set_focus(focus)
         self.escalations = int(state.get("escalations", 0))
+        # a checkpoint from before the focused window: an escalation out of calibration
+        # was reported, at the window's start
+        if "told" in state:
+            self.told = state["told"]
+        else:
+            self.told = self.hot_since if not self.calibrating else None
         self.revision += 1
 
     def __repr__(self) -> str:
