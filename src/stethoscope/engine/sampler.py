@@ -198,13 +198,8 @@ class AdaptiveSampler:
             self.hot_since = step
             self.calibrating = False
             self._set_focus(frozenset())  # the whole window holds them all, from later on
-            self.revision += 1
-            if self.told is not None:
-                self.told = step
-            if already_every_step:
+            if not self._opened(step, news=not already_every_step):
                 return None
-            self.escalations += 1
-            self.told = step
             return (
                 f"{reason}: running all detectors every step for {self.hot_steps} steps, "
                 "then back off"
@@ -220,13 +215,8 @@ class AdaptiveSampler:
         news = cap != 1
         self.focus_since = step
         self._set_focus(self.focus | raised)
-        self.revision += 1
-        if self.told is not None:
-            self.told = step
-        if not news:
+        if not self._opened(step, news=news):
             return None
-        self.escalations += 1
-        self.told = step
         named = [n for n in self.base if n in raised]  # in registration order
         return (
             f"{reason}: running {_listed(named)} every step for {self.hot_steps} steps, "
@@ -236,24 +226,32 @@ class AdaptiveSampler:
     def tick(self, step: int) -> str | None:
         """Advance to ``step``; returns a message when the sampler returns to base after
         an escalation it reported (the end of the calibration window alone is not news)."""
-        ended = None
-        if self.hot_since is not None:
-            cap = self.cap(step)
-            if cap is not None and cap >= self._max_base:
-                ended, self.hot_since = self.hot_since, None
-                self.calibrating = False
-                self.revision += 1
-        if self.focus_since is not None:
-            cap = self.focus_cap(step)
-            if cap is not None and cap >= self._focus_longest:
-                ended = max(ended if ended is not None else -1, self.focus_since)
-                self.focus_since = None
-                self._set_focus(frozenset())
-                self.revision += 1
-        if ended is None or self.hot or self.told is None:
+        closed = False
+        cap = self.cap(step)
+        if cap is not None and cap >= self._max_base:
+            self.hot_since, self.calibrating, closed = None, False, True
+        cap = self.focus_cap(step)
+        if cap is not None and cap >= self._focus_longest:
+            self.focus_since, closed = None, True
+            self._set_focus(frozenset())
+        if not closed:
+            return None
+        self.revision += 1
+        if self.hot or self.told is None:
             return None
         quiet, self.told = step - self.told, None
         return f"no new suspicion for {quiet} steps: detectors back to their base intervals"
+
+    def _opened(self, step: int, *, news: bool) -> bool:
+        """A window was opened or extended at ``step``: count it if it is ``news`` (the
+        rate rose), and keep the step its return counts from where an escalation was
+        reported. Returns ``news``."""
+        self.revision += 1
+        if news:
+            self.escalations += 1
+        if news or self.told is not None:
+            self.told = step
+        return news
 
     def _set_focus(self, names: frozenset[str]) -> None:
         self.focus = names
