@@ -20,6 +20,7 @@ ROOT = {
     "number_formats",
     "observation",
     "prints",
+    "running_statistics",
     "summary",
     "testing",
 }

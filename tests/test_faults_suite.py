@@ -143,6 +143,7 @@ def test_the_game_and_the_near_perfect_fit_are_quiet_controls(name):
         ("batch_served_again", "healthy_full_batch"),
         ("same_order_every_epoch", "healthy_sequential"),
         ("validation_leak", "healthy_digits_validated"),
+        ("batch_norm_statistics_lag", "healthy_cnn_bn_validated"),
         ("softmax_then_cross_entropy", "healthy_softmax_output"),
         ("summed_softmax_in_training_step", "healthy_summed_cross_entropy"),
         ("softmax_in_own_loss", "healthy_own_loss"),

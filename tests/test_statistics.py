@@ -68,7 +68,7 @@ def test_an_events_observation_equals_one_built_field_by_field():
 
 def test_the_derived_sets():
     assert {"loss"} == EVERY_STEP
-    assert {"val", "val_prints", "val_modes", "val_spectral"} == EVENT
+    assert {"val", "val_prints", "val_modes", "val_spectral", "val_norms"} == EVENT
     assert {"replicas", "replica_grads", "ranks"} == GATHERED
     assert {
         "grads",

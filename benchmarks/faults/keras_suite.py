@@ -382,6 +382,11 @@ def relu_hiding_nan(h: Any) -> Any:
 _NAN_HIDDEN_BY_RELU = ("nan_input", "nan_weight", "inf_gradient", "inf_gradients")
 
 
+def _bn_kwargs(spec: ModelSpec) -> dict[str, float]:
+    """A batch norm's arguments: Keras' momentum is the share of the statistics kept."""
+    return {} if spec.bn_momentum is None else {"momentum": 1.0 - spec.bn_momentum}
+
+
 def _activation(name: str, fault: FaultSpec | None) -> Any:
     """The hidden activation ``name``; a ReLU that hides a NaN under the faults that
     make one before it."""
@@ -493,7 +498,7 @@ def build_model(
             layers.append(dense)
             mods.append(dense)
             if spec.batchnorm:
-                mods.append(keras.layers.BatchNormalization())
+                mods.append(keras.layers.BatchNormalization(**_bn_kwargs(spec)))
             mods.append(keras.layers.Activation(_activation(spec.activation, fault)))
         if spec.dropout:
             mods.append(keras.layers.Dropout(spec.dropout))
@@ -503,7 +508,7 @@ def build_model(
             layers.append(conv)
             mods.append(conv)
             if spec.batchnorm:
-                mods.append(keras.layers.BatchNormalization())
+                mods.append(keras.layers.BatchNormalization(**_bn_kwargs(spec)))
             mods.append(keras.layers.Activation(_activation("relu", fault)))
         mods += [keras.layers.MaxPooling2D(2), keras.layers.Flatten()]
         if spec.dropout:

@@ -178,7 +178,7 @@ def build_net(
             layers.append(lin)
             mods.append(lin)
             if spec.batchnorm:
-                mods.append(nn.BatchNorm1d(spec.width))
+                mods.append(nn.BatchNorm1d(spec.width, **_bn_kwargs(spec)))
             mods.append(act())
             width = spec.width
         if spec.dropout:
@@ -196,10 +196,10 @@ def build_net(
         head = nn.Linear(32 * side * side, classes)
         mods = [c1]
         if spec.batchnorm:
-            mods.append(nn.BatchNorm2d(16))
+            mods.append(nn.BatchNorm2d(16, **_bn_kwargs(spec)))
         mods += [nn.ReLU(), c2]
         if spec.batchnorm:
-            mods.append(nn.BatchNorm2d(32))
+            mods.append(nn.BatchNorm2d(32, **_bn_kwargs(spec)))
         mods += [nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
         if spec.dropout:
             mods.append(nn.Dropout(spec.dropout))
@@ -208,6 +208,11 @@ def build_net(
         net = _GRUNet(input_shape[-1], spec.width, classes, spec.output)
         return net, [net.gru, net.head]
     raise ValueError(f"arch={spec.arch!r}; use 'mlp', 'cnn' or 'gru'")
+
+
+def _bn_kwargs(spec: ModelSpec) -> dict[str, float]:
+    """A batch norm's arguments: torch's momentum is the share each batch takes."""
+    return {} if spec.bn_momentum is None else {"momentum": spec.bn_momentum}
 
 
 def _weight(layer: nn.Module) -> nn.Parameter:

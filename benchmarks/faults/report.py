@@ -50,7 +50,8 @@ def model_label(sc: Scenario) -> str:
         extra = "+BN" if m.batchnorm else ""
         return f"MLP {m.depth}x{m.width} {m.activation}{extra}"
     if m.arch == "cnn":
-        return "CNN" + (" BN+dropout" if m.batchnorm or m.dropout else "")
+        parts = [name for name, on in (("BN", m.batchnorm), ("dropout", m.dropout)) if on]
+        return " ".join(["CNN", "+".join(parts)]) if parts else "CNN"
     if m.arch == "gan":
         return f"GAN {m.width}"
     return f"GRU {m.width}"

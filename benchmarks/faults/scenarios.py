@@ -199,6 +199,9 @@ class ModelSpec:
             32 channels.
         activation: ``"relu"``, ``"tanh"`` or ``"sigmoid"`` (MLP; the CNN uses ReLU).
         batchnorm: A batch norm after each hidden layer, before its activation.
+        bn_momentum: The share of each batch in the batch norms' running statistics
+            (torch's ``momentum``; Keras' is 1 minus it), or None for the framework's
+            default (torch 0.1, Keras 0.01).
         dropout: Dropout probability before the classifier (0: none).
         hidden_bias: Whether hidden layers have biases.
         frozen: Layers whose parameters do not require grad (a frozen backbone).
@@ -218,6 +221,7 @@ class ModelSpec:
     width: int = 64
     activation: str = "relu"
     batchnorm: bool = False
+    bn_momentum: float | None = None
     dropout: float = 0.0
     hidden_bias: bool = True
     frozen: tuple[int, ...] = ()
@@ -441,6 +445,9 @@ ADAM = TrainSpec(optimizer="adam", lr=1e-2, max_steps=250)
 DIGITS = DataSpec(source="digits", n_train=1437)
 DIGIT_IMAGES = DataSpec(source="digits", n_train=1437, images=True)
 CNN = ModelSpec(arch="cnn")
+#: Six epochs of 23 steps on the digit images, validated after each.
+BN_DIGITS = DataSpec(source="digits", n_train=1437, n_val=360, images=True)
+BN_TRAIN = TrainSpec(optimizer="adam", lr=3e-3, batch_size=64, max_steps=138, validate=True)
 GRU = ModelSpec(arch="gru", width=32)
 SEQ = DataSpec(source="sequences", n_train=1024)
 
@@ -880,6 +887,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
         onset=0,
         expect=("repeated_data",),
+        window=100,
+    ),
+    Scenario(
+        "batch_norm_statistics_lag",
+        "pipeline",
+        "the CNN's batch norms keep 99.9% of their running statistics at each step (Keras' "
+        "momentum 0.999, as keras.applications' MobileNetV3 sets it; torch's 0.001), so "
+        "after a few epochs they still hold most of their initial values: the model "
+        "validates as an untrained one while it trains well",
+        model=ModelSpec(arch="cnn", batchnorm=True, bn_momentum=0.001),
+        data=BN_DIGITS,
+        train=BN_TRAIN,
+        onset=0,
+        expect=("unlearned_validation",),
         window=100,
     ),
     Scenario(
@@ -1426,6 +1447,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         "on held-out digits (the twin of validation_leak)",
         data=DataSpec(source="digits", n_train=1437, n_val=360),
         train=TrainSpec(optimizer="adam", lr=1e-3, max_steps=500, validate=True),
+    ),
+    Scenario(
+        "healthy_cnn_bn_validated",
+        "healthy",
+        "the CNN with batch norms whose running statistics follow the batches (torch's "
+        "momentum 0.1, Keras' 0.9), validated every epoch (the twin of "
+        "batch_norm_statistics_lag)",
+        model=ModelSpec(arch="cnn", batchnorm=True, bn_momentum=0.1),
+        data=BN_DIGITS,
+        train=BN_TRAIN,
     ),
 )
 

@@ -99,3 +99,27 @@ def test_the_twin_at_torchs_default_momentum_is_quiet():
     losses, found = fit(0.1)
     assert losses["val"][-1] < 0.5 * losses["val"][0]
     assert found == []
+
+
+def test_the_watch_reads_the_norms_that_move_from_their_buffers():
+    from stethoscope.callbacks._lightning.running_statistics import RunningStatisticsWatch
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.BatchNorm1d(4, momentum=None),  # a cumulative average: nothing of its start
+        nn.BatchNorm1d(4, track_running_stats=False),
+        nn.Linear(4, 4),
+        nn.BatchNorm1d(4, momentum=0.001),
+    )
+    watch = RunningStatisticsWatch()
+    watch.start(net)
+    assert watch.measure() is None  # no step has moved them
+    with torch.no_grad():
+        for _ in range(40):
+            net(3.0 + 0.1 * torch.randn(64, 4))
+    lag = watch.measure()
+    assert (lag.layer, lag.setting, lag.updates) == ("3", "momentum=0.001", 40)
+    assert lag.share == pytest.approx(0.999**40) and lag.lagging
+    empty = RunningStatisticsWatch()
+    empty.start(nn.Linear(2, 2))
+    assert empty.measure() is None

@@ -9,6 +9,7 @@ from _helpers import assert_resumes, run
 from stethoscope.advice import RunningStatistics, TrainingSetup
 from stethoscope.detectors import UnlearnedValidation
 from stethoscope.observation import Observation
+from stethoscope.running_statistics import StatisticsLag
 
 START = 2.3  # ln 10: a classifier of 10 classes at its start
 
@@ -88,8 +89,94 @@ def test_it_resumes_from_a_checkpoint():
 
 @pytest.mark.parametrize(
     ("kwargs", "word"),
-    [({"no_better": 0}, "no_better"), ({"learned": 1.5}, "learned"), ({"patience": 0}, "patience")],
+    [
+        ({"no_better": 0}, "no_better"),
+        ({"learned": 1.5}, "learned"),
+        ({"patience": 0}, "patience"),
+        ({"worse": 0}, "worse"),
+    ],
 )
 def test_bad_arguments_name_the_value(kwargs, word):
     with pytest.raises(ValueError, match=word):
         UnlearnedValidation(**kwargs)
+
+
+def lagged(vals, trains, errors, *, updates=23) -> list[Observation]:
+    """Validations that also carry the batch norms' error (None: not measured there)."""
+    out = validations(vals, trains)
+    for e, (obs, error) in enumerate(zip(out, errors, strict=True)):
+        if error is not None:
+            n = updates * (e + 1)
+            obs.val_running_statistics = StatisticsLag(
+                "net.4", "momentum=0.001", error, 0.999**n, n
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("vals", "trains", "errors", "expected"),
+    [
+        # validates far better than the start, still 10x worse than it trains
+        pytest.param([1.3, 1.0, 0.9], [0.8, 0.1, 0.05], [0.3, 0.3, 0.3], [68], id="in-part"),
+        pytest.param([1.3, 1.0, 0.9], [0.8, 0.1, 0.05], [0.05, 0.04, 0.03], [], id="norms-fine"),
+        # the norms are off, but the validation does not suffer from it
+        pytest.param([0.2, 0.12, 0.1], [0.3, 0.1, 0.08], [0.3, 0.3, 0.3], [], id="val-not-worse"),
+        pytest.param(
+            [1.3, 1.0, 0.9, 0.8],
+            [0.8, 0.1, 0.1, 0.1],
+            [0.3, 0.05, 0.3, 0.3],
+            [91],
+            id="not-in-a-row",
+        ),
+        pytest.param(
+            [1.3, 1.0, 0.9, 0.8],
+            [0.8, 0.1, 0.05, 0.05],
+            [0.3, 0.3, None, 0.3],
+            [91],
+            id="unmeasured-keeps-the-count",
+        ),
+    ],
+)
+def test_batch_norms_that_normalise_otherwise_at_inference_are_named(
+    vals, trains, errors, expected
+):
+    d = UnlearnedValidation()
+    d.setup = TrainingSetup(framework="lightning", running_statistics=LAGGING)
+    assert [f.step for f in run(d, lagged(vals, trains, errors))] == expected
+
+
+def test_the_statistics_are_judged_after_32_updates_only():
+    # at 10 updates a validation none counts; at 23 the first is too early, so the
+    # second starts the count
+    d = UnlearnedValidation()
+    d.setup = TrainingSetup(framework="lightning", running_statistics=LAGGING)
+    found = run(d, lagged([1.3, 1.0, 0.9], [0.8, 0.1, 0.05], [0.3] * 3, updates=10))
+    assert [f.step for f in found] == []
+    found = run(UnlearnedValidation(), lagged([1.3, 1.0, 0.9], [0.8, 0.1, 0.05], [0.3] * 3))
+    assert [f.step for f in found] == [68]
+
+
+@pytest.mark.parametrize(
+    ("framework", "advice"),
+    [("lightning", "raise the momentum (momentum=0.1"), ("keras", "lower the momentum")],
+)
+def test_the_lag_message_names_the_layer_its_share_and_which_way_to_turn(framework, advice):
+    d = UnlearnedValidation()
+    d.setup = TrainingSetup(framework=framework, running_statistics=LAGGING)
+    (f,) = run(d, lagged([1.3, 1.0], [0.8, 0.1], [0.36, 0.36], updates=40))
+    assert f.where == "net.4" and f.value == pytest.approx(0.36) and f.threshold == 0.1
+    assert "10x the training loss 0.1" in f.message
+    assert "net.4 (momentum=0.001) still hold 92% of their values at the start after 80 " in (
+        f.message
+    )
+    assert "0.6 standard deviations (RMS)" in f.message and advice in f.message
+
+
+def test_a_model_with_batch_norms_is_watched_after_it_validated_better():
+    d = UnlearnedValidation()
+    d.setup = TrainingSetup(running_statistics=LAGGING)
+    run(d, validations([1.0], [0.8]))  # better than the start: that rule is done
+    assert not d.finished(30)
+    d = UnlearnedValidation()
+    run(d, validations([1.0], [0.8]))  # nothing else to watch without a batch norm
+    assert d.finished(30)

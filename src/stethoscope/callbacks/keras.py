@@ -30,6 +30,7 @@ from stethoscope.callbacks._keras.recovery import (
     refuse_unrecoverable,
 )
 from stethoscope.callbacks._keras.regime import Regime
+from stethoscope.callbacks._keras.validation import ValidationMeasures, validation_loss
 from stethoscope.callbacks._keras.workers import KerasWorkers
 from stethoscope.detectors import Detector
 from stethoscope.engine import Settings, StopOn
@@ -156,6 +157,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         )
         self._clock = StepClock()
         self._probe: GraphProbe | None = None
+        self._validation = ValidationMeasures(self.monitor.reads)
         self._recovery: KerasRecovery | None = None
         self._workers: KerasWorkers | None = None  # the other workers (MultiWorkerMirrored)
         self._key: tuple = ()  # what the probe was made for (GraphProbe.key)
@@ -232,7 +234,7 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
         self._next = step0
         self._pending = None
         probe.start(step0)
-        probe.print_validation(self._workers is None and self.monitor.reads("val_prints"))
+        self._validation.start(model, probe, step0, single=self._workers is None)
         probe.install()
         self._probe = probe
         if recover:
@@ -427,14 +429,13 @@ class KerasStethoscope(StethoscopeBase, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._collect()
-        val = (logs or {}).get("val_loss")
-        val = float(val) if isinstance(val, (int, float, np.floating)) else None
+        val = validation_loss(logs)
         step = max(self._next - 1, 0)
         if self._workers is not None:  # every worker ends the epoch here
             self._workers.epoch_ended(step, epoch, val)
         elif self._probe is not None:
-            prints = self._probe.validation_prints()
-            self._act(self.monitor.observe_validation(step, epoch, val, val_prints=prints))
+            measured = self._validation.take(self._probe, self._next)
+            self._act(self.monitor.observe_validation(step, epoch, val, **measured))
         self._end_epoch(epoch)
 
     # -- decisions ------------------------------------------------------------------------

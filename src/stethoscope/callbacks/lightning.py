@@ -222,7 +222,7 @@ class LightningStethoscope(StethoscopeBase, Callback):
         )
         self._printer = context.printer
         self.monitor.start(context)
-        self._act(self._validation.judge_before_training(trainer, self.monitor))
+        self._act(self._validation.training_starts(trainer, pl_module, self.monitor))
         if len(trainer.optimizers) > 1:  # manual optimization: a game, or layer by layer
             self._game = GameWatch(trainer.optimizers)
             self._hooks.backward_always = True  # it hears each backward pass

@@ -1,6 +1,7 @@
 """What a validation measures besides its loss, in a single process: its first samples'
 prints, the calls of its first batch that behaved as in training, and what that batch
-divided its spectrally normalized weights by. Each is measured with the event (a
+divided its spectrally normalized weights by, and how far the batch norms' running
+statistics are from the batches training normalised by. Each is measured with the event (a
 validation), never planned per step; the ranks of a distributed run pool their losses
 alone (``val``, declared with the per-step statistics).
 """
@@ -63,6 +64,23 @@ VALIDATION_STATISTICS: tuple[Statistic, ...] = (
                 'training, whose numbers it discards), ``"validate"`` (a '
                 '``trainer.validate()`` before the fit) or ``"validation"``.',
                 default="",
+            ),
+        ),
+        cadence=Cadence.EVENT,
+        across_replicas=AcrossReplicas.NONE,
+    ),
+    Statistic(
+        "val_norms",
+        "How far the batch norms' running statistics, which a validation normalises by, "
+        "are from the batches' own, which training normalises by.",
+        (
+            Field(
+                "val_running_statistics",
+                "StatisticsLag | None",
+                "The batch norm whose running statistics put the largest error into its "
+                "normalised outputs at a validation, read from its buffers at the fit's "
+                "start and now (see ``stethoscope.running_statistics``); None: the model "
+                "has none that moves, or nothing has moved them yet.",
             ),
         ),
         cadence=Cadence.EVENT,

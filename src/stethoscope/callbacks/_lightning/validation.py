@@ -1,7 +1,8 @@
 """What is measured of a validation besides its loss: its first samples' prints
 (``val_prints``), the calls of its first batch that behaved as in training
-(``val_modes``) and what that batch divided its spectrally normalized weights by
-(``val_spectral``), each when a detector reads it, in a single process."""
+(``val_modes``), what that batch divided its spectrally normalized weights by
+(``val_spectral``) and how far the batch norms' running statistics are from their
+batches' (``val_norms``), each when a detector reads it, in a single process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from stethoscope.callbacks._lightning.batch import ValidationPrints, split_batch
+from stethoscope.callbacks._lightning.running_statistics import RunningStatisticsWatch
 from stethoscope.callbacks._lightning.spectral_norms import FirstSpectralNorms
 from stethoscope.callbacks._lightning.validation_modes import FirstValidation, compiled
 from stethoscope.engine import Decision, Monitor
@@ -44,6 +46,8 @@ class ValidationMeasures:
         #: The sanity check's validation counts: it divides by what training has not yet
         #: iterated.
         self._spectral = FirstSpectralNorms()
+        self._norms = RunningStatisticsWatch()
+        self._norms_wanted = False
         self._held = held
 
     def start(self, trainer: pl.Trainer, module: pl.LightningModule, *, single: bool) -> None:
@@ -54,6 +58,9 @@ class ValidationMeasures:
         self._printing = judged and self.reads("val_prints")
         wanted = judged and not trainer.sanity_checking and self.reads("val_modes")
         self._modes.validation_start(module, wanted=wanted)
+        self._norms_wanted = (
+            judged and self._norms.watching and not trainer.sanity_checking
+        ) and self.reads("val_norms")
         alone = trainer.state.fn in ("fit", "validate") and trainer.world_size == 1
         spectral = alone and self.reads("val_spectral") and not compiled(module)
         when = "validate" if trainer.state.fn == "validate" else "validation"
@@ -73,7 +80,9 @@ class ValidationMeasures:
     def take(self) -> dict[str, Any]:
         """The validation's measured fields by name (None: not measured), and start over."""
         prints = self._prints.take() if self._printing else None
+        norms, self._norms_wanted = self._norms_wanted, False
         return {
+            "val_running_statistics": self._norms.measure() if norms else None,
             "val_prints": prints,
             "val_training_calls": self._modes.take(),
             "val_spectral": self._spectral.take(),
@@ -85,9 +94,13 @@ class ValidationMeasures:
         norms in a ``trainer.validate()`` before it, to judge as its training starts."""
         return ValidationMeasures(self.reads, inputs_of, held=self._before_training())
 
-    def judge_before_training(self, trainer: pl.Trainer, monitor: Monitor) -> Decision:
-        """Judge what the sanity check (or a ``trainer.validate()`` before the fit) found
-        of the spectral norms, now that training starts and the monitor with it."""
+    def training_starts(
+        self, trainer: pl.Trainer, module: pl.LightningModule, monitor: Monitor
+    ) -> Decision:
+        """Training starts, and the monitor with it: copy the running statistics it will
+        move, and judge what the sanity check (or a ``trainer.validate()`` before the
+        fit) found of the spectral norms."""
+        self._norms.start(module)
         measured = self._before_training()
         if measured is None:
             return Decision()  # nothing to do
